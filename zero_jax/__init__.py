@@ -1,0 +1,30 @@
+"""zero_jax: ZeRO stages 0–3 for JAX as sharding policies over any optax optimizer.
+
+>>> import jax, optax, zero_jax as zj
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+>>> policy = zj.ZeroPolicy(stage=2, mesh=mesh)
+>>> tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
+"""
+
+from zero_jax._optimizer import ShardedOptState, ShardedTransformation, shard_optimizer
+from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
+from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
+from zero_jax._train import TrainState, TrainStep, full_params, init_state, make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MIN_SHARD_SIZE",
+    "LeafLayout",
+    "ReplicatedLeaf",
+    "ShardedOptState",
+    "ShardedTransformation",
+    "TrainState",
+    "TrainStep",
+    "ZeroPolicy",
+    "full_params",
+    "init_state",
+    "leaf_layout",
+    "make_train_step",
+    "shard_optimizer",
+]

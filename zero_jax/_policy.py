@@ -1,0 +1,304 @@
+"""ZeroPolicy: which of parameters, gradients and optimizer state a stage cuts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from zero_jax import _partition
+from zero_jax._partition import LeafLayout
+
+PyTree = Any
+KeyPath = tuple[Any, ...]
+
+
+def key_name(key: Any) -> str:
+    """The plain name of one key-path entry (``'w'``, ``'0'``, ``'mu'``)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(path: KeyPath) -> str:
+    """A key path as users write it: ``layers/mlp/w``."""
+    return "/".join(key_name(k) for k in path) or "<root>"
+
+
+def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        leaf = np.asarray(leaf)
+    return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedLeaf:
+    """A leaf that stays whole on every device, and why."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    reason: str
+
+
+class ZeroPolicy:
+    """A ZeRO stage as a sharding policy over the data axis of a mesh.
+
+    ====== ===================== ============= ==============
+    stage  optimizer state       gradients     parameters
+    ====== ===================== ============= ==============
+    0      whole on every device whole         whole
+    1      partitioned           whole         whole
+    2      partitioned           partitioned   whole
+    3      partitioned           partitioned   partitioned
+    ====== ===================== ============= ==============
+
+    Args:
+      stage: 0 (plain data parallelism) to 3.
+      mesh: any ``jax.sharding.Mesh`` (Auto or Explicit axes).
+      axis: the mesh axis (or a tuple of axes) that holds the data-parallel
+        replicas; state is partitioned across it and the batch is split
+        along it. Mesh axes not named here hold replicas of everything.
+      min_shard_size: float leaves with fewer elements stay whole on every
+        device (``policy.replicated_leaves(tree)`` lists them and their bytes).
+      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``, or a
+        tuple of them) of subtrees whose leaves carry a leading layer axis for
+        ``scan_layers``; that axis is never partitioned.
+
+    Example:
+
+    >>> import jax, zero_jax as zj
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> policy = zj.ZeroPolicy(stage=3, mesh=mesh)
+    >>> params = {"w": jax.ShapeDtypeStruct((4096, 512), "float32")}
+    >>> policy.param_sharding(params)["w"].spec
+    PartitionSpec('data', None)
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        mesh: Mesh,
+        axis: str | Sequence[str] = "data",
+        *,
+        min_shard_size: int = _partition.DEFAULT_MIN_SHARD_SIZE,
+        stacked: str | Sequence[str] = (),
+    ) -> None:
+        if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage <= 3:
+            raise ValueError(
+                f"ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain "
+                "data parallelism; 1 partitions optimizer state, 2 also gradients, 3 also "
+                "parameters."
+            )
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"ZeroPolicy: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. "
+                "Make one with jax.make_mesh((jax.device_count(),), ('data',))."
+            )
+        axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        missing = [a for a in axes if a not in mesh.axis_names]
+        if not axes or missing:
+            raise ValueError(
+                f"ZeroPolicy: axis {axis!r} is not an axis of the mesh, whose axes are "
+                f"{tuple(mesh.axis_names)}. Pass axis= one of those names (or a tuple of them)."
+            )
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"ZeroPolicy: axis {axis!r} names an axis twice.")
+        if min_shard_size < 0:
+            raise ValueError(f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}.")
+        prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
+        self.stage = int(stage)
+        self.mesh = mesh
+        self.axes: tuple[str, ...] = axes
+        self.min_shard_size = int(min_shard_size)
+        self.stacked: tuple[tuple[str, ...], ...] = tuple(
+            tuple(p for p in prefix.replace(".", "/").split("/") if p) for prefix in prefixes
+        )
+        # Internally everything runs on an Auto-axes copy of the mesh (same
+        # devices, same names): sharding constraints inside the step are
+        # rejected on Explicit axes, and jit accepts arrays placed on either.
+        self._mesh = Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
+
+    # -- identity -----------------------------------------------------------------
+
+    @property
+    def num_shards(self) -> int:
+        """N: how many pieces a partitioned leaf is cut into."""
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    @property
+    def axis_name(self) -> str | tuple[str, ...]:
+        """The axis name to pass to ``jax.lax`` collectives."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """A hashable fingerprint: two policies with equal keys lay state out alike."""
+        return (
+            self.stage,
+            self.axes,
+            tuple(self.mesh.axis_names),
+            tuple(self.mesh.devices.shape),
+            tuple(int(d.id) for d in self.mesh.devices.flat),
+            self.min_shard_size,
+            self.stacked,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ZeroPolicy) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroPolicy(stage={self.stage}, axis={self.axis_name!r}, N={self.num_shards}, "
+            f"mesh={dict(self.mesh.shape)}, min_shard_size={self.min_shard_size}"
+            + (f", stacked={tuple('/'.join(p) for p in self.stacked)!r})" if self.stacked else ")")
+        )
+
+    # -- which state a stage partitions ---------------------------------------------
+
+    @property
+    def partitions_params(self) -> bool:
+        return self.stage >= 3
+
+    @property
+    def partitions_grads(self) -> bool:
+        return self.stage >= 2
+
+    @property
+    def partitions_opt_state(self) -> bool:
+        return self.stage >= 1
+
+    # -- layouts -------------------------------------------------------------------
+
+    def _is_stacked(self, path: KeyPath) -> bool:
+        names = tuple(key_name(k) for k in path)
+        return any(names[: len(p)] == p for p in self.stacked)
+
+    def _layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
+        shape, dtype = _shape_dtype(leaf)
+        return _partition.leaf_layout(
+            shape,
+            dtype,
+            self.num_shards,
+            min_shard_size=self.min_shard_size,
+            skip_leading=stacked,
+        )
+
+    def layouts(self, params: PyTree) -> PyTree:
+        """The partition layout of every parameter leaf (a mirrored pytree of
+        :class:`LeafLayout`), whatever the stage: the stage decides which
+        state *uses* the layout.
+
+        Raises ``ValueError`` when a ``stacked`` prefix matches no leaf.
+        """
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
+        for prefix in self.stacked:
+            if not any(tuple(key_name(k) for k in p)[: len(prefix)] == prefix for p, _ in pairs):
+                paths = sorted({path_str(p[:1]) for p, _ in pairs})
+                raise ValueError(
+                    f"ZeroPolicy(stacked=...): the prefix {'/'.join(prefix)!r} matches no "
+                    f"parameter. Top-level entries are {paths}; pass one of those."
+                )
+        return jax.tree_util.tree_unflatten(
+            treedef, [self._layout(leaf, stacked=self._is_stacked(p)) for p, leaf in pairs]
+        )
+
+    def state_layouts(self, state: PyTree, params: PyTree | None = None) -> PyTree:
+        """Layouts for an optimizer state tree.
+
+        A state leaf that mirrors a parameter (its key path ends with the
+        parameter's key path and it has the parameter's shape, like Adam's
+        ``mu['w']``) takes that parameter's layout, so elementwise optimizer
+        math stays on-device; any other leaf (Adafactor's row statistics,
+        counters, injected hyperparameters) gets the rule on its own.
+        """
+        by_path: dict[KeyPath, tuple[tuple[int, ...], LeafLayout]] = {}
+        if params is not None:
+            for p, lay in jax.tree_util.tree_flatten_with_path(
+                self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout)
+            )[0]:
+                by_path[tuple(p)] = (lay.shape, lay)
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(state)
+        out = []
+        for path, leaf in pairs:
+            shape, _ = _shape_dtype(leaf)
+            chosen = None
+            for start in range(len(path) + 1):
+                hit = by_path.get(tuple(path[start:]))
+                if hit is not None and hit[0] == shape:
+                    lay = hit[1]
+                    chosen = dataclasses.replace(lay, dtype=_shape_dtype(leaf)[1])
+                    if not jax.numpy.issubdtype(chosen.dtype, jax.numpy.inexact):
+                        chosen = None
+                    break
+            out.append(chosen if chosen is not None else self._layout(leaf, stacked=False))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    # -- shardings -----------------------------------------------------------------
+
+    def _named(self, layout: LeafLayout, partitioned: bool) -> NamedSharding:
+        spec = layout.spec(self.axes) if partitioned else PartitionSpec()
+        return NamedSharding(self._mesh, spec)
+
+    def _shardings(self, layouts: PyTree, partitioned: bool) -> PyTree:
+        return jax.tree.map(
+            lambda lay: self._named(lay, partitioned),
+            layouts,
+            is_leaf=lambda x: isinstance(x, LeafLayout),
+        )
+
+    def param_sharding(self, params: PyTree) -> PyTree:
+        """``NamedSharding`` of each stored parameter (partitioned in stage 3).
+
+        A partitioned leaf is stored padded to ``LeafLayout.stored_shape``.
+        """
+        return self._shardings(self.layouts(params), self.partitions_params)
+
+    def grad_sharding(self, params: PyTree) -> PyTree:
+        """``NamedSharding`` of each gradient as the step holds it
+        (partitioned in stages 2 and 3)."""
+        return self._shardings(self.layouts(params), self.partitions_grads)
+
+    def opt_state_sharding(self, opt_state: PyTree, params: PyTree | None = None) -> PyTree:
+        """``NamedSharding`` of each stored optimizer-state leaf (partitioned
+        from stage 1). Pass ``params`` so mirrored leaves take their
+        parameter's layout (needed for ``stacked`` subtrees)."""
+        return self._shardings(self.state_layouts(opt_state, params), self.partitions_opt_state)
+
+    def batch_sharding(self) -> NamedSharding:
+        """Every batch leaf is split along its leading dimension over ``axis``."""
+        return NamedSharding(self._mesh, PartitionSpec(self.axis_name))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self._mesh, PartitionSpec())
+
+    def replicated_leaves(self, tree: PyTree) -> list[ReplicatedLeaf]:
+        """The leaves of ``tree`` (a parameter tree) that this policy's
+        partitioned state keeps whole on every device, with their bytes.
+
+        >>> import jax, numpy as np, zero_jax as zj
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> pol = zj.ZeroPolicy(stage=3, mesh=mesh)
+        >>> [r.path for r in pol.replicated_leaves({"b": np.zeros(16), "w": np.zeros((64, 64))})]
+        ['b']
+        """
+        pairs = jax.tree_util.tree_flatten_with_path(
+            self.layouts(tree), is_leaf=lambda x: isinstance(x, LeafLayout)
+        )[0]
+        return [
+            ReplicatedLeaf(path_str(p), lay.shape, lay.dtype, lay.nbytes, lay.reason)
+            for p, lay in pairs
+            if not lay.partitioned
+        ]
