@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from zero_jax._partition import LeafLayout, pad, unpad
 from zero_jax._policy import PyTree, ZeroPolicy, path_str
@@ -83,8 +82,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 
 
 def _constrain(x: jax.Array, policy: ZeroPolicy, layout: LeafLayout, partitioned: bool) -> jax.Array:
-    spec = layout.spec(policy.axes) if partitioned else PartitionSpec()
-    return jax.lax.with_sharding_constraint(x, NamedSharding(policy._mesh, spec))
+    return jax.lax.with_sharding_constraint(x, policy._named(layout, partitioned))
 
 
 def store(tree: PyTree, layouts: PyTree, policy: ZeroPolicy, partitioned: bool) -> PyTree:
@@ -135,7 +133,7 @@ def check_tree(tree: PyTree, expected: TreeLayouts, what: str, fix: str) -> None
             )
 
 
-def shard_optimizer(tx: optax.GradientTransformation, policy: ZeroPolicy) -> ShardedTransformation:
+def shard_optimizer(tx: optax.GradientTransformation | Any, policy: ZeroPolicy) -> ShardedTransformation:
     """Wrap any optax transformation so its state is partitioned per ``policy``.
 
     ``init(params)`` takes the logical parameters (arrays or tracers; under
@@ -160,6 +158,8 @@ def shard_optimizer(tx: optax.GradientTransformation, policy: ZeroPolicy) -> Sha
             "shard_optimizer: this transformation is already sharded (for "
             f"{tx.policy!r}); wrap the plain optax transformation once."
         )
+    if hasattr(tx, "gradient_transformation"):  # optax.MultiSteps and friends
+        tx = tx.gradient_transformation()
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
             f"shard_optimizer: expected an optax.GradientTransformation, got {type(tx).__name__}. "

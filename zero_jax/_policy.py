@@ -249,7 +249,11 @@ class ZeroPolicy:
     # -- shardings -----------------------------------------------------------------
 
     def _named(self, layout: LeafLayout, partitioned: bool) -> NamedSharding:
-        spec = layout.spec(self.axes) if partitioned else PartitionSpec()
+        # Mesh axes of size 1 cut nothing; leaving them out keeps the spec in the
+        # form the compiler reports back, so a step's output state has exactly
+        # its input's shardings (no second compilation).
+        axes = tuple(a for a in self.axes if self.mesh.shape[a] > 1)
+        spec = layout.spec(axes) if partitioned and axes else PartitionSpec()
         return NamedSharding(self._mesh, spec)
 
     def _shardings(self, layouts: PyTree, partitioned: bool) -> PyTree:

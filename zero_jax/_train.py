@@ -392,7 +392,7 @@ class TrainStep:
         layouts = state.layouts.tree()
         grads, loss, aux = self._local_grads(state, batch, reduce_to_policy=False)
         # Zero padding does not change a norm, so this is the global norm.
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if policy.stage in (1, 2):
             # The optimizer works on this device's piece of the parameters too.
             pieces = store(state.params, layouts, policy, True)

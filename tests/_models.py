@@ -1,0 +1,65 @@
+"""Small models and the unsharded reference the tests compare against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+IN, HIDDEN, OUT = 12, 100, 6  # 100 and 6 do not divide 8: exercises padding
+
+
+def mlp_params(seed: int = 0) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(IN, HIDDEN)) / np.sqrt(IN), jnp.float32),
+        "b1": jnp.asarray(rng.normal(size=(HIDDEN,)) * 0.1, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(HIDDEN, OUT)) / np.sqrt(HIDDEN), jnp.float32),
+        "b2": jnp.zeros((OUT,), jnp.float32),  # below min_shard_size: stays whole
+        "scale": jnp.ones((), jnp.float32),
+    }
+
+
+def mlp_loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    pred = (h @ params["w2"] + params["b2"]) * params["scale"]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def mlp_batch(n: int = 16, seed: int = 1) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": jnp.asarray(rng.normal(size=(n, IN)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(n, OUT)), jnp.float32),
+    }
+
+
+def reference_run(tx: optax.GradientTransformation, params: Any, batches: list[Any], loss_fn=mlp_loss) -> tuple[Any, list[float]]:
+    """Plain optax on one device: the numbers every stage must reproduce."""
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for batch in batches:
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return params, losses
+
+
+def relative_update_error(final: Any, reference: Any, start: Any) -> dict[str, float]:
+    """Per leaf: |final - reference| / |reference - start| (relative L2 of the update)."""
+    out = {}
+    for (path, f), r, s in zip(
+        jax.tree_util.tree_flatten_with_path(final)[0], jax.tree.leaves(reference), jax.tree.leaves(start), strict=True
+    ):
+        denom = float(jnp.linalg.norm((r - s).ravel()))
+        out[jax.tree_util.keystr(path)] = float(jnp.linalg.norm((f - r).ravel())) / max(denom, 1e-30)
+    return out
