@@ -37,7 +37,9 @@ def mlp_batch(n: int = 16, seed: int = 1) -> dict[str, jax.Array]:
     }
 
 
-def reference_run(tx: optax.GradientTransformation, params: Any, batches: list[Any], loss_fn=mlp_loss) -> tuple[Any, list[float]]:
+def reference_run(
+    tx: optax.GradientTransformation, params: Any, batches: list[Any], loss_fn=mlp_loss
+) -> tuple[Any, list[float]]:
     """Plain optax on one device: the numbers every stage must reproduce."""
     state = tx.init(params)
 

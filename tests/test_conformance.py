@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -39,9 +38,7 @@ OPTIMIZERS = {
         optax.masked(optax.add_decayed_weights(0.1), lambda p: {k: v.ndim == 2 for k, v in p.items()}),
         optax.adam(1e-2),
     ),
-    "multi_transform": lambda: optax.multi_transform(
-        {"adam": optax.adam(1e-2), "sgd": optax.sgd(0.05)}, _labels
-    ),
+    "multi_transform": lambda: optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.05)}, _labels),
     "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
     "lamb": lambda: optax.lamb(1e-2),
     "lion": lambda: optax.lion(1e-3),

@@ -75,9 +75,7 @@ def local_piece(x: jax.Array, layout: LeafLayout, axis: AxisName, num_shards: in
     return jax.lax.dynamic_slice_in_dim(pad(x, layout), start, size, axis=layout.dim)
 
 
-def scatter_grad_in_backward(
-    whole: jax.Array, piece_slot: jax.Array, layout: LeafLayout, axis: AxisName
-) -> jax.Array:
+def scatter_grad_in_backward(whole: jax.Array, piece_slot: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
     """Use ``whole`` in the forward pass; in the backward pass, send its
     cotangent, reduce-scattered, to ``piece_slot`` (a per-device zero array of
     the piece's shape that the caller differentiates against).

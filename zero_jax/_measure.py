@@ -133,7 +133,9 @@ def _trip_counts(hlo: str) -> dict[str, int]:
             if c:
                 trips = int(c.group(1))
             parent[loop_body] = (name, trips)
-        for m in re.finditer(r"(?:to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)", body):
+        for m in re.finditer(
+            r"(?:to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)", body
+        ):
             parent.setdefault(m.group(1), (name, 1))
 
     def count(name: str, seen: frozenset[str] = frozenset()) -> int:
@@ -170,9 +172,7 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
 def partitioned_hlo(jitted: Any, *args: Any) -> str:
     """The HLO text right after SPMD partitioning of ``jitted(*args)``."""
     with tempfile.TemporaryDirectory() as d:
-        jitted.lower(*args).compile(
-            compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        )
+        jitted.lower(*args).compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
         files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*")))
         if not files:
             raise RuntimeError("XLA wrote no post-SPMD-partitioning dump; is this a sharded program?")
@@ -210,4 +210,3 @@ def summarize(colls: Iterable[Collective]) -> dict[str, dict[str, float]]:
         out[c.kind]["count"] += c.trips
         out[c.kind]["ring_bytes"] += c.total_ring_bytes
     return {k: v for k, v in out.items() if v["count"]}
-

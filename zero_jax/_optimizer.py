@@ -124,7 +124,7 @@ def check_tree(tree: PyTree, expected: TreeLayouts, what: str, fix: str) -> None
             f"{what} has a different tree structure from the parameters it was made for.\n"
             f"  got:      {treedef}\n  expected: {expected.treedef}\n{fix}"
         )
-    for (path, leaf), lay in zip(pairs, expected.layouts):
+    for (path, leaf), lay in zip(pairs, expected.layouts, strict=True):
         shape = tuple(getattr(leaf, "shape", ()))
         if shape not in (lay.shape, lay.stored_shape):
             raise ValueError(
@@ -151,7 +151,7 @@ def shard_optimizer(tx: optax.GradientTransformation | Any, policy: ZeroPolicy) 
     >>> tx = zj.shard_optimizer(optax.adam(1e-3), policy)
     >>> state = jax.jit(tx.init)({"w": jnp.zeros((1024, 8))})
     >>> state.inner_state[0].mu["w"].sharding.spec
-    PartitionSpec('data', None)
+    P('data',)
     """
     if isinstance(tx, ShardedTransformation):
         raise TypeError(

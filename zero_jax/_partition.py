@@ -105,7 +105,7 @@ def leaf_layout(
     dimension 0 (the layer axis of stacked layers, which ``scan_layers``
     iterates over and must never be cut).
 
-    >>> leaf_layout((10, 64), "float32", 8).dim
+    >>> leaf_layout((10, 640), "float32", 8).dim
     1
     >>> lay = leaf_layout((10, 6), "float32", 4, min_shard_size=0)
     >>> lay.dim, lay.stored_shape
@@ -125,9 +125,12 @@ def leaf_layout(
     def padded(d: int) -> int:
         return -(-shape[d] // num_shards) * num_shards
 
+    def wasted(d: int) -> int:  # padding elements the whole leaf gains
+        return (padded(d) - shape[d]) * (math.prod(shape) // shape[d])
+
     # Least padding first (0 for a dividing dimension), then the larger
     # dimension (smaller shards of the other dims), then the earlier one.
-    best = min(candidates, key=lambda d: (padded(d) - shape[d], -shape[d], d))
+    best = min(candidates, key=lambda d: (wasted(d), -shape[d], d))
     return LeafLayout(shape, dtype, best, padded(best))
 
 

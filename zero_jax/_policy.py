@@ -79,7 +79,7 @@ class ZeroPolicy:
     >>> policy = zj.ZeroPolicy(stage=3, mesh=mesh)
     >>> params = {"w": jax.ShapeDtypeStruct((4096, 512), "float32")}
     >>> policy.param_sharding(params)["w"].spec
-    PartitionSpec('data', None)
+    P('data',)
     """
 
     def __init__(
@@ -124,9 +124,7 @@ class ZeroPolicy:
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
-        self._mesh = Mesh(
-            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
-        )
+        self._mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
     # -- identity -----------------------------------------------------------------
 
@@ -298,9 +296,7 @@ class ZeroPolicy:
         >>> [r.path for r in pol.replicated_leaves({"b": np.zeros(16), "w": np.zeros((64, 64))})]
         ['b']
         """
-        pairs = jax.tree_util.tree_flatten_with_path(
-            self.layouts(tree), is_leaf=lambda x: isinstance(x, LeafLayout)
-        )[0]
+        pairs = jax.tree_util.tree_flatten_with_path(self.layouts(tree), is_leaf=lambda x: isinstance(x, LeafLayout))[0]
         return [
             ReplicatedLeaf(path_str(p), lay.shape, lay.dtype, lay.nbytes, lay.reason)
             for p, lay in pairs

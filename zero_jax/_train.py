@@ -74,8 +74,7 @@ jax.tree_util.register_dataclass(
 def _check_tx(tx: Any, policy: ZeroPolicy, where: str) -> ShardedTransformation:
     if not isinstance(tx, ShardedTransformation):
         raise TypeError(
-            f"{where}: tx must be wrapped for the policy: pass zj.shard_optimizer(tx, policy), "
-            f"got {type(tx).__name__}."
+            f"{where}: tx must be wrapped for the policy: pass zj.shard_optimizer(tx, policy), got {type(tx).__name__}."
         )
     if tx.policy != policy:
         raise ValueError(
@@ -128,7 +127,11 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
     (1000, 3)
     """
     _check_tx(tx, policy, "init_state")
-    make = params if callable(params) else (lambda: params)
+    abstract_only = not callable(params) and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    if abstract_only:  # only ever traced, under eval_shape: nothing is allocated
+        make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
+    else:
+        make = params if callable(params) else (lambda: params)
     abstract = jax.eval_shape(make)
     layouts = policy.layouts(abstract)
 
@@ -143,9 +146,6 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
         )
 
     shardings = _state_shardings(jax.eval_shape(build))
-    abstract_only = not callable(params) and all(
-        isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)
-    )
     if abstract_only:
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(build), shardings
@@ -212,9 +212,7 @@ class TrainStep:
         self.policy = policy
         self.gather = gather
         batch_sharding = policy.batch_sharding()
-        self.jitted = jax.jit(
-            self._step, in_shardings=(None, batch_sharding), donate_argnums=(0,) if donate else ()
-        )
+        self.jitted = jax.jit(self._step, in_shardings=(None, batch_sharding), donate_argnums=(0,) if donate else ())
         self._grads_jitted = jax.jit(
             functools.partial(self._local_grads, reduce_to_policy=True), in_shardings=(None, batch_sharding)
         )
@@ -257,7 +255,9 @@ class TrainStep:
             "train_step: the parameter tree changed between init and step; it",
             "Re-create the state with zj.init_state(new_params, tx, policy) after changing the model.",
         )
-        for (path, leaf), lay in zip(jax.tree_util.tree_flatten_with_path(state.params)[0], state.layouts.layouts):
+        for (path, leaf), lay in zip(
+            jax.tree_util.tree_flatten_with_path(state.params)[0], state.layouts.layouts, strict=True
+        ):
             if tuple(leaf.shape) != self._stored_shape(lay):
                 raise ValueError(
                     f"train_step: parameter '{path_str(path)}' has shape {tuple(leaf.shape)}, but this "
@@ -272,7 +272,7 @@ class TrainStep:
             )
         expected = self._expected_opt_state(state.layouts)
         if jax.tree.structure(expected) != jax.tree.structure(opt) or any(
-            a.shape != b.shape for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(opt))
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(opt), strict=True)
         ):
             raise ValueError(
                 "train_step: the optimizer state was made by another optimizer than this step's tx. "
@@ -343,7 +343,9 @@ class TrainStep:
                 # backward. (A name-based policy is not enough: ops applied after the
                 # gather -- unpadding, the model's own transposes and casts -- would
                 # produce unnamed whole-parameter values that get saved instead.)
-                scaled_loss = jax.checkpoint(scaled_loss, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+                scaled_loss = jax.checkpoint(
+                    scaled_loss, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                )
             diff = jax.tree.map(diff_var, params, layouts)
             (_, (loss, aux)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(diff)
 
@@ -463,5 +465,3 @@ def make_train_step(
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
     return TrainStep(loss_fn, tx, policy, gather=gather, donate=donate)
-
-
