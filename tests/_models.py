@@ -9,6 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+
+def make_mesh(n: int, names: tuple[str, ...] = ("data",), shape: tuple[int, ...] | None = None) -> jax.sharding.Mesh:
+    """A mesh over the first ``n`` of the 8 simulated devices."""
+    devices = np.asarray(jax.devices()[:n]).reshape(shape or (n,))
+    return jax.sharding.Mesh(devices, names)
+
+
 IN, HIDDEN, OUT = 12, 100, 6  # 100 and 6 do not divide 8: exercises padding
 
 

@@ -12,8 +12,7 @@ import functools
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
-from conftest import make_mesh
+from _models import make_mesh, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
 
 import zero_jax as zj
 

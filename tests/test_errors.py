@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import mlp_batch, mlp_loss, mlp_params
-from conftest import make_mesh
+from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 
 import zero_jax as zj
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from _models import make_mesh
 
 import zero_jax as zj
 from zero_jax import _partition

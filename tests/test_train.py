@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import HIDDEN, IN, OUT, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
-from conftest import make_mesh
+from _models import HIDDEN, IN, OUT, make_mesh, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
 
 import zero_jax as zj
 from zero_jax import _measure

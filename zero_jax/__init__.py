@@ -6,6 +6,7 @@
 >>> tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
 """
 
+from zero_jax._layers import Sharded, gather, scan_layers
 from zero_jax._optimizer import ShardedOptState, ShardedTransformation, shard_optimizer
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
 from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
@@ -17,14 +18,17 @@ __all__ = [
     "DEFAULT_MIN_SHARD_SIZE",
     "LeafLayout",
     "ReplicatedLeaf",
+    "Sharded",
     "ShardedOptState",
     "ShardedTransformation",
     "TrainState",
     "TrainStep",
     "ZeroPolicy",
     "full_params",
+    "gather",
     "init_state",
     "leaf_layout",
     "make_train_step",
+    "scan_layers",
     "shard_optimizer",
 ]

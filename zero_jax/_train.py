@@ -28,6 +28,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
+from zero_jax._layers import Sharded, manual_gather_scope
 from zero_jax._optimizer import (
     ShardedOptState,
     ShardedTransformation,
@@ -204,7 +205,7 @@ class TrainStep:
         tx: ShardedTransformation,
         policy: ZeroPolicy,
         *,
-        gather: Literal["all"] = "all",
+        gather: Literal["all", "manual"] = "all",
         donate: bool = True,
     ) -> None:
         self.loss_fn = loss_fn
@@ -311,6 +312,7 @@ class TrainStep:
         axis, n = policy.axis_name, policy.num_shards
         layouts = state.layouts.tree()
         partitioned_out = stage >= 1 and not (reduce_to_policy and stage == 1)
+        manual = self.gather == "manual"
 
         def body(params: PyTree, local_batch: PyTree) -> tuple[PyTree, jax.Array, Any]:
             # Per leaf: what we differentiate against, and how it becomes the
@@ -329,13 +331,24 @@ class TrainStep:
                     return coll.scatter_grad_in_backward(p, d, lay, axis)
                 return coll.gather_for_use(d, lay, axis)
 
+            def handed(p: jax.Array, d: jax.Array, lay: LeafLayout) -> Any:
+                """gather="manual": what loss_fn receives for one leaf."""
+                if lay.dim is None or stage < 2:
+                    return d
+                return Sharded((p, d) if stage == 2 else (d,), lay, stage)
+
             def scaled_loss(d: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any]]:
-                loss, aux = _split_loss(self.loss_fn(jax.tree.map(whole, params, d, layouts), local_batch))
+                if manual:
+                    with manual_gather_scope(policy):
+                        out = self.loss_fn(jax.tree.map(handed, params, d, layouts), local_batch)
+                else:
+                    out = self.loss_fn(jax.tree.map(whole, params, d, layouts), local_batch)
+                loss, aux = _split_loss(out)
                 _check_scalar_loss(loss)
                 # Each device's loss / N: the summed gradient is the global mean.
                 return loss / n, (loss, aux)
 
-            if stage == 3:
+            if stage == 3 and not manual:
                 # Stage 3 gathers inside jax.checkpoint and keeps only matmul outputs
                 # (activations) for the backward pass: everything computed from the
                 # gathered parameters is recomputed, so the backward pass gathers again
@@ -422,7 +435,7 @@ def make_train_step(
     tx: ShardedTransformation,
     policy: ZeroPolicy,
     *,
-    gather: Literal["all"] = "all",
+    gather: Literal["all", "manual"] = "all",
     donate: bool = True,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
@@ -438,6 +451,10 @@ def make_train_step(
       gather: ``"all"``: the step hands ``loss_fn`` whole parameters (in
         stage 3 it gathers them inside ``jax.checkpoint``, so the backward
         pass gathers again rather than keeping the model alive).
+        ``"manual"``: ``loss_fn`` receives the partitioned parameters and
+        gathers what it uses itself, layer by layer, with ``zj.gather`` and
+        ``zj.scan_layers`` (ZeRO-3 that never holds the whole model; in
+        stages 0–1 both are the identity / a plain scan).
       donate: donate the old state's buffers to the new one.
 
     Returns:
@@ -460,8 +477,11 @@ def make_train_step(
     1.0
     """
     tx = _check_tx(tx, policy, "make_train_step")
-    if gather != "all":
-        raise ValueError(f"make_train_step: gather must be 'all', got {gather!r}.")
+    if gather not in ("all", "manual"):
+        raise ValueError(
+            f"make_train_step: gather must be 'all' (loss_fn gets whole parameters) or 'manual' "
+            f"(loss_fn gathers them with zj.gather / zj.scan_layers), got {gather!r}."
+        )
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
     return TrainStep(loss_fn, tx, policy, gather=gather, donate=donate)

@@ -1,6 +1,6 @@
 """A small decoder-only transformer: token and position embeddings, pre-norm
 blocks of causal self-attention and an MLP, stacked along a leading layer axis
-(``params["layers"]``) and run with ``lax.scan``.
+(``params["layers"]``) and run with ``zj.scan_layers``.
 
 >>> import jax, zero_jax as zj
 >>> from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+import zero_jax as zj
 
 Params = dict[str, Any]
 
@@ -101,34 +103,46 @@ def block(layer: Params, x: jax.Array, *, heads: int) -> jax.Array:
     return x + h @ layer["mlp_out"] + layer["mlp_out_bias"]
 
 
-LayerRunner = Callable[[Callable[[Params, jax.Array], jax.Array], Params, jax.Array], jax.Array]
-
-
-def scan_plain(layer_fn: Callable[[Params, jax.Array], jax.Array], stacked: Params, x: jax.Array) -> jax.Array:
-    """Run ``layer_fn`` over the stacked layers with ``lax.scan``."""
-    return jax.lax.scan(lambda carry, layer: (layer_fn(layer, carry), None), x, stacked)[0]
-
-
 def apply(
-    config: TransformerConfig, params: Params, tokens: jax.Array, *, run_layers: LayerRunner = scan_plain
+    config: TransformerConfig,
+    params: Params,
+    tokens: jax.Array,
+    policy: zj.ZeroPolicy | None = None,
+    *,
+    prefetch: int = 1,
 ) -> jax.Array:
-    """Logits of shape (batch, seq, vocab) for int tokens of shape (batch, seq)."""
+    """Logits of shape (batch, seq, vocab) for int tokens of shape (batch, seq).
+
+    With a ``policy`` (inside ``make_train_step(..., gather="manual")``) each
+    parameter is gathered just before use: the layers through
+    ``zj.scan_layers``, the head inside ``jax.checkpoint`` so that its backward
+    pass gathers it again rather than keeping it alive. With ``policy=None``
+    the same code runs on ordinary parameters.
+    """
     t = tokens.shape[1]
-    x = params["embed"]["tokens"][tokens] + params["embed"]["positions"][:t]
-    x = run_layers(lambda layer, h: block(layer, h, heads=config.heads), params["layers"], x)
-    x = _layer_norm(x, params["final_norm"]["scale"], params["final_norm"]["bias"])
-    return x @ params["head"]
+    embed = zj.gather(params["embed"], policy)
+    x = embed["tokens"][tokens] + embed["positions"][:t]
+    x = zj.scan_layers(
+        lambda layer, h: block(layer, h, heads=config.heads), params["layers"], x, policy, prefetch=prefetch
+    )
+    norm = zj.gather(params["final_norm"], policy)
+    x = _layer_norm(x, norm["scale"], norm["bias"])
+    return jax.checkpoint(lambda h, head: h @ zj.gather(head, policy))(x, params["head"])
 
 
 def make_loss_fn(
-    config: TransformerConfig, *, run_layers: LayerRunner = scan_plain
+    config: TransformerConfig, policy: zj.ZeroPolicy | None = None, *, prefetch: int = 1
 ) -> Callable[[Params, Any], jax.Array]:
     """``loss_fn(params, batch)``: mean next-token cross-entropy of
-    ``batch["tokens"]`` (int, shape (batch, seq + 1))."""
+    ``batch["tokens"]`` (int, shape (batch, seq + 1)).
+
+    Pass the ``policy`` to train with ``make_train_step(..., gather="manual")``
+    (layer-wise ZeRO-3); leave it ``None`` for ``gather="all"`` or evaluation.
+    """
 
     def loss_fn(params: Params, batch: Any) -> jax.Array:
         tokens = batch["tokens"]
-        logits = apply(config, params, tokens[:, :-1], run_layers=run_layers).astype(jnp.float32)
+        logits = apply(config, params, tokens[:, :-1], policy, prefetch=prefetch).astype(jnp.float32)
         targets = tokens[:, 1:]
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

@@ -1,0 +1,169 @@
+"""Layer-wise ZeRO: zj.gather, zj.scan_layers and the reference transformer."""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import make_mesh, reference_run, relative_update_error
+
+import zero_jax as zj
+from zero_jax import _measure
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+
+CFG = TransformerConfig(vocab=64, dim=32, depth=3, heads=2, seq=16)
+STEPS = 5
+FP32_RTOL = 1e-5
+
+
+def _batches() -> list[dict[str, jax.Array]]:
+    return [synthetic_batch(CFG, 16, jax.random.key(10 + s)) for s in range(STEPS)]
+
+
+@functools.cache
+def _reference():
+    return reference_run(optax.adam(1e-2), init_params(CFG, jax.random.key(0)), _batches(), make_loss_fn(CFG))
+
+
+def _manual_run(stage: int, prefetch: int = 1, steps: int = STEPS):
+    policy = zj.ZeroPolicy(stage, make_mesh(8), stacked="layers", min_shard_size=64)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state = zj.init_state(init_params(CFG, jax.random.key(0)), tx, policy)
+    step = zj.make_train_step(make_loss_fn(CFG, policy, prefetch=prefetch), tx, policy, gather="manual")
+    losses = []
+    for batch in _batches()[:steps]:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return policy, state, step, losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_reference_model_matches_unsharded_training(stage: int) -> None:
+    ref_params, ref_losses = _reference()
+    _, state, step, losses = _manual_run(stage)
+    errors = relative_update_error(zj.full_params(state), ref_params, init_params(CFG, jax.random.key(0)))
+    assert max(errors.values()) <= FP32_RTOL, errors
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert step.jitted._cache_size() == 1
+
+
+def test_prefetch_changes_the_schedule_not_the_numbers() -> None:
+    start = init_params(CFG, jax.random.key(0))
+    runs = {k: zj.full_params(_manual_run(3, prefetch=k, steps=2)[1]) for k in (0, 1, 2, CFG.depth)}
+    for k, params in runs.items():
+        # Same math in another order of XLA fusions: float32 rounding only.
+        errors = relative_update_error(params, runs[0], start)
+        assert max(errors.values()) <= FP32_RTOL, (k, errors)
+
+
+def _tally(colls: list[_measure.Collective]) -> dict[tuple[str, tuple[int, ...]], int]:
+    out: dict[tuple[str, tuple[int, ...]], int] = collections.Counter()
+    for c in colls:
+        out[(c.kind, c.shape)] += c.trips
+    return dict(out)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_stage3_gathers_each_layer_twice_and_scatters_its_gradient_once(prefetch: int) -> None:
+    _, state, step, _ = _manual_run(3, prefetch=prefetch, steps=1)
+    batch = _batches()[0]
+    post = _tally(_measure.collectives(step.jitted, state, batch))
+    compiled = _tally(_measure.parse_collectives(step.lower(state, batch).compile().as_text(), 8))
+    policy = zj.ZeroPolicy(3, make_mesh(8), stacked="layers", min_shard_size=64)
+    layouts = policy.layouts(init_params(CFG, jax.random.key(0)))["layers"]
+    depth = CFG.depth
+    weights = {}
+    for name in ("attn_qkv", "attn_out", "mlp_in", "mlp_out"):
+        lay = layouts[name]
+        piece = list(lay.shape[1:])
+        piece[lay.dim - 1] //= 8
+        weights[name] = (lay.shape[1:], tuple(piece))
+    for name, (whole, piece) in weights.items():
+        for counts, where in ((post, "post-SPMD"), (compiled, "compiled")):
+            # Forward gather + backward re-gather: 2 per layer per step, even after
+            # XLA's optimisations (a scan keeps them apart; nothing merges them).
+            assert counts[("all-gather", whole)] == 2 * depth, (name, where, counts)
+            assert counts[("reduce-scatter", piece)] == depth, (name, where, counts)
+
+
+def test_stage2_scatters_each_layer_gradient_and_gathers_only_updated_params() -> None:
+    policy, state, step, _ = _manual_run(2, steps=1)
+    post = _tally(_measure.collectives(step.jitted, state, _batches()[0]))
+    d, n, depth = CFG.dim, 8, CFG.depth
+    assert post[("reduce-scatter", (d, 3 * d // n))] == depth  # inside the backward loop
+    # The only all-gathers are of updated parameters, once per step (whole stack).
+    assert post[("all-gather", (depth, d, 3 * d))] == 1
+    assert not any(k == ("all-gather", (d, 3 * d)) for k in post)
+
+
+def _run_inside_step(loss_fn, stage: int = 3):
+    policy = zj.ZeroPolicy(stage, make_mesh(8), stacked="layers", min_shard_size=64)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state(init_params(CFG, jax.random.key(0)), tx, policy)
+    step = zj.make_train_step(functools.partial(loss_fn, policy=policy), tx, policy, gather="manual")
+    return step(state, _batches()[0])
+
+
+def test_gather_outside_a_step() -> None:
+    policy = zj.ZeroPolicy(3, make_mesh(8))
+    with pytest.raises(RuntimeError, match=r"zj.gather was called outside a train step.*policy=None"):
+        zj.gather({"w": jnp.ones((64, 64))}, policy)
+    assert zj.gather({"w": 1.0}, None) == {"w": 1.0}  # policy=None: the identity anywhere
+
+
+def test_gather_on_something_that_is_not_a_parameter_piece() -> None:
+    def loss_fn(params, batch, policy):
+        activations = jnp.ones((16, 128))
+        return jnp.mean(zj.gather({"act": activations}, policy)["act"])
+
+    with pytest.raises(ValueError, match=r"leaf 'act' \(shape \(16, 128\)\) is not a piece of the policy's parameters"):
+        _run_inside_step(loss_fn)
+
+
+def test_using_a_partitioned_parameter_without_gathering_it() -> None:
+    def loss_fn(params, batch, policy):
+        return jnp.mean(params["head"] * 2.0)
+
+    with pytest.raises(TypeError, match=r"partitioned parameter of shape \(32, 64\) was used as an array.*zj.gather"):
+        _run_inside_step(loss_fn)
+
+
+def test_stacked_leaves_that_disagree_on_depth() -> None:
+    def loss_fn(params, batch, policy):
+        layers = dict(params["layers"], extra=jnp.zeros((CFG.depth + 1, 4)))
+        x = jnp.zeros((2, CFG.dim))
+        return jnp.mean(zj.scan_layers(lambda lp, h: h, layers, x, policy))
+
+    with pytest.raises(ValueError, match=r"disagree on the layer count.*attn_qkv: 3.*extra: 4"):
+        _run_inside_step(loss_fn)
+
+
+@pytest.mark.parametrize("prefetch", [-1, CFG.depth + 1])
+def test_prefetch_out_of_range(prefetch: int) -> None:
+    def loss_fn(params, batch, policy):
+        return jnp.mean(zj.scan_layers(lambda lp, h: h, params["layers"], jnp.zeros(3), policy, prefetch=prefetch))
+
+    with pytest.raises(ValueError, match=rf"prefetch must be an int from 0 to the depth \(3\), got {prefetch}"):
+        _run_inside_step(loss_fn)
+
+
+def test_stacked_subtree_not_declared_to_the_policy() -> None:
+    # 16 layers of 100 features: without stacked=, the rule cuts the layer axis
+    # (16 divides 8, 100 does not), which scan_layers cannot iterate over.
+    policy = zj.ZeroPolicy(3, make_mesh(8), min_shard_size=64)
+    params = {"layers": {"w": jnp.ones((16, 100))}}
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state(params, tx, policy)
+
+    def loss_fn(params, batch):
+        out = zj.scan_layers(lambda lp, h: h * lp["w"], params["layers"], batch["x"], policy)
+        return jnp.mean(out)
+
+    step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    with pytest.raises(ValueError, match=r"'w' is partitioned along its leading \(layer\) axis.*stacked="):
+        step(state, {"x": jnp.ones((8, 100))})

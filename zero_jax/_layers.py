@@ -1,0 +1,373 @@
+"""Layer-wise ZeRO: ``gather`` one layer's parameters just before use and drop
+them after; ``scan_layers`` runs stacked layers that way.
+
+Inside a step built with ``make_train_step(..., gather="manual")`` the loss
+function receives each partitioned parameter as a :class:`Sharded` node, not
+an array: in stage 3 it holds this device's piece, in stage 2 the whole
+parameter plus a slot that receives its reduce-scattered gradient. ``gather``
+turns such nodes into ordinary arrays; in stages 0–1 the parameters are
+ordinary arrays already and ``gather`` is the identity, so one model runs
+under every stage.
+
+``scan_layers`` is a ``jax.custom_vjp`` around two ``lax.scan`` loops, so the
+schedule is ours, not the compiler's:
+
+* forward: layer i's parameters are gathered (with ``prefetch=k``, the gather
+  of layer i + k is issued before layer i's compute, so it can overlap), the
+  layer runs, and only its input activation is kept;
+* backward, in reverse: layer i is gathered *again* (ZeRO-3's 3Ψ), its
+  forward recomputed to get its vector-Jacobian product, and its parameter
+  gradient reduce-scattered at once, so at most ``1 + prefetch`` whole layers
+  and never the whole-model gradient exist on a device.
+
+(With JAX's own autodiff the prefetched layer would be a loop carry, and a
+loop carry is saved for the backward pass: every layer would stay alive.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax import _collectives as coll
+from zero_jax._partition import LeafLayout
+from zero_jax._policy import PyTree, ZeroPolicy, path_str
+
+_ACTIVE: list[ZeroPolicy] = []
+
+
+@contextlib.contextmanager
+def manual_gather_scope(policy: ZeroPolicy) -> Iterator[None]:
+    """Marks the tracing of a manual-gather loss function (set by the step)."""
+    _ACTIVE.append(policy)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+@jax.tree_util.register_pytree_node_class
+class Sharded:
+    """A partitioned parameter as a ``gather="manual"`` loss function sees it.
+
+    Stage 3: ``arrays == (piece,)``, this device's (padded) piece. Stage 2:
+    ``arrays == (whole, slot)``: the whole parameter, and a zero piece whose
+    gradient is the parameter's reduce-scattered gradient. Use
+    ``zj.gather(node, policy)`` to get the parameter.
+    """
+
+    def __init__(self, arrays: tuple[jax.Array, ...], layout: LeafLayout, stage: int) -> None:
+        self.arrays = tuple(arrays)
+        self.layout = layout
+        self.stage = stage
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[LeafLayout, int]]:
+        return self.arrays, (self.layout, self.stage)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[LeafLayout, int], arrays: Any) -> Sharded:
+        return cls(tuple(arrays), *aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's logical shape (what ``gather`` returns)."""
+        return self.layout.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.layout.dtype
+
+    def __jax_array__(self) -> jax.Array:
+        raise TypeError(
+            f"a partitioned parameter of shape {self.layout.shape} was used as an array: inside "
+            "make_train_step(..., gather='manual') call zj.gather(params_subtree, policy) (or "
+            "zj.scan_layers) to get whole parameters just before use."
+        )
+
+    def __repr__(self) -> str:
+        return f"Sharded(shape={self.layout.shape}, stage={self.stage})"
+
+    def _not_an_array(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__jax_array__()
+
+    # Arithmetic, indexing and array methods on a piece are always a mistake:
+    # say what to do instead of Python's "unsupported operand".
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_an_array
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __pow__ = _not_an_array
+    __neg__ = __getitem__ = __array__ = astype = reshape = _not_an_array
+
+    def fetch(self, axis: Any) -> jax.Array:
+        """The whole, unpadded parameter (all-gather in stage 3)."""
+        if self.stage == 3:
+            return coll.gather_for_use(self.arrays[0], self.layout, axis)
+        whole, slot = self.arrays
+        return coll.scatter_grad_in_backward(whole, slot, self.layout, axis)
+
+
+def _is_sharded(x: Any) -> bool:
+    return isinstance(x, Sharded)
+
+
+def _active(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
+    if policy is None:
+        return None
+    if not isinstance(policy, ZeroPolicy):
+        raise TypeError(f"{where}: policy must be a ZeroPolicy or None, got {type(policy).__name__}.")
+    if not _ACTIVE:
+        raise RuntimeError(
+            f"{where} was called outside a train step. It gathers parameter pieces inside "
+            "make_train_step(loss_fn, tx, policy, gather='manual'); to run the model on ordinary "
+            f"parameters (evaluation, zj.full_params(state)), pass policy=None to {where}."
+        )
+    if _ACTIVE[-1] != policy:
+        raise ValueError(f"{where}: called with {policy!r}, but the step runs {_ACTIVE[-1]!r}.")
+    return policy
+
+
+def _check_is_parameter_piece(tree: PyTree, policy: ZeroPolicy, where: str) -> None:
+    if policy.stage < 2:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]:
+        if _is_sharded(leaf):
+            if leaf.stage != policy.stage:
+                raise ValueError(
+                    f"{where}: leaf '{path_str(path)}' is a stage-{leaf.stage} piece, "
+                    f"but the policy is stage {policy.stage}."
+                )
+            continue
+        shape = tuple(getattr(leaf, "shape", ()))
+        if policy._layout(leaf, stacked=False).partitioned:
+            raise ValueError(
+                f"{where}: leaf '{path_str(path)}' (shape {shape}) is not a piece of the policy's "
+                "parameters. Pass the parameters loss_fn received (or a subtree of them), not "
+                "arrays computed from them."
+            )
+
+
+def gather(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
+    """Whole parameters for use, from the pieces a manual-gather step hands
+    ``loss_fn``. In the backward pass each gradient is reduce-scattered (the
+    transpose of the all-gather). Stages 0–1: the identity. ``policy=None``:
+    the identity anywhere (to run the same model on ordinary parameters).
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> policy = zj.ZeroPolicy(stage=3, mesh=mesh, min_shard_size=0)
+    >>> def loss_fn(params, batch):
+    ...     w = zj.gather(params["w"], policy)  # whole only for this use
+    ...     return jnp.mean((batch["x"] @ w) ** 2)
+    >>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    >>> state = zj.init_state({"w": jnp.ones((4, 8))}, tx, policy)
+    >>> step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    >>> state, metrics = step(state, {"x": jnp.ones((jax.device_count(), 4))})
+    >>> float(metrics["loss"])
+    16.0
+    """
+    policy = _active(policy, "zj.gather")
+    if policy is None:
+        return tree
+    _check_is_parameter_piece(tree, policy, "zj.gather")
+    return jax.tree.map(lambda x: x.fetch(policy.axis_name) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
+
+
+def _layer_layout(lay: LeafLayout, path: str) -> LeafLayout:
+    if lay.dim == 0:
+        raise ValueError(
+            f"zj.scan_layers: parameter '{path}' is partitioned along its leading (layer) axis. "
+            "Declare its subtree stacked so that axis is never cut: "
+            "ZeroPolicy(..., stacked=('<prefix of the stacked subtree>',))."
+        )
+    return dataclasses.replace(lay, shape=lay.shape[1:], dim=None if lay.dim is None else lay.dim - 1)
+
+
+def _depth(stacked: PyTree) -> int:
+    sizes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked, is_leaf=_is_sharded)[0]:
+        shape = leaf.shape if not _is_sharded(leaf) else leaf.arrays[0].shape
+        sizes[path_str(path)] = shape[0] if shape else None
+    depths = set(sizes.values())
+    if not sizes:
+        raise ValueError("zj.scan_layers: stacked_params has no leaves.")
+    if None in depths or len(depths) != 1:
+        listing = ", ".join(f"{p}: {d}" for p, d in sorted(sizes.items()))
+        raise ValueError(
+            "zj.scan_layers: the stacked parameters disagree on the layer count (leading "
+            f"dimension): {listing}. Every leaf needs the same leading layer axis."
+        )
+    return depths.pop()
+
+
+def scan_layers(
+    layer_fn: Callable[[PyTree, Any], Any],
+    stacked_params: PyTree,
+    carry: Any,
+    policy: ZeroPolicy | None,
+    *,
+    remat: bool = True,
+    prefetch: int = 1,
+) -> Any:
+    """Run ``layer_fn(layer_params, carry) -> carry`` over the leading layer
+    axis of ``stacked_params``, gathering each layer just in time.
+
+    Stage 3: each layer's parameters are all-gathered just before use and
+    dropped after; the backward pass gathers again and reduce-scatters each
+    layer's gradient as soon as it exists. Stage 2: same schedule without the
+    gathers: each layer's gradient is reduce-scattered in the backward pass,
+    so the whole-model gradient never exists. Stages 0–1 and
+    ``policy=None``: a plain ``lax.scan`` (checkpointed per layer if
+    ``remat``).
+
+    Args:
+      layer_fn: one layer; may close over other values (masks, shared
+        parameters), whose gradients flow as usual.
+      stacked_params: the stacked subtree (declared ``stacked=`` in the policy).
+      carry: the activation passed from layer to layer.
+      policy: the step's policy, or ``None`` outside a step.
+      remat: keep only each layer's input activation and recompute the layer
+        in the backward pass. Stages 2–3 always do (that is where the
+        backward re-gather happens); ``remat=False`` is for stages 0–1.
+      prefetch: how many layers ahead to issue the all-gather (stage 3), so
+        it can overlap the current layer's compute; each costs one more whole
+        layer of memory. 0 gathers each layer only when it is needed.
+    """
+    policy = _active(policy, "zj.scan_layers")
+    depth = _depth(stacked_params)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= depth:
+        raise ValueError(
+            f"zj.scan_layers: prefetch must be an int from 0 to the depth ({depth}), got {prefetch!r}. "
+            "1 overlaps the next layer's gather with this layer's compute."
+        )
+    leaves = jax.tree.leaves(stacked_params, is_leaf=_is_sharded)
+    if policy is None or policy.stage < 2 or not any(_is_sharded(x) for x in leaves):
+        _check_is_parameter_piece(stacked_params, policy, "zj.scan_layers") if policy is not None else None
+        body = jax.checkpoint(layer_fn) if remat else layer_fn
+        return jax.lax.scan(lambda c, layer: (body(layer, c), None), carry, stacked_params)[0]
+    if not remat:
+        raise ValueError(
+            "zj.scan_layers: remat=False is only available in stages 0–1; stages 2–3 recompute each "
+            "layer in the backward pass to gather it again and reduce-scatter its gradient."
+        )
+    _check_is_parameter_piece(stacked_params, policy, "zj.scan_layers")
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked_params, is_leaf=_is_sharded)
+    nodes = [
+        Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.stage) if _is_sharded(x) else x
+        for p, x in paths_leaves
+    ]
+    # Stage 2 gathers nothing, so there is nothing to prefetch (and a queue
+    # would only copy whole layers into the loop state).
+    ahead = prefetch if policy.stage == 3 else 0
+    return _zero_scan(layer_fn, treedef, nodes, carry, policy.axis_name, ahead, depth)
+
+
+def _zero_scan(
+    layer_fn: Callable[[PyTree, Any], Any],
+    treedef: Any,
+    nodes: list[Any],
+    carry: Any,
+    axis: Any,
+    prefetch: int,
+    depth: int,
+) -> Any:
+    """The stage 2–3 schedule (see the module docstring)."""
+    # What is differentiated: stage-3 pieces, stage-2 slots, and whole-kept
+    # (plain) stacked leaves. Stage-2 whole parameters only feed the forward.
+    kinds = ["plain" if not _is_sharded(x) else ("piece" if x.stage == 3 else "slot") for x in nodes]
+    diff = [x if k == "plain" else x.arrays[0 if k == "piece" else 1] for x, k in zip(nodes, kinds, strict=True)]
+    wholes = [x.arrays[0] if k == "slot" else None for x, k in zip(nodes, kinds, strict=True)]
+    layouts = [x.layout if _is_sharded(x) else None for x in nodes]
+
+    def fetch(i: jax.Array, diff: list[Any], wholes: list[Any]) -> PyTree:
+        """Layer i's whole parameters (all-gathers for stage-3 pieces)."""
+        out = []
+        for kind, d, w, lay in zip(kinds, diff, wholes, layouts, strict=True):
+            if kind == "piece":
+                out.append(coll.gather_for_use(d[i], lay, axis))
+            elif kind == "slot":
+                out.append(coll.to_varying(w[i], axis))
+            else:
+                out.append(d[i])
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def reduce(g_layer: PyTree) -> list[Any]:
+        """Layer i's parameter gradient: reduce-scattered for partitioned leaves."""
+        gs = jax.tree_util.tree_flatten(g_layer)[0]
+        return [
+            g if kind == "plain" else coll.sum_reduce_scatter(g, lay, axis)
+            for kind, g, lay in zip(kinds, gs, layouts, strict=True)
+        ]
+
+    example = fetch(jnp.asarray(0), diff, wholes)
+    fn, all_consts = jax.closure_convert(layer_fn, example, carry)
+    # Values layer_fn closes over: float ones get gradients, the rest are fixed.
+    is_float = [jnp.issubdtype(c.dtype, jnp.inexact) for c in all_consts]
+    fixed = [c for c, f in zip(all_consts, is_float, strict=True) if not f]
+
+    def layer(params: PyTree, c: Any, float_consts: tuple[Any, ...]) -> Any:
+        floats, others = iter(float_consts), iter(fixed)
+        return fn(params, c, *[next(floats) if f else next(others) for f in is_float])
+
+    def pipelined(step: Callable[..., Any], state: Any, diff: list[Any], wholes: list[Any], reverse: bool) -> Any:
+        """Run ``step(state, i, layer_i_params)`` for every layer, in order or
+        in reverse, with the gathers of the next ``prefetch`` layers in flight."""
+
+        def index(t: Any) -> Any:
+            return depth - 1 - t if reverse else t
+
+        if prefetch == 0:
+            return jax.lax.scan(lambda s, t: step(s, index(t), fetch(index(t), diff, wholes)), state, jnp.arange(depth))
+        queue = tuple(fetch(index(t), diff, wholes) for t in range(prefetch))
+
+        def body(carry: Any, t: jax.Array) -> Any:
+            s, q = carry
+            ahead = fetch(index(t + prefetch), diff, wholes)  # issued before this layer's compute
+            s, y = step(s, index(t), q[0])
+            return (s, (*q[1:], ahead)), y
+
+        # The last `prefetch` layers are already in the queue: run them without
+        # fetching (a clipped index would gather the last layer again).
+        (state, queue), ys = jax.lax.scan(body, (state, queue), jnp.arange(depth - prefetch))
+        tail = []
+        for j in range(prefetch):
+            state, y = step(state, index(depth - prefetch + j), queue[j])
+            tail.append(y)
+        ys = jax.tree.map(lambda main, *rest: jnp.concatenate([main, jnp.stack(rest)]), ys, *tail)
+        return state, ys
+
+    @jax.custom_vjp
+    def run(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> Any:
+        return forward(diff, wholes, carry, float_consts)[0]
+
+    def forward(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> tuple[Any, Any]:
+        def step(c: Any, i: Any, params: PyTree) -> tuple[Any, Any]:
+            return layer(params, c, float_consts), c  # keep only the layer's input
+
+        out, inputs = pipelined(step, carry, diff, wholes, reverse=False)
+        return out, (diff, wholes, inputs, float_consts)
+
+    def backward(res: Any, g_out: Any) -> tuple[Any, ...]:
+        diff, wholes, inputs, float_consts = res
+
+        def step(state: tuple[Any, Any], i: Any, params: PyTree) -> tuple[Any, Any]:
+            g, g_consts = state
+            carry_in = jax.tree.map(lambda a: a[i], inputs)
+            # Recompute layer i from its input (remat) to get its VJP.
+            _, vjp = jax.vjp(layer, params, carry_in, float_consts)
+            g_params, g_in, g_k = vjp(g)
+            return (g_in, jax.tree.map(jnp.add, g_consts, g_k)), reduce(g_params)
+
+        zeros = jax.tree.map(jnp.zeros_like, float_consts)
+        (g_carry, g_consts), g_reversed = pipelined(step, (g_out, zeros), diff, wholes, reverse=True)
+        # The loop ran from the last layer to the first: put layer 0 first again.
+        g_diff = [jnp.flip(g, axis=0) for g in g_reversed]
+        return g_diff, [None] * len(wholes), g_carry, g_consts
+
+    run.defvjp(forward, backward)
+    float_consts = tuple(c for c, f in zip(all_consts, is_float, strict=True) if f)
+    return run(diff, wholes, carry, float_consts)
