@@ -66,41 +66,41 @@ def gather_replicated(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.A
     return unpad(whole, layout)
 
 
-def local_piece(x: jax.Array, layout: LeafLayout, axis: AxisName, num_shards: int) -> jax.Array:
-    """This device's piece of a replicated, logical leaf (no communication)."""
-    if layout.dim is None:
-        return x
-    size = layout.padded_size // num_shards
-    start = jax.lax.axis_index(axis) * size
-    return jax.lax.dynamic_slice_in_dim(pad(x, layout), start, size, axis=layout.dim)
+def fetch(source: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool) -> jax.Array:
+    """A parameter for forward use only: all-gathered from this device's piece
+    (``gather=True``, ZeRO-3) or the whole parameter already held (ZeRO-2)."""
+    return gather_for_use(source, layout, axis) if gather else to_varying(source, axis)
 
 
-def scatter_grad_in_backward(whole: jax.Array, piece_slot: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
-    """Use ``whole`` in the forward pass; in the backward pass, send its
-    cotangent, reduce-scattered, to ``piece_slot`` (a per-device zero array of
-    the piece's shape that the caller differentiates against).
+def fetch_with_grad_slot(
+    source: jax.Array, slot: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool
+) -> jax.Array:
+    """:func:`fetch` ``source`` for the forward pass; in the backward pass send
+    its cotangent, cast to ``slot``'s dtype and reduce-scattered, to ``slot``
+    (a per-device zero piece the caller differentiates against).
 
-    This is ZeRO-2: a parameter replicated in the forward pass whose gradient
-    is partitioned the moment it exists, so the whole-model gradient is
-    never held.
+    This is how ZeRO-2 and ZeRO-3 keep gradients partitioned: each parameter's
+    gradient is reduced the moment the backward pass produces it, in the
+    reduce dtype of the precision policy (not the compute dtype), and the
+    whole-model gradient is never held. In ZeRO-3 the forward gather runs
+    again whenever the caller's remat recomputes it.
     """
 
     @jax.custom_vjp
-    def use(w: jax.Array, slot: jax.Array) -> jax.Array:
+    def use(src: jax.Array, slot: jax.Array) -> jax.Array:
         del slot
-        return w
+        return fetch(src, layout, axis, gather=gather)
 
-    def fwd(w: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
-        del slot
-        return w, None
+    def fwd(src: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
+        return use(src, slot), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
-        return None, sum_reduce_scatter(ct, layout, axis)
+        return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis)
 
     use.defvjp(fwd, bwd)
-    return use(to_varying(whole, axis), piece_slot)
+    return use(source, slot)
 
 
-def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName) -> jax.Array:
+def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName, dtype: object) -> jax.Array:
     """A per-device zero array shaped like this device's piece of a leaf."""
-    return to_varying(jnp.zeros(shard_shape(layout, num_shards), layout.dtype), axis)
+    return to_varying(jnp.zeros(shard_shape(layout, num_shards), dtype), axis)

@@ -38,13 +38,18 @@ from zero_jax import _collectives as coll
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import PyTree, ZeroPolicy, path_str
 
-_ACTIVE: list[ZeroPolicy] = []
+_ACTIVE: list[tuple[ZeroPolicy, bool]] = []
 
 
 @contextlib.contextmanager
-def manual_gather_scope(policy: ZeroPolicy) -> Iterator[None]:
-    """Marks the tracing of a manual-gather loss function (set by the step)."""
-    _ACTIVE.append(policy)
+def manual_gather_scope(policy: ZeroPolicy, *, pieces: bool = True) -> Iterator[None]:
+    """Marks the tracing of a manual-gather loss function (set by the step).
+
+    ``pieces=False``: the step hands ``loss_fn`` whole parameters even in
+    stages 2–3 (local gradient accumulation gathers once per step), so
+    ``gather`` and ``scan_layers`` pass them through.
+    """
+    _ACTIVE.append((policy, pieces))
     try:
         yield
     finally:
@@ -55,10 +60,11 @@ def manual_gather_scope(policy: ZeroPolicy) -> Iterator[None]:
 class Sharded:
     """A partitioned parameter as a ``gather="manual"`` loss function sees it.
 
-    Stage 3: ``arrays == (piece,)``, this device's (padded) piece. Stage 2:
-    ``arrays == (whole, slot)``: the whole parameter, and a zero piece whose
-    gradient is the parameter's reduce-scattered gradient. Use
-    ``zj.gather(node, policy)`` to get the parameter.
+    ``arrays[0]`` is the source: this device's (padded) piece in stage 3, the
+    whole parameter in stage 2. ``arrays[1]``, absent for frozen parameters,
+    is a zero piece (in the reduce dtype) whose gradient is the parameter's
+    reduce-scattered gradient. Use ``zj.gather(node, policy)`` to get the
+    parameter.
     """
 
     def __init__(self, arrays: tuple[jax.Array, ...], layout: LeafLayout, stage: int) -> None:
@@ -103,10 +109,10 @@ class Sharded:
 
     def fetch(self, axis: Any) -> jax.Array:
         """The whole, unpadded parameter (all-gather in stage 3)."""
-        if self.stage == 3:
-            return coll.gather_for_use(self.arrays[0], self.layout, axis)
-        whole, slot = self.arrays
-        return coll.scatter_grad_in_backward(whole, slot, self.layout, axis)
+        if len(self.arrays) == 1:  # frozen: forward only
+            return coll.fetch(self.arrays[0], self.layout, axis, gather=self.stage == 3)
+        source, slot = self.arrays
+        return coll.fetch_with_grad_slot(source, slot, self.layout, axis, gather=self.stage == 3)
 
 
 def _is_sharded(x: Any) -> bool:
@@ -114,6 +120,7 @@ def _is_sharded(x: Any) -> bool:
 
 
 def _active(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
+    """The policy whose pieces to gather, or None when there is nothing to gather."""
     if policy is None:
         return None
     if not isinstance(policy, ZeroPolicy):
@@ -124,9 +131,10 @@ def _active(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
             "make_train_step(loss_fn, tx, policy, gather='manual'); to run the model on ordinary "
             f"parameters (evaluation, zj.full_params(state)), pass policy=None to {where}."
         )
-    if _ACTIVE[-1] != policy:
-        raise ValueError(f"{where}: called with {policy!r}, but the step runs {_ACTIVE[-1]!r}.")
-    return policy
+    active, pieces = _ACTIVE[-1]
+    if active != policy:
+        raise ValueError(f"{where}: called with {policy!r}, but the step runs {active!r}.")
+    return policy if pieces else None
 
 
 def _check_is_parameter_piece(tree: PyTree, policy: ZeroPolicy, where: str) -> None:
@@ -276,31 +284,30 @@ def _zero_scan(
     depth: int,
 ) -> Any:
     """The stage 2–3 schedule (see the module docstring)."""
-    # What is differentiated: stage-3 pieces, stage-2 slots, and whole-kept
-    # (plain) stacked leaves. Stage-2 whole parameters only feed the forward.
-    kinds = ["plain" if not _is_sharded(x) else ("piece" if x.stage == 3 else "slot") for x in nodes]
-    diff = [x if k == "plain" else x.arrays[0 if k == "piece" else 1] for x, k in zip(nodes, kinds, strict=True)]
-    wholes = [x.arrays[0] if k == "slot" else None for x, k in zip(nodes, kinds, strict=True)]
-    layouts = [x.layout if _is_sharded(x) else None for x in nodes]
+    # What is differentiated: the gradient slots of partitioned leaves and the
+    # whole-kept (plain) stacked leaves. Sources (stage-3 pieces, stage-2 whole
+    # parameters) only feed the forward pass; frozen leaves have no slot.
+    sharded = [_is_sharded(x) for x in nodes]
+    diff = [(x.arrays[1] if len(x.arrays) > 1 else None) if s else x for x, s in zip(nodes, sharded, strict=True)]
+    wholes = [x.arrays[0] if s else None for x, s in zip(nodes, sharded, strict=True)]
+    layouts = [x.layout if s else None for x, s in zip(nodes, sharded, strict=True)]
+    gathers = [s and x.stage == 3 for x, s in zip(nodes, sharded, strict=True)]
 
     def fetch(i: jax.Array, diff: list[Any], wholes: list[Any]) -> PyTree:
         """Layer i's whole parameters (all-gathers for stage-3 pieces)."""
-        out = []
-        for kind, d, w, lay in zip(kinds, diff, wholes, layouts, strict=True):
-            if kind == "piece":
-                out.append(coll.gather_for_use(d[i], lay, axis))
-            elif kind == "slot":
-                out.append(coll.to_varying(w[i], axis))
-            else:
-                out.append(d[i])
+        out = [
+            coll.fetch(w[i], lay, axis, gather=g) if s else d[i]
+            for s, d, w, lay, g in zip(sharded, diff, wholes, layouts, gathers, strict=True)
+        ]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def reduce(g_layer: PyTree) -> list[Any]:
-        """Layer i's parameter gradient: reduce-scattered for partitioned leaves."""
+        """Layer i's parameter gradient: reduce-scattered (in the slot's dtype)
+        for partitioned leaves; none for frozen ones."""
         gs = jax.tree_util.tree_flatten(g_layer)[0]
         return [
-            g if kind == "plain" else coll.sum_reduce_scatter(g, lay, axis)
-            for kind, g, lay in zip(kinds, gs, layouts, strict=True)
+            (None if d is None else coll.sum_reduce_scatter(g.astype(d.dtype), lay, axis)) if s else g
+            for s, d, g, lay in zip(sharded, diff, gs, layouts, strict=True)
         ]
 
     example = fetch(jnp.asarray(0), diff, wholes)
@@ -365,7 +372,7 @@ def _zero_scan(
         zeros = jax.tree.map(jnp.zeros_like, float_consts)
         (g_carry, g_consts), g_reversed = pipelined(step, (g_out, zeros), diff, wholes, reverse=True)
         # The loop ran from the last layer to the first: put layer 0 first again.
-        g_diff = [jnp.flip(g, axis=0) for g in g_reversed]
+        g_diff = [None if g is None else jnp.flip(g, axis=0) for g in g_reversed]
         return g_diff, [None] * len(wholes), g_carry, g_consts
 
     run.defvjp(forward, backward)

@@ -133,7 +133,67 @@ def check_tree(tree: PyTree, expected: TreeLayouts, what: str, fix: str) -> None
             )
 
 
-def shard_optimizer(tx: optax.GradientTransformation | Any, policy: ZeroPolicy) -> ShardedTransformation:
+def _trainable_labels(trainable: Any) -> Any:
+    """optax.multi_transform labels ("train" / "frozen") from a trainable mask."""
+
+    def labels(params: PyTree) -> PyTree:
+        mask = trainable(params) if callable(trainable) else trainable
+        mask_def = jax.tree.structure(mask)
+        params_def = jax.tree.structure(params)
+        if mask_def != params_def:
+            raise ValueError(
+                "shard_optimizer(trainable=...): the mask's tree does not match the parameters.\n"
+                f"  mask:       {mask_def}\n  parameters: {params_def}\n"
+                "Give one bool per parameter leaf, in the parameters' structure (or a function of the parameters)."
+            )
+        return jax.tree.map(lambda t: "train" if bool(t) else "frozen", mask)
+
+    return labels
+
+
+def frozen_leaves(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
+    """Which parameters ``tx`` never changes: ``True`` where the update is a
+    constant (``optax.set_to_zero``, a ``multi_transform`` label routed to it)
+    *and* no update or state reads that parameter's gradient.
+
+    Read off the traced update (a data-dependence walk over its jaxpr), so it
+    holds for any composition of transformations. Such leaves get no gradient,
+    no gradient communication and (with ``set_to_zero``) no optimizer state.
+
+    >>> import jax, optax, zero_jax as zj
+    >>> params = {"w": jax.ShapeDtypeStruct((4,), "float32"), "b": jax.ShapeDtypeStruct((4,), "float32")}
+    >>> tx = optax.multi_transform({"a": optax.adam(1e-3), "f": optax.set_to_zero()}, {"w": "a", "b": "f"})
+    >>> zj.frozen_leaves(tx, params)
+    {'b': True, 'w': False}
+    """
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    state = jax.eval_shape(tx.init, abstract)
+    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p)[0:2])(abstract, state, abstract)
+    jaxpr = closed.jaxpr
+    num_grads = len(jax.tree.leaves(abstract))
+    num_updates = num_grads
+    depends: dict[Any, int] = {v: (1 << i) if i < num_grads else 0 for i, v in enumerate(jaxpr.invars)}
+
+    def mask_of(v: Any) -> int:
+        return 0 if hasattr(v, "val") else depends.get(v, 0)  # literals depend on nothing
+
+    for eqn in jaxpr.eqns:
+        m = 0
+        for v in eqn.invars:
+            m |= mask_of(v)
+        for v in eqn.outvars:
+            depends[v] = m
+    out_masks = [mask_of(v) for v in jaxpr.outvars]
+    read = 0
+    for m in out_masks:
+        read |= m
+    frozen = [out_masks[i] == 0 and not (read >> i) & 1 for i in range(num_updates)]
+    return jax.tree.unflatten(jax.tree.structure(abstract), frozen)
+
+
+def shard_optimizer(
+    tx: optax.GradientTransformation | Any, policy: ZeroPolicy, *, trainable: Any = None
+) -> ShardedTransformation:
     """Wrap any optax transformation so its state is partitioned per ``policy``.
 
     ``init(params)`` takes the logical parameters (arrays or tracers; under
@@ -167,6 +227,8 @@ def shard_optimizer(tx: optax.GradientTransformation | Any, policy: ZeroPolicy) 
         )
     if not isinstance(policy, ZeroPolicy):
         raise TypeError(f"shard_optimizer: policy must be a ZeroPolicy, got {type(policy).__name__}.")
+    if trainable is not None:
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, _trainable_labels(trainable))
     partitioned = policy.partitions_opt_state
     fix = (
         "This optimizer state belongs to another parameter tree or policy: create it with "

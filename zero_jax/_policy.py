@@ -13,6 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import _partition
 from zero_jax._partition import LeafLayout
+from zero_jax._precision import Precision
 
 PyTree = Any
 KeyPath = tuple[Any, ...]
@@ -71,6 +72,8 @@ class ZeroPolicy:
       stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``, or a
         tuple of them) of subtrees whose leaves carry a leading layer axis for
         ``scan_layers``; that axis is never partitioned.
+      precision: a :class:`Precision` (mixed precision, loss scaling); by
+        default everything computes and reduces in the parameters' float32.
 
     Example:
 
@@ -90,6 +93,7 @@ class ZeroPolicy:
         *,
         min_shard_size: int = _partition.DEFAULT_MIN_SHARD_SIZE,
         stacked: str | Sequence[str] = (),
+        precision: Precision | None = None,
     ) -> None:
         if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage <= 3:
             raise ValueError(
@@ -111,6 +115,10 @@ class ZeroPolicy:
             )
         if len(set(axes)) != len(axes):
             raise ValueError(f"ZeroPolicy: axis {axis!r} names an axis twice.")
+        if precision is None:
+            precision = Precision()
+        if not isinstance(precision, Precision):
+            raise TypeError(f"ZeroPolicy: precision must be a zj.Precision, got {type(precision).__name__}.")
         if min_shard_size < 0:
             raise ValueError(f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}.")
         prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
@@ -118,6 +126,7 @@ class ZeroPolicy:
         self.mesh = mesh
         self.axes: tuple[str, ...] = axes
         self.min_shard_size = int(min_shard_size)
+        self.precision = precision
         self.stacked: tuple[tuple[str, ...], ...] = tuple(
             tuple(p for p in prefix.replace(".", "/").split("/") if p) for prefix in prefixes
         )
@@ -149,6 +158,7 @@ class ZeroPolicy:
             tuple(int(d.id) for d in self.mesh.devices.flat),
             self.min_shard_size,
             self.stacked,
+            self.precision,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -161,7 +171,8 @@ class ZeroPolicy:
         return (
             f"ZeroPolicy(stage={self.stage}, axis={self.axis_name!r}, N={self.num_shards}, "
             f"mesh={dict(self.mesh.shape)}, min_shard_size={self.min_shard_size}"
-            + (f", stacked={tuple('/'.join(p) for p in self.stacked)!r})" if self.stacked else ")")
+            + (f", stacked={tuple('/'.join(p) for p in self.stacked)!r}" if self.stacked else "")
+            + (f", precision={self.precision})" if self.precision != Precision() else ")")
         )
 
     # -- which state a stage partitions ---------------------------------------------

@@ -3,13 +3,17 @@
 The step has three parts, each in the view that suits it:
 
 1. gradients, in ``jax.shard_map``: each device runs ``loss_fn`` on its slice
-   of the batch and the collectives of ``_collectives`` reduce the gradients
-   (all-reduce in stage 0, reduce-scatter from stage 1; stage 3 also gathers
-   the parameters for use);
+   of the batch (in microbatches when accumulating) and the collectives of
+   ``_collectives`` reduce the gradients in the precision policy's reduce
+   dtype (all-reduce in stage 0, reduce-scatter from stage 1; stages 2–3
+   reduce-scatter each gradient the moment the backward pass produces it;
+   stage 3 also gathers the parameters for use). The global gradient norm
+   and the overflow check cost one all-reduce of two scalars;
 2. the optimizer, in the global view: :func:`shard_optimizer` runs the
-   optax update on partitioned state, where the compiler keeps elementwise
-   math local and adds only the small reductions an optimizer itself needs;
-3. stages 1 and 2 all-gather the updated parameter pieces in ``shard_map``.
+   optax update on the partitioned (fp32 master) state, where the compiler
+   keeps elementwise math local and adds only the small reductions an
+   optimizer itself needs;
+3. stages 1 and 2 all-gather the updated parameters (in the compute dtype).
 
 The collectives ZeRO is about are therefore explicit (the compiler never
 chooses them), which is what makes their cost provable from the program.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -34,11 +39,13 @@ from zero_jax._optimizer import (
     ShardedTransformation,
     TreeLayouts,
     check_tree,
+    frozen_leaves,
     store,
     to_logical,
 )
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import PyTree, ZeroPolicy, path_str
+from zero_jax._precision import LossScaleState, cast_floats
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -49,10 +56,14 @@ class TrainState:
 
     Attributes:
       step: the number of steps taken (an int32 scalar).
-      params: the parameters in stored form: whole on every device in stages
-        0–2; in stage 3 each partitioned leaf is cut (and padded) per the
-        policy. ``zj.full_params(state)`` gives the ordinary parameters.
+      params: the parameters the forward pass uses, in the compute dtype and
+        in stored form: whole on every device in stages 0–2; in stage 3 each
+        partitioned leaf is cut (and padded) per the policy.
+        ``zj.full_params(state)`` gives the ordinary parameters.
       opt_state: the :class:`ShardedOptState` of the sharded optimizer.
+      master: with mixed precision, the float32 master copy, partitioned like
+        the optimizer state (from stage 1); ``None`` otherwise.
+      loss_scale: with float16, the :class:`LossScaleState`; ``None`` otherwise.
       policy: the policy the state is laid out for (static).
       layouts: the parameters' layouts (static).
     """
@@ -60,15 +71,19 @@ class TrainState:
     step: jax.Array
     params: PyTree
     opt_state: ShardedOptState
-    policy: ZeroPolicy = dataclasses.field(metadata={"static": True})
-    layouts: TreeLayouts = dataclasses.field(metadata={"static": True})
+    master: PyTree = None
+    loss_scale: LossScaleState | None = None
+    policy: ZeroPolicy = dataclasses.field(default=None, metadata={"static": True})  # type: ignore[assignment]
+    layouts: TreeLayouts = dataclasses.field(default=None, metadata={"static": True})  # type: ignore[assignment]
 
     def replace(self, **changes: Any) -> TrainState:
         return dataclasses.replace(self, **changes)
 
 
 jax.tree_util.register_dataclass(
-    TrainState, data_fields=["step", "params", "opt_state"], meta_fields=["policy", "layouts"]
+    TrainState,
+    data_fields=["step", "params", "opt_state", "master", "loss_scale"],
+    meta_fields=["policy", "layouts"],
 )
 
 
@@ -89,21 +104,34 @@ def _stored_params(params: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTre
     return store(params, layouts, policy, policy.partitions_params)
 
 
+def _with_dtype(layouts: PyTree, dtype: Any) -> PyTree:
+    """The same layouts for another copy of the parameters (compute / master)."""
+    return jax.tree.map(
+        lambda lay: dataclasses.replace(lay, dtype=dtype) if jnp.issubdtype(lay.dtype, jnp.floating) else lay,
+        layouts,
+        is_leaf=_is_layout,
+    )
+
+
 def _state_shardings(state: TrainState) -> TrainState:
     """The sharding of every leaf of a (possibly abstract) state."""
     policy = state.policy
-    param_sh = jax.tree.map(
-        lambda lay: policy._named(lay, policy.partitions_params), state.layouts.tree(), is_leaf=_is_layout
-    )
-    opt_sh = jax.tree.map(
-        lambda lay: policy._named(lay, policy.partitions_opt_state),
-        state.opt_state.layouts.tree(),
-        is_leaf=_is_layout,
-    )
+
+    def shardings(layouts: PyTree, partitioned: bool) -> PyTree:
+        return jax.tree.map(lambda lay: policy._named(lay, partitioned), layouts, is_leaf=_is_layout)
+
+    layouts = state.layouts.tree()
     return state.replace(
         step=policy.replicated(),
-        params=param_sh,
-        opt_state=ShardedOptState(opt_sh, policy, state.opt_state.params, state.opt_state.layouts),
+        params=shardings(layouts, policy.partitions_params),
+        opt_state=ShardedOptState(
+            shardings(state.opt_state.layouts.tree(), policy.partitions_opt_state),
+            policy,
+            state.opt_state.params,
+            state.opt_state.layouts,
+        ),
+        master=None if state.master is None else shardings(layouts, policy.partitions_opt_state),
+        loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: policy.replicated(), state.loss_scale),
     )
 
 
@@ -115,7 +143,9 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
     in pieces. ``params`` may be a pytree of arrays, a zero-argument function
     returning one (then the whole parameters never exist in stage 3 either),
     or a pytree of ``jax.ShapeDtypeStruct`` (then the result is abstract:
-    ``ShapeDtypeStruct``s carrying their shardings, for planning).
+    ``ShapeDtypeStruct``s carrying their shardings, for planning). Floating
+    leaves are cast to the policy's ``param_dtype`` (the master copy) and
+    ``compute_dtype`` (``state.params``).
 
     Example:
 
@@ -133,15 +163,17 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
         make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
     else:
         make = params if callable(params) else (lambda: params)
-    abstract = jax.eval_shape(make)
-    layouts = policy.layouts(abstract)
+    prec = policy.precision
+    layouts = _with_dtype(policy.layouts(jax.eval_shape(make)), prec.param_dtype)
 
     def build() -> TrainState:
-        logical = make()
+        logical = cast_floats(make(), prec.param_dtype)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=_stored_params(logical, layouts, policy),
+            params=_stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),
             opt_state=tx.init(logical),
+            master=store(logical, layouts, policy, policy.partitions_opt_state) if prec.mixed else None,
+            loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,
             policy=policy,
             layouts=TreeLayouts.of(layouts),
         )
@@ -155,23 +187,28 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
 
 
 def full_params(state: TrainState) -> PyTree:
-    """The ordinary parameters: logical shapes, whole on every device.
+    """The ordinary parameters: logical shapes, whole on every device, in
+    ``param_dtype`` (the float32 master copy under mixed precision).
 
-    In stage 3 this gathers them (use it for evaluation and export, not
-    inside a training loop on a model too big for one device).
+    When they are partitioned this gathers them (use it for evaluation and
+    export, not inside a training loop on a model too big for one device).
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"full_params: expected a zero_jax TrainState, got {type(state).__name__}.")
     policy = state.policy
     layouts = state.layouts.tree()
+    if state.master is not None:
+        if not policy.partitions_opt_state:
+            return state.master
+        return jax.jit(lambda m: _unstore(m, layouts, policy))(state.master)
     if not policy.partitions_params:
         return state.params
+    return jax.jit(lambda p: _unstore(p, layouts, policy))(state.params)
 
-    def unstore(params: PyTree) -> PyTree:
-        logical = to_logical(params, layouts, policy, False)
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, policy.replicated()), logical)
 
-    return jax.jit(unstore)(state.params)
+def _unstore(stored: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTree:
+    logical = to_logical(stored, layouts, policy, False)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, policy.replicated()), logical)
 
 
 def _split_loss(out: Any) -> tuple[jax.Array, Any]:
@@ -197,6 +234,7 @@ class TrainStep:
     ``step.lower(state, batch).compile()`` works as for any ``jax.jit``
     function; the old state is donated. ``step.grads(state, batch)`` returns
     the batch-mean gradient as the policy holds it (for inspection).
+    Made by :func:`make_train_step`.
     """
 
     def __init__(
@@ -205,17 +243,23 @@ class TrainStep:
         tx: ShardedTransformation,
         policy: ZeroPolicy,
         *,
-        gather: Literal["all", "manual"] = "all",
-        donate: bool = True,
+        gather: Literal["all", "manual"],
+        accum_steps: int,
+        accum_mode: Literal["local", "partitioned"],
+        clip_norm: float | None,
+        donate: bool,
     ) -> None:
         self.loss_fn = loss_fn
         self.tx = tx
         self.policy = policy
         self.gather = gather
+        self.accum_steps = accum_steps
+        self.accum_mode = accum_mode
+        self.clip_norm = clip_norm
         batch_sharding = policy.batch_sharding()
         self.jitted = jax.jit(self._step, in_shardings=(None, batch_sharding), donate_argnums=(0,) if donate else ())
         self._grads_jitted = jax.jit(
-            functools.partial(self._local_grads, reduce_to_policy=True), in_shardings=(None, batch_sharding)
+            functools.partial(self._grads, for_optimizer=False), in_shardings=(None, batch_sharding)
         )
         functools.update_wrapper(self, loss_fn, updated=())
 
@@ -230,8 +274,10 @@ class TrainStep:
         return self.jitted.lower(state, batch)
 
     def grads(self, state: TrainState, batch: PyTree) -> PyTree:
-        """The batch-mean gradient in the policy's gradient form (stored:
-        partitioned and padded in stages 2–3, whole in stages 0–1)."""
+        """The batch-mean gradient as the policy holds it: in the reduce dtype
+        (float32 accumulators when accumulating), partitioned and padded in
+        stages 2–3, whole in stages 0–1; ``None`` for frozen leaves. Loss
+        scaling is not undone here."""
         self._validate(state, batch)
         return self._grads_jitted(state, batch)[0]
 
@@ -279,7 +325,7 @@ class TrainStep:
                 "train_step: the optimizer state was made by another optimizer than this step's tx. "
                 "Create the state with zj.init_state(params, tx, policy) using the same tx."
             )
-        n = policy.num_shards
+        n, k = policy.num_shards, self.accum_steps
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
             shape = tuple(getattr(leaf, "shape", ()))
             if not shape or shape[0] % n:
@@ -288,67 +334,97 @@ class TrainStep:
                     f"(batch) dimension must divide by the {n} devices of the data axis "
                     f"{policy.axis_name!r}. Use a global batch size that is a multiple of {n}."
                 )
+            if shape[0] % (n * k):
+                raise ValueError(
+                    f"train_step: batch leaf '{path_str(path)}' has shape {shape}: accum_steps={k} "
+                    f"microbatches on each of {n} devices need a global batch that is a multiple of "
+                    f"{n * k}. Change the batch size or accum_steps."
+                )
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a step object lives as long as its training run
     def _expected_opt_state(self, layouts: TreeLayouts) -> PyTree:
         return jax.eval_shape(self.tx.init, jax.eval_shape(lambda: full_shapes(layouts)))
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def _frozen(self, layouts: TreeLayouts) -> PyTree:
+        """Leaves the optimizer never changes (see ``zj.frozen_leaves``)."""
+        return frozen_leaves(self.tx.inner, jax.eval_shape(lambda: full_shapes(layouts)))
 
     def _stored_shape(self, lay: LeafLayout) -> tuple[int, ...]:
         return lay.stored_shape if self.policy.partitions_params else lay.shape
 
     # -- the program ---------------------------------------------------------------------
 
-    def _local_grads(
-        self, state: TrainState, batch: PyTree, *, reduce_to_policy: bool
-    ) -> tuple[PyTree, jax.Array, Any]:
-        """Gradients, loss and aux, reduced across the data axis.
+    def _grads(self, state: TrainState, batch: PyTree, *, for_optimizer: bool) -> tuple[PyTree, jax.Array, Any, Any]:
+        """Reduced gradients, loss, aux and (global squared norm, non-finite
+        count) of the unscaled gradients, in one ``shard_map``.
 
-        With ``reduce_to_policy=False`` (the step) gradients come back
-        partitioned from stage 1 on (the optimizer works on pieces); with
-        ``True`` they come back as the policy holds them.
+        With ``for_optimizer`` (the step) gradients come back partitioned
+        from stage 1 on (the optimizer works on pieces); otherwise as the
+        policy holds them (whole in stage 1).
         """
         policy = self.policy
-        stage = policy.stage
-        axis, n = policy.axis_name, policy.num_shards
+        stage, prec = policy.stage, policy.precision
+        axis, n, k = policy.axis_name, policy.num_shards, self.accum_steps
         layouts = state.layouts.tree()
-        partitioned_out = stage >= 1 and not (reduce_to_policy and stage == 1)
+        frozen = self._frozen(state.layouts)
         manual = self.gather == "manual"
+        local = k > 1 and self.accum_mode == "local"
+        # Stages 2-3 reduce-scatter each gradient inside the backward pass, into
+        # a zero "slot" piece -- except when accumulating locally, where every
+        # microbatch's gradient stays whole and is reduced once at the end.
+        slots = stage >= 2 and not local
+        scale_loss = state.loss_scale is not None
 
-        def body(params: PyTree, local_batch: PyTree) -> tuple[PyTree, jax.Array, Any]:
-            # Per leaf: what we differentiate against, and how it becomes the
-            # whole parameter loss_fn uses.
-            def diff_var(p: jax.Array, lay: LeafLayout) -> jax.Array:
-                if lay.dim is None or stage < 2:
-                    return coll.to_varying(p, axis)
-                if stage == 2:  # a zero slot the backward pass fills with this device's piece
-                    return coll.zeros_like_piece(lay, n, axis)
-                return p  # stage 3: this device's piece of the parameter
+        def cut(lay: LeafLayout) -> bool:
+            """Whether this leaf's reduced gradient is a piece."""
+            return lay.dim is not None and (stage >= 2 or (stage == 1 and for_optimizer))
 
-            def whole(p: jax.Array, d: jax.Array, lay: LeafLayout) -> jax.Array:
-                if lay.dim is None or stage < 2:
-                    return d
-                if stage == 2:
-                    return coll.scatter_grad_in_backward(p, d, lay, axis)
-                return coll.gather_for_use(d, lay, axis)
+        def body(params: PyTree, local_batch: PyTree, scale: jax.Array) -> tuple[PyTree, jax.Array, Any, jax.Array]:
+            if stage == 3 and local:
+                # Local accumulation in stage 3: gather once per step (Ψ), compute
+                # every microbatch on the whole parameters, reduce-scatter once (Ψ).
+                params = jax.tree.map(lambda p, lay: coll.fetch(p, lay, axis, gather=True), params, layouts)
+                params_are_pieces = False
+            else:
+                params_are_pieces = stage == 3
 
-            def handed(p: jax.Array, d: jax.Array, lay: LeafLayout) -> Any:
-                """gather="manual": what loss_fn receives for one leaf."""
-                if lay.dim is None or stage < 2:
-                    return d
-                return Sharded((p, d) if stage == 2 else (d,), lay, stage)
+            def diff_var(p: jax.Array, lay: LeafLayout, fz: bool) -> jax.Array | None:
+                """What the gradient is taken against, per leaf."""
+                if fz:
+                    return None
+                if slots and lay.dim is not None:
+                    return coll.zeros_like_piece(lay, n, axis, prec.reduce_dtype)
+                return coll.to_varying(p, axis)
 
-            def scaled_loss(d: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+            def handed(p: jax.Array, d: jax.Array | None, lay: LeafLayout) -> Any:
+                """What loss_fn receives for one leaf."""
+                partitioned_use = lay.dim is not None and (slots or (params_are_pieces and d is None))
+                if not partitioned_use:
+                    return d if d is not None else p
+                gather = params_are_pieces
                 if manual:
-                    with manual_gather_scope(policy):
-                        out = self.loss_fn(jax.tree.map(handed, params, d, layouts), local_batch)
+                    return Sharded((p,) if d is None else (p, d), lay, stage)
+                if d is None:
+                    return coll.fetch(p, lay, axis, gather=gather)
+                return coll.fetch_with_grad_slot(p, d, lay, axis, gather=gather)
+
+            def micro(d: PyTree, mb: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+                tree = jax.tree.map(handed, params, d, layouts, is_leaf=lambda x: x is None)
+                if manual:
+                    with manual_gather_scope(policy, pieces=slots or params_are_pieces):
+                        out = self.loss_fn(tree, mb)
                 else:
-                    out = self.loss_fn(jax.tree.map(whole, params, d, layouts), local_batch)
+                    out = self.loss_fn(tree, mb)
                 loss, aux = _split_loss(out)
                 _check_scalar_loss(loss)
-                # Each device's loss / N: the summed gradient is the global mean.
-                return loss / n, (loss, aux)
+                # Each device's loss / (N k): the summed gradient is the global mean.
+                scaled = loss.astype(jnp.float32) / (n * k)
+                if scale_loss:
+                    scaled = scaled * scale
+                return scaled, (loss.astype(jnp.float32), aux)
 
-            if stage == 3 and not manual:
+            if stage == 3 and not manual and not local:
                 # Stage 3 gathers inside jax.checkpoint and keeps only matmul outputs
                 # (activations) for the backward pass: everything computed from the
                 # gathered parameters is recomputed, so the backward pass gathers again
@@ -356,39 +432,89 @@ class TrainStep:
                 # backward. (A name-based policy is not enough: ops applied after the
                 # gather -- unpadding, the model's own transposes and casts -- would
                 # produce unnamed whole-parameter values that get saved instead.)
-                scaled_loss = jax.checkpoint(
-                    scaled_loss, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-                )
-            diff = jax.tree.map(diff_var, params, layouts)
-            (_, (loss, aux)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(diff)
+                micro = jax.checkpoint(micro, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+            grad_fn = jax.value_and_grad(micro, has_aux=True)
+            diff = jax.tree.map(diff_var, params, layouts, frozen)
 
-            def reduce(g: jax.Array, lay: LeafLayout) -> jax.Array:
-                if lay.dim is None or not partitioned_out:
-                    return coll.sum_all_reduce(g, axis)
-                if stage == 1:
+            def reduce(g: jax.Array | None, lay: LeafLayout) -> jax.Array | None:
+                """One local gradient -> its reduced form (sum over the data axis)."""
+                if g is None:
+                    return None
+                if slots and lay.dim is not None:
+                    return g  # reduce-scattered by the backward pass already
+                g = g.astype(prec.reduce_dtype)
+                if cut(lay):
                     return coll.sum_reduce_scatter(g, lay, axis)
-                return g  # stages 2-3: the backward pass already reduce-scattered it
+                return coll.sum_all_reduce(g, axis)
 
-            grads = jax.tree.map(reduce, grads, layouts)
+            def reduce_all(g: PyTree) -> PyTree:
+                return jax.tree.map(reduce, g, layouts, is_leaf=lambda x: x is None)
+
+            if k == 1:
+                (_, (loss, aux)), g = grad_fn(diff, local_batch)
+                grads = reduce_all(g)
+            else:
+                micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), local_batch)
+                acc_dtype = prec.param_dtype
+
+                def accumulate(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
+                    (_, (loss, aux)), g = grad_fn(diff, mb)
+                    g = g if local else reduce_all(g)  # partitioned mode: reduce every microbatch
+                    acc = jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
+                    return acc, (loss, aux)
+
+                example = jax.eval_shape(lambda: grad_fn(diff, jax.tree.map(lambda x: x[0], micro_batches))[1])
+                if not local:
+                    example = jax.eval_shape(reduce_all, example)
+                acc0 = jax.tree.map(lambda x: coll.to_varying(jnp.zeros(x.shape, acc_dtype), axis), example)
+                acc, (losses, auxes) = jax.lax.scan(accumulate, acc0, micro_batches)
+                grads = reduce_all(acc) if local else acc
+                loss = jnp.mean(losses)
+                aux = jax.tree.map(
+                    lambda a: jnp.mean(a, 0) if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.sum(a, 0), auxes
+                )
+
+            # The global squared norm and the overflow count of the unscaled
+            # gradients, in one all-reduce of two scalars: pieces differ per
+            # device and are summed; whole gradients are the same everywhere.
+            def unscaled(g: jax.Array) -> jax.Array:
+                g = g.astype(jnp.float32)
+                return g / scale if scale_loss else g
+
+            part, whole = jnp.zeros(2, jnp.float32), jnp.zeros(2, jnp.float32)
+            layout_leaves = jax.tree.leaves(layouts, is_leaf=_is_layout)
+            for g, lay in zip(_leaves(grads), layout_leaves, strict=True):
+                if g is None:
+                    continue
+                u = unscaled(g)
+                stats = jnp.stack([jnp.sum(u * u), jnp.sum(~jnp.isfinite(u)).astype(jnp.float32)])
+                if cut(lay):
+                    part = part + stats
+                else:
+                    whole = whole + stats
+            any_cut = any(cut(lay) for lay, fz in zip(layout_leaves, _leaves(frozen), strict=True) if not fz)
+            stats = (jax.lax.psum(part, axis) if any_cut else part) + whole
             loss = jax.lax.pmean(loss, axis)
             aux = jax.tree.map(
                 lambda a: jax.lax.pmean(a, axis) if jnp.issubdtype(a.dtype, jnp.inexact) else jax.lax.psum(a, axis),
                 aux,
             )
-            return grads, loss, aux
+            return grads, loss, aux, stats
 
         def spec(lay: LeafLayout, partitioned: bool) -> PartitionSpec:
             return lay.spec(policy.axes) if partitioned else PartitionSpec()
 
         param_specs = jax.tree.map(lambda lay: spec(lay, policy.partitions_params), layouts, is_leaf=_is_layout)
-        grad_specs = jax.tree.map(lambda lay: spec(lay, partitioned_out), layouts, is_leaf=_is_layout)
-        batch_spec = PartitionSpec(policy.axis_name)
+        grad_specs = jax.tree.map(
+            lambda lay, fz: None if fz else spec(lay, cut(lay)), layouts, frozen, is_leaf=_is_layout
+        )
+        scale = state.loss_scale.scale if scale_loss else jnp.ones((), jnp.float32)
         return jax.shard_map(
             body,
             mesh=policy._mesh,
-            in_specs=(param_specs, batch_spec),
-            out_specs=(grad_specs, PartitionSpec(), PartitionSpec()),
-        )(state.params, batch)
+            in_specs=(param_specs, PartitionSpec(policy.axis_name), PartitionSpec()),
+            out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        )(state.params, batch, scale)
 
     def _gather_updated(self, pieces: PyTree, layouts: PyTree) -> PyTree:
         """Stages 1–2: all-gather the updated parameter pieces; every device
@@ -404,25 +530,79 @@ class TrainStep:
 
     def _step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         policy = self.policy
+        prec = policy.precision
         layouts = state.layouts.tree()
-        grads, loss, aux = self._local_grads(state, batch, reduce_to_policy=False)
-        # Zero padding does not change a norm, so this is the global norm.
-        grad_norm = optax.tree.norm(grads)
-        if policy.stage in (1, 2):
-            # The optimizer works on this device's piece of the parameters too.
-            pieces = store(state.params, layouts, policy, True)
-            updates, opt_state = self.tx.update(grads, state.opt_state, pieces)
-            params = self._gather_updated(optax.apply_updates(pieces, updates), layouts)
+        frozen = self._frozen(state.layouts)
+        grads, loss, aux, (sq_norm, nonfinite) = self._grads(state, batch, for_optimizer=True)
+        grad_norm = jnp.sqrt(sq_norm)
+        scale = state.loss_scale.scale if state.loss_scale is not None else None
+
+        def to_optimizer(g: jax.Array | None, lay: LeafLayout) -> jax.Array:
+            if g is None:  # frozen: the optimizer never reads it (compiled away)
+                partitioned = policy.partitions_opt_state and lay.dim is not None
+                shape = lay.stored_shape if partitioned else lay.shape
+                return jnp.zeros(shape, prec.param_dtype)
+            g = g.astype(prec.param_dtype)
+            if scale is not None:
+                g = g / scale
+            if self.clip_norm is not None:
+                # optax.clip_by_global_norm's formula, on the global norm.
+                g = jax.lax.select(grad_norm < self.clip_norm, g, (g / grad_norm.astype(g.dtype)) * self.clip_norm)
+            return g
+
+        grads = jax.tree.map(to_optimizer, grads, layouts, is_leaf=lambda x: x is None)
+
+        # The optimizer's view of the parameters: the float32 master copy
+        # (partitioned from stage 1), or the parameters themselves.
+        if state.master is not None:
+            master = state.master
+        elif policy.stage in (1, 2):
+            master = store(state.params, layouts, policy, True)  # this device's piece (a local slice)
         else:
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-        params = _stored_params(params, layouts, policy)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+            master = state.params
+
+        def update(master: PyTree, opt_state: ShardedOptState) -> tuple[PyTree, ShardedOptState]:
+            updates, opt_state = self.tx.update(grads, opt_state, master)
+            return optax.apply_updates(master, updates), opt_state
+
+        if state.loss_scale is None:
+            finite = jnp.asarray(True)
+            new_master, opt_state = update(master, state.opt_state)
+        else:
+            # An overflow anywhere skips the step everywhere: the flag comes from
+            # the same all-reduce as the norm, so every device takes one branch.
+            finite = nonfinite == 0
+            new_master, opt_state = jax.lax.cond(finite, update, lambda m, o: (m, o), master, state.opt_state)
+
+        compute = cast_floats(new_master, prec.compute_dtype)
+        if policy.stage in (1, 2):
+            # All-gather only what changed: frozen leaves keep their whole copy.
+            trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=_is_layout)
+            trained = jax.tree.map(lambda c, fz: None if fz else c, compute, frozen)
+            gathered = self._gather_updated(trained, trained_layouts)
+            params = jax.tree.map(lambda old, new: old if new is None else new, state.params, gathered)
+        else:
+            params = compute
+        new_state = state.replace(
+            step=state.step + 1,
+            params=_stored_params(params, _with_dtype(layouts, prec.compute_dtype), policy),
+            opt_state=opt_state,
+            master=new_master if state.master is not None else None,
+            loss_scale=None if state.loss_scale is None else state.loss_scale.next(finite, prec.loss_scale),
+        )
         new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state, _state_shardings(new_state))
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
         if aux is not None:
             metrics["aux"] = aux
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = new_state.loss_scale.scale
+            metrics["skipped"] = (~finite).astype(jnp.int32)
         return new_state, metrics
+
+
+def _leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` with ``None`` (a frozen leaf's gradient) kept in place."""
+    return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
 
 
 def full_shapes(layouts: TreeLayouts) -> PyTree:
@@ -436,6 +616,9 @@ def make_train_step(
     policy: ZeroPolicy,
     *,
     gather: Literal["all", "manual"] = "all",
+    accum_steps: int = 1,
+    accum_mode: Literal["local", "partitioned"] | None = None,
+    clip_norm: float | None = None,
     donate: bool = True,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
@@ -455,6 +638,21 @@ def make_train_step(
         gathers what it uses itself, layer by layer, with ``zj.gather`` and
         ``zj.scan_layers`` (ZeRO-3 that never holds the whole model; in
         stages 0–1 both are the identity / a plain scan).
+      accum_steps: split each device's batch into this many microbatches,
+        scanned inside the one compiled step; the update equals one step on
+        the whole batch.
+      accum_mode: ``"partitioned"`` reduces every microbatch's gradient
+        (reduce-scatter from stage 1) into a partitioned float32 accumulator:
+        stage 2/3 memory, ``accum_steps`` reductions per step. ``"local"``
+        accumulates whole gradients on each device and reduces once: one
+        reduction per step, but a whole float32 accumulator (stage 1 memory;
+        stage 3 gathers the parameters once per step). Default: partitioned
+        in stages 2–3 (their point is memory), local in stages 0–1 (nothing
+        to save by reducing more often). Pick local when communication is
+        the bottleneck and the whole gradient fits.
+      clip_norm: clip the gradient to this global norm (computed across all
+        pieces with one scalar all-reduce), exactly as
+        ``optax.clip_by_global_norm`` on unsharded gradients.
       donate: donate the old state's buffers to the new one.
 
     Returns:
@@ -484,4 +682,26 @@ def make_train_step(
         )
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
-    return TrainStep(loss_fn, tx, policy, gather=gather, donate=donate)
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"make_train_step: accum_steps must be an int >= 1, got {accum_steps!r}.")
+    if accum_mode is None:
+        accum_mode = "partitioned" if policy.stage >= 2 else "local"
+    if accum_mode not in ("local", "partitioned"):
+        raise ValueError(
+            f"make_train_step: accum_mode must be 'local' (reduce once per step) or 'partitioned' "
+            f"(reduce every microbatch into a partitioned accumulator), got {accum_mode!r}."
+        )
+    if clip_norm is not None and not (
+        isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0
+    ):
+        raise ValueError(f"make_train_step: clip_norm must be a positive number or None, got {clip_norm!r}.")
+    return TrainStep(
+        loss_fn,
+        tx,
+        policy,
+        gather=gather,
+        accum_steps=accum_steps,
+        accum_mode=accum_mode,
+        clip_norm=None if clip_norm is None else float(clip_norm),
+        donate=donate,
+    )
