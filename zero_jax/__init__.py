@@ -7,16 +7,20 @@
 """
 
 from zero_jax._layers import Sharded, gather, scan_layers
-from zero_jax._optimizer import ShardedOptState, ShardedTransformation, shard_optimizer
+from zero_jax._optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
 from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
+from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
 from zero_jax._train import TrainState, TrainStep, full_params, init_state, make_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MIN_SHARD_SIZE",
+    "DynamicLossScale",
     "LeafLayout",
+    "LossScaleState",
+    "Precision",
     "ReplicatedLeaf",
     "Sharded",
     "ShardedOptState",
@@ -24,6 +28,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "ZeroPolicy",
+    "frozen_leaves",
     "full_params",
     "gather",
     "init_state",
