@@ -25,7 +25,13 @@ def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
     varying first keeps each device's gradient local, so we choose the
     collective ourselves.
     """
-    return jax.lax.pcast(x, axis, to="varying")
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    varying = manual.varying if manual is not None else getattr(jax.typeof(x), "vma", frozenset())
+    missing = tuple(a for a in axes if a not in varying)
+    if not missing:  # already per-device
+        return x
+    return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
 
 
 def sum_all_reduce(x: jax.Array, axis: AxisName) -> jax.Array:

@@ -466,7 +466,14 @@ class TrainStep:
                 example = jax.eval_shape(lambda: grad_fn(diff, jax.tree.map(lambda x: x[0], micro_batches))[1])
                 if not local:
                     example = jax.eval_shape(reduce_all, example)
-                acc0 = jax.tree.map(lambda x: coll.to_varying(jnp.zeros(x.shape, acc_dtype), axis), example)
+                def zeros(x: jax.ShapeDtypeStruct, lay: LeafLayout) -> jax.Array:
+                    z = jnp.zeros(x.shape, acc_dtype)
+                    # Whole local gradients and pieces differ per device; all-reduced
+                    # gradients are the same everywhere (and must be typed so).
+                    per_device = local or cut(lay) or (slots and lay.dim is not None)
+                    return coll.to_varying(z, axis) if per_device else z
+
+                acc0 = jax.tree.map(zeros, example, layouts, is_leaf=lambda x: x is None)
                 acc, (losses, auxes) = jax.lax.scan(accumulate, acc0, micro_batches)
                 grads = reduce_all(acc) if local else acc
                 loss = jnp.mean(losses)
