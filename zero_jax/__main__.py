@@ -9,6 +9,7 @@ on GPUs or TPUs it uses the real devices unchanged.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ def _fmt_bytes(n: float) -> str:
 def demo(args: argparse.Namespace) -> int:
     _simulate_cpu_devices(args.devices)
     import jax
+    import jax.numpy as jnp
     import optax
 
     import zero_jax as zj
@@ -49,8 +51,12 @@ def demo(args: argparse.Namespace) -> int:
     batches = [synthetic_batch(cfg, batch_size, jax.random.key(100 + i)) for i in range(args.steps)]
     print(
         f"zero_jax demo: {cfg.num_params():,} parameters (depth {cfg.depth}, width {cfg.dim}), "
-        f"N = {n} {devices[0].platform} devices, global batch {batch_size}, AdamW fp32, {args.steps} steps\n"
+        f"N = {n} {devices[0].platform} devices, global batch {batch_size}, AdamW, "
+        f"{'bf16 compute / fp32 master' if args.bf16 else 'fp32'}, {args.steps} steps\n"
     )
+    precision = zj.Precision(compute_dtype=jnp.bfloat16) if args.bf16 else zj.Precision()
+    # Bytes per parameter: (compute copy, gradient, master + Adam's two moments).
+    per_param = (2, 2, 12) if args.bf16 else (4, 4, 8)
     header = (
         f"{'stage':>5} {'loss':>8} {'params/dev':>11} {'formula':>11} {'grads/dev':>11} {'formula':>11} "
         f"{'opt/dev':>11} {'formula':>11} {'peak/dev':>10} {'step ms':>8}"
@@ -58,28 +64,27 @@ def demo(args: argparse.Namespace) -> int:
     print(header)
     print("-" * len(header))
     for stage in args.stages:
-        policy = zj.ZeroPolicy(stage, mesh, stacked="layers")
+        policy = zj.ZeroPolicy(stage, mesh, stacked="layers", precision=precision)
         tx = zj.shard_optimizer(optax.adamw(3e-3, weight_decay=0.01), policy)
         state = zj.init_state(params, tx, policy)
         # Layer-wise: the model gathers each layer just before use (zj.scan_layers).
         step = zj.make_train_step(make_loss_fn(cfg, policy), tx, policy, gather="manual")
 
         layouts = jax.tree.leaves(policy.layouts(params), is_leaf=lambda x: isinstance(x, zj.LeafLayout))
-        whole = sum(lay.nbytes for lay in layouts if not lay.partitioned) + sum(
-            lay.nbytes * lay.shape[lay.dim] // lay.padded_size for lay in layouts if lay.partitioned
-        )
-        cut = sum(lay.nbytes if not lay.partitioned else lay.nbytes // n for lay in layouts)
+        # Parameters per device when whole, and when partitioned (padding included).
+        whole = sum(math.prod(lay.shape) for lay in layouts)
+        cut = sum(math.prod(lay.stored_shape) // (n if lay.partitioned else 1) for lay in layouts)
         formula = {
-            "params": cut if stage >= 3 else whole,
-            "grads": cut if stage >= 2 else whole,
-            "opt": 2 * (cut if stage >= 1 else whole),  # Adam's mu and nu
+            "params": per_param[0] * (cut if stage >= 3 else whole),
+            "grads": per_param[1] * (cut if stage >= 2 else whole),
+            "opt": per_param[2] * (cut if stage >= 1 else whole),
         }
         peak = _measure.memory(step.lower(state, batches[0]).compile())["peak"]
         grads = step.grads(state, batches[0])
         measured = {
             "params": max(_measure.resident_bytes(state.params).values()),
             "grads": max(_measure.resident_bytes(grads).values()),
-            "opt": max(_measure.resident_bytes(state.opt_state).values()),
+            "opt": max(_measure.resident_bytes((state.opt_state, state.master)).values()),
         }
         del grads
         times = []
@@ -98,8 +103,9 @@ def demo(args: argparse.Namespace) -> int:
         )
     print(
         "\nbytes/dev: measured on the live arrays (largest device); formula: ZeRO's Φ/N for what the stage "
-        "partitions\n(padding included; leaves under min_shard_size stay whole). Optimizer bytes include "
-        "Adam's int32 count.\npeak/dev: the compiled step's argument + output + temp - alias (memory_analysis)."
+        "partitions\n(padding included; leaves under min_shard_size stay whole). Optimizer: master copy (with "
+        "--bf16) + Adam's moments and int32 count.\n"
+        "peak/dev: the compiled step's argument + output + temp - alias (memory_analysis)."
     )
     return 0
 
@@ -115,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--vocab", type=int, default=256)
     d.add_argument("--seq", type=int, default=64)
     d.add_argument("--batch-per-device", type=int, default=4)
+    d.add_argument(
+        "--bf16", action="store_true", help="bf16 compute with an fp32 master copy (ZeRO's 2 + 2 + 12 bytes)"
+    )
     d.add_argument(
         "--devices",
         type=int,
