@@ -301,13 +301,17 @@ def _zero_scan(
         ]
         return jax.tree_util.tree_unflatten(treedef, out)
 
+    # Slots are zeros: only their dtype (the reduce dtype) matters, so they are
+    # not kept for the backward pass (that would hold a gradient-sized buffer).
+    slot_dtypes = [d.dtype if s and d is not None else None for s, d in zip(sharded, diff, strict=True)]
+
     def reduce(g_layer: PyTree) -> list[Any]:
         """Layer i's parameter gradient: reduce-scattered (in the slot's dtype)
         for partitioned leaves; none for frozen ones."""
         gs = jax.tree_util.tree_flatten(g_layer)[0]
         return [
-            (None if d is None else coll.sum_reduce_scatter(g.astype(d.dtype), lay, axis)) if s else g
-            for s, d, g, lay in zip(sharded, diff, gs, layouts, strict=True)
+            (None if dt is None else coll.sum_reduce_scatter(g.astype(dt), lay, axis)) if s else g
+            for s, dt, g, lay in zip(sharded, slot_dtypes, gs, layouts, strict=True)
         ]
 
     example = fetch(jnp.asarray(0), diff, wholes)
@@ -356,10 +360,11 @@ def _zero_scan(
             return layer(params, c, float_consts), c  # keep only the layer's input
 
         out, inputs = pipelined(step, carry, diff, wholes, reverse=False)
-        return out, (diff, wholes, inputs, float_consts)
+        plain = [None if s else d for s, d in zip(sharded, diff, strict=True)]
+        return out, (plain, wholes, inputs, float_consts)
 
     def backward(res: Any, g_out: Any) -> tuple[Any, ...]:
-        diff, wholes, inputs, float_consts = res
+        plain, wholes, inputs, float_consts = res
 
         def step(state: tuple[Any, Any], i: Any, params: PyTree) -> tuple[Any, Any]:
             g, g_consts = state
@@ -370,7 +375,7 @@ def _zero_scan(
             return (g_in, jax.tree.map(jnp.add, g_consts, g_k)), reduce(g_params)
 
         zeros = jax.tree.map(jnp.zeros_like, float_consts)
-        (g_carry, g_consts), g_reversed = pipelined(step, (g_out, zeros), diff, wholes, reverse=True)
+        (g_carry, g_consts), g_reversed = pipelined(step, (g_out, zeros), plain, wholes, reverse=True)
         # The loop ran from the last layer to the first: put layer 0 first again.
         g_diff = [None if g is None else jnp.flip(g, axis=0) for g in g_reversed]
         return g_diff, [None] * len(wholes), g_carry, g_consts
