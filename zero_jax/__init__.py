@@ -6,34 +6,66 @@
 >>> tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
 """
 
+from zero_jax import checkpoint
+from zero_jax._audit import AuditError, AuditReport, audit
 from zero_jax._layers import Sharded, gather, scan_layers
 from zero_jax._optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
+from zero_jax._planner import (
+    ModelStateBytes,
+    Plan,
+    StageChoice,
+    choose_stage,
+    comm_bytes,
+    efficiency,
+    model_state_bytes,
+    plan,
+    required_bandwidth,
+)
 from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
 from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
 from zero_jax._train import TrainState, TrainStep, full_params, init_state, make_train_step
+from zero_jax.checkpoint import CheckpointManager, export_params, load_params, restore, save
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditError",
+    "AuditReport",
+    "CheckpointManager",
     "DEFAULT_MIN_SHARD_SIZE",
     "DynamicLossScale",
     "LeafLayout",
     "LossScaleState",
+    "ModelStateBytes",
+    "Plan",
     "Precision",
     "ReplicatedLeaf",
     "Sharded",
     "ShardedOptState",
     "ShardedTransformation",
+    "StageChoice",
     "TrainState",
     "TrainStep",
     "ZeroPolicy",
+    "audit",
+    "checkpoint",
+    "choose_stage",
+    "comm_bytes",
+    "efficiency",
+    "export_params",
     "frozen_leaves",
     "full_params",
     "gather",
     "init_state",
     "leaf_layout",
+    "load_params",
     "make_train_step",
+    "model_state_bytes",
+    "plan",
+    "required_bandwidth",
+    "restore",
+    "save",
     "scan_layers",
     "shard_optimizer",
 ]

@@ -2,6 +2,12 @@
 stage and print, per stage, the final loss, the bytes each device holds next
 to the ZeRO formula, and the step time.
 
+``python -m zero_jax plan --params 7e9 --devices 8 --device-memory 80GB``: which
+stage fits (per-stage model states, communication, a recommendation; ``--plot``
+draws the chart, ``--compile`` checks the reference transformer's compiled
+step on simulated devices). ``python -m zero_jax audit``: audit the reference
+model's compiled step for each stage (``zj.audit``) and print the reports.
+
 Without an accelerator it simulates 8 CPU devices (set before JAX starts);
 on GPUs or TPUs it uses the real devices unchanged.
 """
@@ -130,9 +136,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=int(os.environ.get("ZERO_JAX_CPU_DEVICES", "8")),
         help="simulated CPU devices when no accelerator is present (default 8)",
     )
+    # plan / audit: formulas and the compiled fit check (zero_jax/_planner.py), proof from the
+    # compiled program (zero_jax/_audit.py). Importing them starts no JAX backend.
+    from zero_jax._audit import add_audit_arguments, run_audit_command
+    from zero_jax._planner import add_plan_arguments, run_plan_command
+
+    add_plan_arguments(
+        sub.add_parser("plan", help="which ZeRO stage fits: per-stage memory, communication, recommendation")
+    )
+    a = sub.add_parser("audit", help="audit the reference model's compiled step for each stage")
+    add_audit_arguments(a)
+    a.add_argument(
+        "--devices",
+        type=int,
+        default=int(os.environ.get("ZERO_JAX_CPU_DEVICES", "8")),
+        help="simulated CPU devices when no accelerator is present (default 8)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args)
+    if args.command == "plan":
+        return run_plan_command(args)
+    if args.command == "audit":
+        _simulate_cpu_devices(args.devices)
+        return run_audit_command(args)
     return 2
 
 

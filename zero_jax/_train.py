@@ -466,6 +466,7 @@ class TrainStep:
                 example = jax.eval_shape(lambda: grad_fn(diff, jax.tree.map(lambda x: x[0], micro_batches))[1])
                 if not local:
                     example = jax.eval_shape(reduce_all, example)
+
                 def zeros(x: jax.ShapeDtypeStruct, lay: LeafLayout) -> jax.Array:
                     z = jnp.zeros(x.shape, acc_dtype)
                     # Whole local gradients and pieces differ per device; all-reduced
