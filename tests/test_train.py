@@ -60,7 +60,7 @@ def test_communication_matches_zero_theory(stage: int) -> None:
     _, _, state, step = _setup(stage)
     colls = _measure.collectives(step.jitted, state, mlp_batch())
     ring = (N - 1) / N
-    # Scalars: the loss mean, `scale`'s gradient, and the (norm², overflow count) pair.
+    # Scalars: the loss mean, `scale`'s gradient and the global squared norm.
     tensor = [c for c in colls if math.prod(c.shape) > 2]
     scalars = [c for c in colls if math.prod(c.shape) <= 2]
     moved = _measure.ring_bytes(tensor)

@@ -7,8 +7,8 @@ The step has three parts, each in the view that suits it:
    ``_collectives`` reduce the gradients in the precision policy's reduce
    dtype (all-reduce in stage 0, reduce-scatter from stage 1; stages 2–3
    reduce-scatter each gradient the moment the backward pass produces it;
-   stage 3 also gathers the parameters for use). The global gradient norm
-   and the overflow check cost one all-reduce of two scalars;
+   stage 3 also gathers the parameters for use). The global gradient norm,
+   which is also the overflow check, costs one scalar all-reduce;
 2. the optimizer, in the global view: :func:`shard_optimizer` runs the
    optax update on the partitioned (fp32 master) state, where the compiler
    keeps elementwise math local and adds only the small reductions an
@@ -356,8 +356,8 @@ class TrainStep:
     # -- the program ---------------------------------------------------------------------
 
     def _grads(self, state: TrainState, batch: PyTree, *, for_optimizer: bool) -> tuple[PyTree, jax.Array, Any, Any]:
-        """Reduced gradients, loss, aux and (global squared norm, non-finite
-        count) of the unscaled gradients, in one ``shard_map``.
+        """Reduced gradients, loss, aux and the global squared norm of the
+        unscaled gradients, in one ``shard_map``.
 
         With ``for_optimizer`` (the step) gradients come back partitioned
         from stage 1 on (the optimizer works on pieces); otherwise as the
@@ -482,32 +482,32 @@ class TrainStep:
                     lambda a: jnp.mean(a, 0) if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.sum(a, 0), auxes
                 )
 
-            # The global squared norm and the overflow count of the unscaled
-            # gradients, in one all-reduce of two scalars: pieces differ per
-            # device and are summed; whole gradients are the same everywhere.
+            # The global squared norm of the unscaled gradients, in one scalar
+            # all-reduce: pieces differ per device and are summed; whole gradients
+            # are the same everywhere. It doubles as the overflow check: any inf or
+            # NaN anywhere makes it non-finite on every device alike.
             def unscaled(g: jax.Array) -> jax.Array:
                 g = g.astype(jnp.float32)
                 return g / scale if scale_loss else g
 
-            part, whole = jnp.zeros(2, jnp.float32), jnp.zeros(2, jnp.float32)
+            part, whole = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
             layout_leaves = jax.tree.leaves(layouts, is_leaf=_is_layout)
             for g, lay in zip(_leaves(grads), layout_leaves, strict=True):
                 if g is None:
                     continue
                 u = unscaled(g)
-                stats = jnp.stack([jnp.sum(u * u), jnp.sum(~jnp.isfinite(u)).astype(jnp.float32)])
                 if cut(lay):
-                    part = part + stats
+                    part = part + jnp.sum(u * u)
                 else:
-                    whole = whole + stats
+                    whole = whole + jnp.sum(u * u)
             any_cut = any(cut(lay) for lay, fz in zip(layout_leaves, _leaves(frozen), strict=True) if not fz)
-            stats = (jax.lax.psum(part, axis) if any_cut else part) + whole
+            sq_norm = (jax.lax.psum(part, axis) if any_cut else part) + whole
             loss = jax.lax.pmean(loss, axis)
             aux = jax.tree.map(
                 lambda a: jax.lax.pmean(a, axis) if jnp.issubdtype(a.dtype, jnp.inexact) else jax.lax.psum(a, axis),
                 aux,
             )
-            return grads, loss, aux, stats
+            return grads, loss, aux, sq_norm
 
         def spec(lay: LeafLayout, partitioned: bool) -> PartitionSpec:
             return lay.spec(policy.axes) if partitioned else PartitionSpec()
@@ -541,7 +541,7 @@ class TrainStep:
         prec = policy.precision
         layouts = state.layouts.tree()
         frozen = self._frozen(state.layouts)
-        grads, loss, aux, (sq_norm, nonfinite) = self._grads(state, batch, for_optimizer=True)
+        grads, loss, aux, sq_norm = self._grads(state, batch, for_optimizer=True)
         grad_norm = jnp.sqrt(sq_norm)
         scale = state.loss_scale.scale if state.loss_scale is not None else None
 
@@ -578,8 +578,8 @@ class TrainStep:
             new_master, opt_state = update(master, state.opt_state)
         else:
             # An overflow anywhere skips the step everywhere: the flag comes from
-            # the same all-reduce as the norm, so every device takes one branch.
-            finite = nonfinite == 0
+            # the all-reduced norm, so every device takes the same branch.
+            finite = jnp.isfinite(sq_norm)
             new_master, opt_state = jax.lax.cond(finite, update, lambda m, o: (m, o), master, state.opt_state)
 
         compute = cast_floats(new_master, prec.compute_dtype)
