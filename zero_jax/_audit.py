@@ -412,13 +412,7 @@ def audit(
     if not 0 <= tolerance < 1:
         raise ValueError(f"audit: tolerance must be in [0, 1), got {tolerance!r}.")
     n, stage = policy.num_shards, policy.stage
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = tuple(getattr(leaf, "shape", ()))
-        if not shape or shape[0] % n:
-            raise ValueError(
-                f"audit: batch leaf '{path_str(path)}' has shape {shape}; its leading (batch) dimension must "
-                f"divide by the {n} devices of the data axis. Use a global batch size that is a multiple of {n}."
-            )
+    policy.check_batch(batch, where="audit")
     accum_mode = accum_mode if accum_mode is not None else getattr(train_step, "accum_mode", None)
     steps = accum_steps if accum_steps is not None else getattr(train_step, "accum_steps", 1)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

@@ -294,6 +294,25 @@ class ZeroPolicy:
         """Every batch leaf is split along its leading dimension over ``axis``."""
         return NamedSharding(self._mesh, PartitionSpec(self.axis_name))
 
+    def check_batch(self, batch: PyTree, *, where: str, microbatches: int = 1) -> None:
+        """Raise a ValueError naming the first batch leaf whose leading (batch)
+        dimension does not split over the data axis (and ``microbatches``)."""
+        n, k = self.num_shards, microbatches
+        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            shape = tuple(getattr(leaf, "shape", ()))
+            if not shape or shape[0] % n:
+                raise ValueError(
+                    f"{where}: batch leaf '{path_str(path)}' has shape {shape}; its leading "
+                    f"(batch) dimension must divide by the {n} devices of the data axis "
+                    f"{self.axis_name!r}. Use a global batch size that is a multiple of {n}."
+                )
+            if shape[0] % (n * k):
+                raise ValueError(
+                    f"{where}: batch leaf '{path_str(path)}' has shape {shape}: accum_steps={k} "
+                    f"microbatches on each of {n} devices need a global batch that is a multiple of "
+                    f"{n * k}. Change the batch size or accum_steps."
+                )
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self._mesh, PartitionSpec())
 

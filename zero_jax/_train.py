@@ -325,21 +325,7 @@ class TrainStep:
                 "train_step: the optimizer state was made by another optimizer than this step's tx. "
                 "Create the state with zj.init_state(params, tx, policy) using the same tx."
             )
-        n, k = policy.num_shards, self.accum_steps
-        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            shape = tuple(getattr(leaf, "shape", ()))
-            if not shape or shape[0] % n:
-                raise ValueError(
-                    f"train_step: batch leaf '{path_str(path)}' has shape {shape}; its leading "
-                    f"(batch) dimension must divide by the {n} devices of the data axis "
-                    f"{policy.axis_name!r}. Use a global batch size that is a multiple of {n}."
-                )
-            if shape[0] % (n * k):
-                raise ValueError(
-                    f"train_step: batch leaf '{path_str(path)}' has shape {shape}: accum_steps={k} "
-                    f"microbatches on each of {n} devices need a global batch that is a multiple of "
-                    f"{n * k}. Change the batch size or accum_steps."
-                )
+        policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a step object lives as long as its training run
     def _expected_opt_state(self, layouts: TreeLayouts) -> PyTree:
