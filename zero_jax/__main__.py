@@ -50,7 +50,7 @@ def demo(args: argparse.Namespace) -> int:
 
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("data",))
-    cfg = TransformerConfig(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=4, seq=args.seq)
+    cfg = TransformerConfig(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads, seq=args.seq)
     params = init_params(cfg, jax.random.key(0))
     n = len(devices)
     batch_size = args.batch_per_device * n
@@ -117,19 +117,14 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from zero_jax.models.transformer import add_model_arguments  # the models import zero_jax
+
     parser = argparse.ArgumentParser(prog="python -m zero_jax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train the reference model with each stage and print memory and time")
     d.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
     d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--depth", type=int, default=4)
-    d.add_argument("--dim", type=int, default=128)
-    d.add_argument("--vocab", type=int, default=256)
-    d.add_argument("--seq", type=int, default=64)
-    d.add_argument("--batch-per-device", type=int, default=4)
-    d.add_argument(
-        "--bf16", action="store_true", help="bf16 compute with an fp32 master copy (ZeRO's 2 + 2 + 12 bytes)"
-    )
+    add_model_arguments(d)
     d.add_argument(
         "--devices",
         type=int,

@@ -693,15 +693,11 @@ def _accum_violations(
 
 def add_audit_arguments(p: Any) -> None:
     """The ``audit`` subcommand's options (for ``zero_jax.__main__``)."""
+    from zero_jax.models.transformer import add_model_arguments  # the models import zero_jax
+
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch-per-device", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--gather", choices=("manual", "all"), default="manual", help="layer-wise (manual) or whole")
-    p.add_argument("--bf16", action="store_true", help="bf16 compute copy and gradients, fp32 master")
     p.add_argument("--accum-steps", type=int, default=1)
     p.add_argument("--accum-mode", choices=("local", "partitioned"), default=None)
     p.add_argument("--verbose", "-v", action="store_true", help="print every stage's full report")

@@ -726,6 +726,8 @@ def _console() -> Any:
 
 def add_plan_arguments(p: Any) -> None:
     """The ``plan`` subcommand's options (for ``zero_jax.__main__``)."""
+    from zero_jax.models.transformer import add_model_arguments  # the models import zero_jax
+
     p.add_argument("--params", help="number of parameters, e.g. 7e9 or 7B (default: the --compile model's)")
     p.add_argument("--devices", type=int, default=8, help="data-parallel devices N (default 8)")
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB or 16GiB")
@@ -739,13 +741,7 @@ def add_plan_arguments(p: Any) -> None:
     p.add_argument("--plot", help="write the stacked-bar chart of model states per stage to this file (matplotlib)")
     c = p.add_argument_group("compile: check the reference transformer's compiled step (simulated devices)")
     c.add_argument("--compile", action="store_true", help="also compile each stage's step for N simulated devices")
-    c.add_argument("--dim", type=int, default=2048)
-    c.add_argument("--depth", type=int, default=20)
-    c.add_argument("--heads", type=int, default=16)
-    c.add_argument("--vocab", type=int, default=32000)
-    c.add_argument("--seq", type=int, default=512)
-    c.add_argument("--batch-per-device", type=int, default=1)
-    c.add_argument("--bf16", action="store_true", help="bf16 compute copy and gradients, fp32 master")
+    add_model_arguments(c, vocab=32000, dim=2048, depth=20, heads=16, seq=512, batch_per_device=1)
     c.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
 
 

@@ -1,5 +1,11 @@
 """Reference models used by the demo, the benchmarks and the tests."""
 
-from zero_jax.models.transformer import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+from zero_jax.models.transformer import (
+    TransformerConfig,
+    add_model_arguments,
+    init_params,
+    make_loss_fn,
+    synthetic_batch,
+)
 
-__all__ = ["TransformerConfig", "init_params", "make_loss_fn", "synthetic_batch"]
+__all__ = ["TransformerConfig", "add_model_arguments", "init_params", "make_loss_fn", "synthetic_batch"]

@@ -49,6 +49,26 @@ class TransformerConfig:
         return self.vocab * d + self.seq * d + self.depth * per_layer + 2 * d + d * self.vocab
 
 
+def add_model_arguments(
+    parser: Any,
+    *,
+    vocab: int = 256,
+    dim: int = 128,
+    depth: int = 4,
+    heads: int = 4,
+    seq: int = 64,
+    batch_per_device: int = 4,
+) -> None:
+    """The reference model's command-line options (shared by demo, audit and plan)."""
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--dim", type=int, default=dim)
+    parser.add_argument("--depth", type=int, default=depth)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--batch-per-device", type=int, default=batch_per_device)
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute copy and gradients, fp32 master copy")
+
+
 def init_params(config: TransformerConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random parameters; ``layers`` holds each block's leaves stacked on axis 0."""
     if config.dim % config.heads:
