@@ -8,7 +8,9 @@
 
 from zero_jax import checkpoint
 from zero_jax._audit import AuditError, AuditReport, audit
+from zero_jax._launch import launch
 from zero_jax._layers import Sharded, gather, scan_layers
+from zero_jax._multihost import shard_batch
 from zero_jax._optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
 from zero_jax._planner import (
@@ -17,6 +19,7 @@ from zero_jax._planner import (
     StageChoice,
     choose_stage,
     comm_bytes,
+    comm_bytes_per_axis,
     efficiency,
     model_state_bytes,
     plan,
@@ -52,12 +55,14 @@ __all__ = [
     "checkpoint",
     "choose_stage",
     "comm_bytes",
+    "comm_bytes_per_axis",
     "efficiency",
     "export_params",
     "frozen_leaves",
     "full_params",
     "gather",
     "init_state",
+    "launch",
     "leaf_layout",
     "load_params",
     "make_train_step",
@@ -67,5 +72,6 @@ __all__ = [
     "restore",
     "save",
     "scan_layers",
+    "shard_batch",
     "shard_optimizer",
 ]

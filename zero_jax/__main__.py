@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 def _simulate_cpu_devices(n: int) -> None:
@@ -39,9 +39,33 @@ def _fmt_bytes(n: float) -> str:
 
 
 def demo(args: argparse.Namespace) -> int:
+    if args.processes > 1:
+        # A simulated pod: P processes on 127.0.0.1 joined by jax.distributed,
+        # each with its own devices; process 0's report is printed.
+        if args.devices % args.processes:
+            raise SystemExit(f"demo: --devices {args.devices} must divide by --processes {args.processes}.")
+        import zero_jax as zj
+
+        reports = zj.launch(
+            _demo_process, vars(args), processes=args.processes, local_devices=args.devices // args.processes
+        )
+        print("\n".join(reports[0]))
+        return 0
     _simulate_cpu_devices(args.devices)
+    for line in _demo_lines(args):
+        print(line, flush=True)
+    return 0
+
+
+def _demo_process(options: dict) -> list[str]:
+    """One process of ``demo --processes P`` (run by ``zj.launch``)."""
+    return list(_demo_lines(argparse.Namespace(**options)))
+
+
+def _demo_lines(args: argparse.Namespace) -> Iterator[str]:
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import optax
 
     import zero_jax as zj
@@ -49,15 +73,31 @@ def demo(args: argparse.Namespace) -> int:
     from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("data",))
+    processes = jax.process_count()
+    if processes > 1:
+        # One replica per process (host), partitions within it: HSDP, the multi-host layout.
+        mesh = jax.sharding.Mesh(np.asarray(devices).reshape(processes, -1), ("replica", "data"))
+        hybrid = {"replica_axis": "replica"}
+        where = f"{processes} processes x {jax.local_device_count()} {devices[0].platform} devices, HSDP"
+    else:
+        mesh = jax.make_mesh((len(devices),), ("data",))
+        hybrid = {}
+        where = f"N = {len(devices)} {devices[0].platform} devices"
     cfg = TransformerConfig(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads, seq=args.seq)
     params = init_params(cfg, jax.random.key(0))
-    n = len(devices)
-    batch_size = args.batch_per_device * n
-    batches = [synthetic_batch(cfg, batch_size, jax.random.key(100 + i)) for i in range(args.steps)]
-    print(
+    batch_size = args.batch_per_device * len(devices)
+    rows = batch_size // processes  # each process loads only its own rows
+    pid = jax.process_index()
+    local_batches = [
+        jax.tree.map(
+            lambda x: np.asarray(x)[pid * rows : (pid + 1) * rows],
+            synthetic_batch(cfg, batch_size, jax.random.key(100 + i)),
+        )
+        for i in range(args.steps)
+    ]
+    yield (
         f"zero_jax demo: {cfg.num_params():,} parameters (depth {cfg.depth}, width {cfg.dim}), "
-        f"N = {n} {devices[0].platform} devices, global batch {batch_size}, AdamW, "
+        f"{where}, global batch {batch_size}, AdamW, "
         f"{'bf16 compute / fp32 master' if args.bf16 else 'fp32'}, {args.steps} steps\n"
     )
     precision = zj.Precision(compute_dtype=jnp.bfloat16) if args.bf16 else zj.Precision()
@@ -67,10 +107,12 @@ def demo(args: argparse.Namespace) -> int:
         f"{'stage':>5} {'loss':>8} {'params/dev':>11} {'formula':>11} {'grads/dev':>11} {'formula':>11} "
         f"{'opt/dev':>11} {'formula':>11} {'peak/dev':>10} {'step ms':>8}"
     )
-    print(header)
-    print("-" * len(header))
+    yield header
+    yield "-" * len(header)
     for stage in args.stages:
-        policy = zj.ZeroPolicy(stage, mesh, stacked="layers", precision=precision)
+        policy = zj.ZeroPolicy(stage, mesh, "data", **hybrid, stacked="layers", precision=precision)
+        n = policy.num_shards
+        batches = [zj.shard_batch(b, policy) for b in local_batches]
         tx = zj.shard_optimizer(optax.adamw(3e-3, weight_decay=0.01), policy)
         state = zj.init_state(params, tx, policy)
         # Layer-wise: the model gathers each layer just before use (zj.scan_layers).
@@ -100,20 +142,20 @@ def demo(args: argparse.Namespace) -> int:
             jax.block_until_ready(metrics["loss"])
             times.append(time.perf_counter() - start)
         step_ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else 1e3 * times[0]
-        print(
+        yield (
             f"{stage:>5} {float(metrics['loss']):>8.4f} "
             + " ".join(
                 f"{_fmt_bytes(measured[k]):>11} {_fmt_bytes(formula[k]):>11}" for k in ("params", "grads", "opt")
             )
             + f" {_fmt_bytes(peak):>10} {step_ms:>8.1f}"
         )
-    print(
+    yield (
         "\nbytes/dev: measured on the live arrays (largest device); formula: ZeRO's Φ/N for what the stage "
         "partitions\n(padding included; leaves under min_shard_size stay whole). Optimizer: master copy (with "
         "--bf16) + Adam's moments and int32 count.\n"
         "peak/dev: the compiled step's argument + output + temp - alias (memory_analysis)."
+        + ("\nN is the partition (data) axis within each process; processes hold replicas." if processes > 1 else "")
     )
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
     d.add_argument("--steps", type=int, default=20)
     add_model_arguments(d)
+    d.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run as P processes on 127.0.0.1 joined by jax.distributed (a simulated pod; HSDP across them)",
+    )
     d.add_argument(
         "--devices",
         type=int,

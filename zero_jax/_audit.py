@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax import _measure
-from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, REASON_NO_DIMENSION, LeafLayout, leaf_layout
+from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
 from zero_jax._planner import model_state_bytes
 from zero_jax._policy import PyTree, ZeroPolicy, key_name, path_str
 
@@ -149,6 +149,9 @@ class AuditReport:
         bytes, trips), and ``loops``: instruction name -> trip counts of the
         loops around it, outermost first.
       comm: :class:`Communication`, measured beside the theory.
+      comm_per_axis: measured ring bytes per device per step by the mesh
+        axes each collective spans (``"data"``; on a hybrid mesh also
+        ``"replica"`` and ``"replica+data"``): what crosses the slow axis.
       violations: what ``check()`` raises about.
       abstract: measured on ``ShapeDtypeStruct`` inputs (bytes from shardings).
     """
@@ -166,6 +169,7 @@ class AuditReport:
     collectives: tuple[_measure.Collective, ...]
     loops: Mapping[str, tuple[int, ...]]
     comm: Communication
+    comm_per_axis: Mapping[str, float]
     violations: tuple[Violation, ...]
     min_shard_size: int
     tolerance: float
@@ -229,6 +233,10 @@ class AuditReport:
             f"(measured/theory {c.ratio:.4f}); accounted {fmt_bytes(c.accounted)} ({c.accounted_ratio:.4f})"
         )
         lines.extend(f"  skipped re-gather: {s}" for s in c.skipped_regathers)
+        if len(self.comm_per_axis) > 1:
+            lines.append(
+                "  by mesh axes: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(self.comm_per_axis.items()))
+            )
         if self.violations:
             lines.append(f"VIOLATIONS ({len(self.violations)}):")
             lines.extend(f"  - {v}" for v in self.violations)
@@ -477,6 +485,8 @@ def audit(
             param_bytes=per_param["param_bytes"],
             grad_bytes=per_param.get("grad_bytes", 0.0),
             optimizer_bytes=per_param["optimizer_bytes"],
+            replicas=policy.num_replicas,
+            optimizer_over_replicas=policy.optimizer_over_replicas,
         )  # fmt: skip
         formula = {"params": f.params, "optimizer": f.optimizer} | ({"grads": f.grads} if grads_measured else {})
 
@@ -489,7 +499,7 @@ def audit(
 
     violations: list[Violation] = []
     violations += _replicated_violations(leaves, partitioned_cats, policy, min_shard_size, n, stage)
-    violations += _all_reduce_violations(colls, loops, float_params, min_shard_size, stage)
+    violations += _all_reduce_violations(colls, loops, float_params, min_shard_size, policy)
     if comm.measured > comm.theory * (1 + tolerance):
         violations.append(
             Violation(
@@ -518,6 +528,7 @@ def audit(
         collectives=colls,
         loops=loops,
         comm=comm,
+        comm_per_axis=_measure.ring_bytes_per_axis(colls, policy.mesh),
         violations=tuple(violations),
         min_shard_size=min_shard_size,
         tolerance=tolerance,
@@ -561,8 +572,10 @@ def _communication(
     locally; stages 1-2 all-gather the updated parameters once. Leaves kept
     whole are all-reduced (two passes); frozen leaves are not reduced.
     """
-    stage, n = policy.stage, policy.num_shards
+    stage, n, r = policy.stage, policy.num_shards, policy.num_replicas
     ring = (n - 1) / n
+    ring_all = (n * r - 1) / (n * r)  # an all-reduce / all-gather spanning replicas and partitions
+    ring_replica = (r - 1) / r
     local = steps > 1 and accum_mode == "local"
     reduces = steps if steps > 1 and not local else 1
     gathers = 1 if stage < 3 else (1 if local else 2 * steps)
@@ -575,11 +588,20 @@ def _communication(
     for path, lay, dtype, frozen in float_params:
         rb = np.dtype(reduce_dtype if reduce_dtype is not None else dtype).itemsize
         if stage == 0 or not lay.partitioned:
-            theory += 0 if frozen else 2 * ring * math.prod(lay.shape) * rb * reduces
+            theory += 0 if frozen else 2 * ring_all * math.prod(lay.shape) * rb * reduces
             continue
         stored = math.prod(lay.stored_shape)
         theory += 0 if frozen else ring * stored * rb * reduces  # reduce-scatter of the gradient
-        theory += ring * stored * dtype.itemsize * gathers  # all-gather(s) of the parameter
+        if r > 1 and not frozen:
+            # The 1/N piece crosses the replicas once per step: all-reduced (HSDP),
+            # or reduce-scattered (optimizer over replicas; gathered back below).
+            theory += (1 if policy.optimizer_over_replicas else 2) * ring_replica * stored / n * rb
+        if policy.optimizer_over_replicas and stage < 3:
+            theory += ring_all * stored * dtype.itemsize  # all-gather of the update over both axes
+        else:
+            theory += ring * stored * dtype.itemsize * gathers  # all-gather(s) of the parameter
+            if policy.optimizer_over_replicas:
+                theory += ring_replica * stored / n * dtype.itemsize  # update pieces -> parameter pieces
         if stage == 3:
             # One gather unit per use: the whole leaf, or one layer of a stacked leaf
             # when the program gathers layer-sized pieces (``scan_layers``).
@@ -638,15 +660,21 @@ def _all_reduce_violations(
     loops: Mapping[str, tuple[int, ...]],
     float_params: list[tuple[str, LeafLayout, np.dtype, bool]],
     min_shard_size: int,
-    stage: int,
+    policy: ZeroPolicy,
 ) -> list[Violation]:
+    stage = policy.stage
     if stage == 0:
         return []
     sizes = [math.prod(lay.shape) for _, lay, _, _ in float_params if lay.partitioned]
     threshold = max(1, min([min_shard_size, *sizes]))
+    # HSDP all-reduces each gradient's 1/N piece across the replica axes: expected.
+    pieces = {shard_shape(lay, policy.num_shards) for _, lay, _, _ in float_params if lay.partitioned}
+    replica_axes = set(policy.replica_axes)
     out = []
     for c in colls:
         if c.kind != "all-reduce" or math.prod(c.shape) < threshold:
+            continue
+        if replica_axes and set(c.axes(policy.mesh)) <= replica_axes and c.shape in pieces:
             continue
         match = [
             p

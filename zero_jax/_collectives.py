@@ -5,16 +5,53 @@ reduce-scatter / all-gather on its cut dimension (padded to a multiple of N);
 a leaf the policy keeps whole moves by all-reduce. Nothing else in the
 library calls ``jax.lax`` collectives on state-sized data, so what the
 compiled program communicates can be read off this module.
+
+On a hybrid mesh (:class:`Axes` with replica axes) the partition collectives
+run within the shard axes only; :func:`reduce_across_replicas` then moves
+just the 1/N piece across the (slow) replica axes.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from zero_jax._partition import LeafLayout, pad, shard_shape, unpad
 
-AxisName = str | tuple[str, ...]
+
+class Axes(NamedTuple):
+    """The mesh axes a step's collectives run over.
+
+    ``shard``: state is cut across these (reduce-scatter, all-gather).
+    ``replica``: the batch is split across these too, but they hold replicas
+    of the partitioned state. ``scatter_replicas``: the reduced gradient
+    piece is cut once more across ``replica`` (optimizer state partitioned
+    over both).
+    """
+
+    shard: tuple[str, ...]
+    replica: tuple[str, ...] = ()
+    scatter_replicas: bool = False
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        """Every axis the batch is split over."""
+        return self.replica + self.shard
+
+
+AxisName = str | tuple[str, ...] | Axes
+
+
+def _axes(axis: AxisName) -> Axes:
+    if isinstance(axis, Axes):
+        return axis
+    return Axes((axis,) if isinstance(axis, str) else tuple(axis))
+
+
+def _name(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else axes
 
 
 def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
@@ -25,7 +62,7 @@ def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
     varying first keeps each device's gradient local, so we choose the
     collective ourselves.
     """
-    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    axes = _axes(axis).all
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
     varying = manual.varying if manual is not None else getattr(jax.typeof(x), "vma", frozenset())
     missing = tuple(a for a in axes if a not in varying)
@@ -35,21 +72,38 @@ def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
 
 
 def sum_all_reduce(x: jax.Array, axis: AxisName) -> jax.Array:
-    """Sum ``x`` over the data axis; every device gets the whole result.
+    """Sum ``x`` over every batch axis; every device gets the whole result.
 
     Gradients are summed, not averaged: the step scales each device's loss by
     1/N before differentiating, so the sum *is* the global mean.
     """
-    return jax.lax.psum(x, axis)
+    return jax.lax.psum(x, _name(_axes(axis).all))
 
 
 def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
-    """Sum a whole per-device gradient over the data axis and keep this
+    """Sum a whole per-device gradient over the shard axes and keep this
     device's piece of it (stored, padded form). A leaf the policy keeps whole
-    is all-reduced instead."""
+    is all-reduced (over every batch axis) instead. On a hybrid mesh the
+    piece still differs per replica: :func:`reduce_across_replicas` finishes."""
     if layout.dim is None:
         return sum_all_reduce(x, axis)
-    return jax.lax.psum_scatter(pad(x, layout), axis, scatter_dimension=layout.dim, tiled=True)
+    shard = _name(_axes(axis).shard)
+    return jax.lax.psum_scatter(pad(x, layout), shard, scatter_dimension=layout.dim, tiled=True)
+
+
+def reduce_across_replicas(piece: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """Finish a partitioned gradient's reduction across the replica axes: an
+    all-reduce of the 1/N piece (HSDP), or a reduce-scatter of it into
+    1/(R·N) pieces (optimizer state partitioned over the replicas too).
+    Identity without replica axes, and for leaves kept whole (their
+    all-reduce spanned every axis already)."""
+    axes = _axes(axis)
+    if not axes.replica or layout.dim is None:
+        return piece
+    replica = _name(axes.replica)
+    if axes.scatter_replicas:
+        return jax.lax.psum_scatter(piece, replica, scatter_dimension=layout.dim, tiled=True)
+    return jax.lax.psum(piece, replica)
 
 
 def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
@@ -58,18 +112,22 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
     so differentiating through it gives each device its piece of the *summed*
     gradient: ZeRO-3's backward communication for free."""
     if layout.dim is None:
-        return x
-    whole = jax.lax.all_gather(x, axis, axis=layout.dim, tiled=True)
-    return unpad(whole, layout)
+        return to_varying(x, axis)
+    whole = jax.lax.all_gather(x, _name(_axes(axis).shard), axis=layout.dim, tiled=True)
+    # Per-replica too: the gathered weights meet replica-varying activations,
+    # and an invariant value there would make autodiff all-reduce the whole
+    # gradient across the replicas behind our back.
+    return to_varying(unpad(whole, layout), axis)
 
 
-def gather_replicated(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
-    """All-gather pieces into the whole, unpadded leaf, typed as replicated
-    (so it may leave ``shard_map`` with ``out_specs=P()``)."""
+def gather_replicated(x: jax.Array, layout: LeafLayout, axes: tuple[str, ...], *, unpadded: bool = True) -> jax.Array:
+    """All-gather pieces cut over ``axes`` (in that order, major first) into
+    the whole (unpadded) leaf, typed as replicated over them (so it may
+    leave ``shard_map`` without those axes in its spec)."""
     if layout.dim is None:
         return x
-    whole = jax.lax.all_gather(x, axis, axis=layout.dim, tiled=True, to="invarying")
-    return unpad(whole, layout)
+    whole = jax.lax.all_gather(x, _name(axes), axis=layout.dim, tiled=True, to="invarying")
+    return unpad(whole, layout) if unpadded else whole
 
 
 def fetch(source: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool) -> jax.Array:

@@ -182,7 +182,7 @@ def gather(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
     if policy is None:
         return tree
     _check_is_parameter_piece(tree, policy, "zj.gather")
-    return jax.tree.map(lambda x: x.fetch(policy.axis_name) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
+    return jax.tree.map(lambda x: x.fetch(policy.comm) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
 
 
 def _layer_layout(lay: LeafLayout, path: str) -> LeafLayout:
@@ -275,7 +275,7 @@ def scan_layers(
     # keeps at least two trips: XLA inlines a one-trip loop and then merges the
     # backward re-gathers into the forward gathers, keeping every layer alive.
     ahead = min(prefetch, max(depth - 2, 0)) if policy.stage == 3 else 0
-    return _zero_scan(layer_fn, treedef, nodes, carry, policy.axis_name, ahead, depth)
+    return _zero_scan(layer_fn, treedef, nodes, carry, policy.comm, ahead, depth)
 
 
 def _zero_scan(

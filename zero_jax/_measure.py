@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {
@@ -62,6 +63,21 @@ class Collective:
     group_size: int
     trips: int = 1
     name: str = ""
+    group: tuple[int, ...] = ()  # the devices (partition ids) of one replica group, when the HLO lists them
+
+    def axes(self, mesh: Any) -> tuple[str, ...]:
+        """The mesh axes this collective runs across: those along which the
+        devices of its group differ (every axis when the group is unknown).
+
+        Partition ids are positions in ``mesh.devices.flat`` (jit's device
+        assignment), so this reads ``replica_groups={{0,4},{1,5},...}`` on a
+        ``("replica", "data")`` mesh of shape (2, 4) as ``("replica",)``.
+        """
+        names = tuple(mesh.axis_names)
+        if not self.group:
+            return tuple(n for n in names if mesh.shape[n] > 1)
+        coords = np.array(np.unravel_index(np.asarray(self.group), mesh.devices.shape))
+        return tuple(n for i, n in enumerate(names) if len(set(coords[i].tolist())) > 1)
 
     @property
     def ring_bytes(self) -> float:
@@ -88,6 +104,23 @@ def _array_bytes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
         dims = tuple(int(d) for d in m.group("dims").split(",") if d)
         out.append((dtype, dims, math.prod(dims) * _DTYPE_BYTES[dtype]))
     return out
+
+
+def _first_group(line: str) -> tuple[int, ...]:
+    """The first replica group of a collective, from either HLO spelling:
+    ``{{0,4},{1,5}}`` or the iota form ``[G,S]<=[dims]T(perm)``."""
+    m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", line)
+    if m:
+        return tuple(int(x) for x in m.group(1).split(",") if x.strip())
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        g, size = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return tuple(int(i) for i in ids.reshape(g, size)[0])
+    return ()
 
 
 def _group_size(line: str, num_devices: int) -> int:
@@ -165,7 +198,9 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
         for dtype, shape, nbytes in _array_bytes(m.group("type")):
             if kind == "reduce-scatter":  # count the input: N pieces of the result
                 nbytes *= n
-            out.append(Collective(kind, dtype, shape, nbytes, n, trips.get(current, 1), m.group("name")))
+            out.append(
+                Collective(kind, dtype, shape, nbytes, n, trips.get(current, 1), m.group("name"), _first_group(line))
+            )
     return out
 
 
@@ -201,6 +236,17 @@ def memory(compiled: Any) -> dict[str, int]:
     }
     fig["peak"] = fig["argument"] + fig["output"] + fig["temp"] - fig["alias"]
     return fig
+
+
+def ring_bytes_per_axis(colls: Iterable[Collective], mesh: Any) -> dict[str, float]:
+    """Ring bytes one device sends per step, by the mesh axes each collective
+    spans: ``"data"``, ``"replica"``, or ``"replica+data"`` for one spanning
+    both (the loss, stage 0's all-reduce, stages 1–2's all-gather with
+    ``optimizer_over_replicas``)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for c in colls:
+        out["+".join(c.axes(mesh)) or "none"] += c.total_ring_bytes
+    return dict(out)
 
 
 def summarize(colls: Iterable[Collective]) -> dict[str, dict[str, float]]:

@@ -81,25 +81,31 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
     policy: ZeroPolicy
 
 
-def _constrain(x: jax.Array, policy: ZeroPolicy, layout: LeafLayout, partitioned: bool) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, policy._named(layout, partitioned))
+def _constrain(
+    x: jax.Array, policy: ZeroPolicy, layout: LeafLayout, partitioned: bool, axes: tuple[str, ...] | None
+) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, policy._named(layout, partitioned, axes))
 
 
-def store(tree: PyTree, layouts: PyTree, policy: ZeroPolicy, partitioned: bool) -> PyTree:
+def store(
+    tree: PyTree, layouts: PyTree, policy: ZeroPolicy, partitioned: bool, *, axes: tuple[str, ...] | None = None
+) -> PyTree:
     """Logical (or already stored) arrays -> stored form: padded if
-    partitioned, and placed."""
+    partitioned (over ``axes``: the parameters' axes by default), and placed."""
 
     def one(x: jax.Array, lay: LeafLayout) -> jax.Array:
         if not partitioned or lay.dim is None:
-            return _constrain(x, policy, lay, False)
+            return _constrain(x, policy, lay, False, axes)
         if tuple(x.shape) == lay.shape:
             x = pad(x, lay)
-        return _constrain(x, policy, lay, True)
+        return _constrain(x, policy, lay, True, axes)
 
     return jax.tree.map(one, tree, layouts)
 
 
-def to_logical(tree: PyTree, layouts: PyTree, policy: ZeroPolicy, partitioned: bool) -> PyTree:
+def to_logical(
+    tree: PyTree, layouts: PyTree, policy: ZeroPolicy, partitioned: bool, *, axes: tuple[str, ...] | None = None
+) -> PyTree:
     """Stored (or already logical) arrays -> logical arrays, still partitioned.
 
     Inside ``jit`` the compiler keeps the unpadded array on the same devices
@@ -110,7 +116,7 @@ def to_logical(tree: PyTree, layouts: PyTree, policy: ZeroPolicy, partitioned: b
     def one(x: jax.Array, lay: LeafLayout) -> jax.Array:
         if tuple(x.shape) == lay.stored_shape and lay.padding:
             x = unpad(x, lay)
-        return _constrain(x, policy, lay, partitioned and lay.dim is not None)
+        return _constrain(x, policy, lay, partitioned and lay.dim is not None, axes)
 
     return jax.tree.map(one, tree, layouts)
 
@@ -230,6 +236,7 @@ def shard_optimizer(
     if trainable is not None:
         tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, _trainable_labels(trainable))
     partitioned = policy.partitions_opt_state
+    axes = policy.state_axes  # the optimizer's view: state, gradients and parameters cut alike
     fix = (
         "This optimizer state belongs to another parameter tree or policy: create it with "
         "zj.init_state(params, tx, policy) for these parameters (or zj.restore(..., policy=...))."
@@ -240,7 +247,7 @@ def shard_optimizer(
         inner = tx.init(params)
         layouts = policy.state_layouts(inner, params)
         return ShardedOptState(
-            store(inner, layouts, policy, partitioned),
+            store(inner, layouts, policy, partitioned, axes=axes),
             policy,
             TreeLayouts.of(param_layouts),
             TreeLayouts.of(layouts),
@@ -262,19 +269,19 @@ def shard_optimizer(
         check_tree(updates, state.params, "shard_optimizer.update: the gradient tree", fix)
         param_layouts = state.params.tree()
         state_layouts = state.layouts.tree()
-        inner_state = to_logical(state.inner_state, state_layouts, policy, partitioned)
-        grads = to_logical(updates, param_layouts, policy, partitioned)
+        inner_state = to_logical(state.inner_state, state_layouts, policy, partitioned, axes=axes)
+        grads = to_logical(updates, param_layouts, policy, partitioned, axes=axes)
         if params is not None:
             check_tree(params, state.params, "shard_optimizer.update: the parameter tree", fix)
-            params = to_logical(params, param_layouts, policy, partitioned)
+            params = to_logical(params, param_layouts, policy, partitioned, axes=axes)
         new_updates, new_inner = tx.update(grads, inner_state, params, **extra_args)  # type: ignore[call-arg]
-        new_inner = store(new_inner, state_layouts, policy, partitioned)
+        new_inner = store(new_inner, state_layouts, policy, partitioned, axes=axes)
 
         # Hand the updates back in the form each gradient came in.
         def back(u: jax.Array, g: jax.Array, lay: LeafLayout) -> jax.Array:
             stored = tuple(g.shape) == lay.stored_shape and lay.padding > 0
             part = partitioned and lay.dim is not None
-            return _constrain(pad(u, lay) if stored else u, policy, lay, part)
+            return _constrain(pad(u, lay) if stored else u, policy, lay, part, axes)
 
         new_updates = jax.tree.map(back, new_updates, updates, param_layouts)
         return new_updates, ShardedOptState(new_inner, policy, state.params, state.layouts)

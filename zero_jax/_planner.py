@@ -175,6 +175,8 @@ def model_state_bytes(
     param_bytes: float = 2,
     grad_bytes: float = 2,
     optimizer_bytes: float = 12,
+    replicas: int = 1,
+    optimizer_over_replicas: bool = False,
 ) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state on one device.
 
@@ -182,11 +184,19 @@ def model_state_bytes(
     stage 3 also the parameters. The defaults are the paper's mixed-precision
     Adam: 2-byte parameters and gradients, K = 12 (fp32 master, m, v).
 
+    On a hybrid mesh ``num_devices`` is N, the size of the partition axis,
+    and ``replicas`` R, the size of the replica axis: HSDP
+    (``ZeroPolicy(..., replica_axis=...)``) holds the same bytes as ZeRO at N
+    (replicas add no memory); with ``optimizer_over_replicas`` the optimizer
+    state and the reduced gradients are divided by R·N instead.
+
     The paper's Figure 1 (Ψ = 7.5B, N = 64):
 
     >>> import zero_jax as zj
     >>> [round(zj.model_state_bytes(7.5e9, 64, s).total / 1e9, 1) for s in range(4)]
     [120.0, 31.4, 16.6, 1.9]
+    >>> round(zj.model_state_bytes(7.5e9, 8, 3, replicas=8, optimizer_over_replicas=True).total / 1e9, 1)
+    3.5
     """
     psi = _check_params(num_params, "model_state_bytes")
     n = _check_devices(num_devices, "model_state_bytes")
@@ -194,10 +204,12 @@ def model_state_bytes(
     p = _check_nonneg(param_bytes, "model_state_bytes: param_bytes")
     g = _check_nonneg(grad_bytes, "model_state_bytes: grad_bytes")
     k = _check_nonneg(optimizer_bytes, "model_state_bytes: optimizer_bytes")
+    r = _check_devices(replicas, "model_state_bytes: replicas")
+    finer = n * r if optimizer_over_replicas else n  # the optimizer's cut
     return ModelStateBytes(
         params=p * psi / (n if stage >= 3 else 1),
-        grads=g * psi / (n if stage >= 2 else 1),
-        optimizer=k * psi / (n if stage >= 1 else 1),
+        grads=g * psi / (finer if stage >= 2 else 1),
+        optimizer=k * psi / (finer if stage >= 1 else 1),
     )
 
 
@@ -218,6 +230,30 @@ def comm_bytes(num_params: float, num_devices: int, stage: int, *, dtype_bytes: 
     stage = _check_stage(stage, "comm_bytes")
     b = _check_nonneg(dtype_bytes, "comm_bytes: dtype_bytes")
     return (3 if stage == 3 else 2) * psi * b * (n - 1) / n
+
+
+def comm_bytes_per_axis(
+    num_params: float, num_devices: int, stage: int, *, replicas: int = 1, dtype_bytes: float = 2
+) -> dict[str, float]:
+    """Bytes one device sends per step on a hybrid mesh, by axis (ring-counted).
+
+    ``"shard"``: within the partition axis (N devices, the fast one) -- the
+    same as :func:`comm_bytes` at N. ``"replica"``: across the replica axis
+    (R, the slow one): only the 1/N gradient piece crosses it, 2·Ψ/N·(R−1)/R,
+    whether it is all-reduced (HSDP) or reduce-scattered and gathered back
+    (``optimizer_over_replicas``). An all-reduce or all-gather spanning both
+    axes (stage 0; stages 1–2 gathering an optimizer cut over both) moves
+    exactly the sum of the two, since (RN−1)/(RN) = (N−1)/N + (R−1)/(RN).
+
+    >>> import zero_jax as zj
+    >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2).items()}
+    {'shard': 4.5, 'replica': 0.5}
+    """
+    psi = _check_params(num_params, "comm_bytes_per_axis")
+    n = _check_devices(num_devices, "comm_bytes_per_axis")
+    r = _check_devices(replicas, "comm_bytes_per_axis: replicas")
+    b = _check_nonneg(dtype_bytes, "comm_bytes_per_axis: dtype_bytes")
+    return {"shard": comm_bytes(psi, n, stage, dtype_bytes=b), "replica": 2 * psi / n * b * (r - 1) / r}
 
 
 def efficiency(

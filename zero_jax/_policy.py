@@ -64,9 +64,23 @@ class ZeroPolicy:
     Args:
       stage: 0 (plain data parallelism) to 3.
       mesh: any ``jax.sharding.Mesh`` (Auto or Explicit axes).
-      axis: the mesh axis (or a tuple of axes) that holds the data-parallel
-        replicas; state is partitioned across it and the batch is split
-        along it. Mesh axes not named here hold replicas of everything.
+      axis: the mesh axis (or a tuple of axes) state is partitioned across;
+        the batch is split along it. On a multi-host mesh this is the fast
+        axis (within a host / ICI slice).
+      replica_axis: mesh axes (usually the slow, across-hosts one) that also
+        split the batch but hold replicas of the partitioned state: hybrid
+        sharded data parallelism (HSDP, FSDP's ``HYBRID_SHARD``). Gradients
+        are reduce-scattered within ``axis`` and then only the 1/N piece is
+        all-reduced across ``replica_axis``. Mesh axes named in neither hold
+        replicas of everything and see the same batch slice.
+      optimizer_over_replicas: with ``replica_axis``: partition the optimizer
+        state (and the float32 master copy and the reduced gradients) over
+        ``axis`` *and* ``replica_axis`` (R·N pieces), while parameters stay
+        partitioned within ``axis`` only (ZeRO++'s hpZ / MiCS trade): the
+        1/N gradient piece is reduce-scattered across ``replica_axis``
+        instead of all-reduced, and the updated 1/(R·N) pieces are
+        all-gathered across it -- the same bytes across the slow axis as
+        HSDP, with the optimizer state R times smaller.
       min_shard_size: float leaves with fewer elements stay whole on every
         device (``policy.replicated_leaves(tree)`` lists them and their bytes).
       stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``, or a
@@ -83,6 +97,16 @@ class ZeroPolicy:
     >>> params = {"w": jax.ShapeDtypeStruct((4096, 512), "float32")}
     >>> policy.param_sharding(params)["w"].spec
     P('data',)
+
+    Hybrid (2 replicas x 4-way partitions, e.g. 2 hosts of 4 chips):
+
+    >>> mesh2 = jax.make_mesh((2, jax.device_count() // 2), ("replica", "data"))
+    >>> hsdp = zj.ZeroPolicy(stage=3, mesh=mesh2, axis="data", replica_axis="replica")
+    >>> hsdp.param_sharding(params)["w"].spec, hsdp.batch_sharding().spec
+    (P('data',), P(('replica', 'data'),))
+    >>> hpz = zj.ZeroPolicy(stage=3, mesh=mesh2, axis="data", replica_axis="replica", optimizer_over_replicas=True)
+    >>> hpz.opt_state_sharding(params)["w"].spec
+    P(('data', 'replica'),)
     """
 
     def __init__(
@@ -91,6 +115,8 @@ class ZeroPolicy:
         mesh: Mesh,
         axis: str | Sequence[str] = "data",
         *,
+        replica_axis: str | Sequence[str] | None = None,
+        optimizer_over_replicas: bool = False,
         min_shard_size: int = _partition.DEFAULT_MIN_SHARD_SIZE,
         stacked: str | Sequence[str] = (),
         precision: Precision | None = None,
@@ -115,6 +141,24 @@ class ZeroPolicy:
             )
         if len(set(axes)) != len(axes):
             raise ValueError(f"ZeroPolicy: axis {axis!r} names an axis twice.")
+        replicas = (replica_axis,) if isinstance(replica_axis, str) else tuple(replica_axis or ())
+        missing = [a for a in replicas if a not in mesh.axis_names]
+        if missing or len(set(replicas)) != len(replicas):
+            raise ValueError(
+                f"ZeroPolicy: replica_axis {replica_axis!r} is not a set of axes of the mesh, whose axes are "
+                f"{tuple(mesh.axis_names)}. Pass the mesh axis that holds the replicas (e.g. 'replica'), "
+                "or build the mesh with it: jax.make_mesh((R, N), ('replica', 'data'))."
+            )
+        if set(replicas) & set(axes):
+            raise ValueError(
+                f"ZeroPolicy: {sorted(set(replicas) & set(axes))} is both a partition axis (axis={axis!r}) and a "
+                f"replica axis (replica_axis={replica_axis!r}); an axis either partitions state or replicates it."
+            )
+        if optimizer_over_replicas and not replicas:
+            raise ValueError(
+                "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
+                "well; pass replica_axis=... (the mesh axis holding the replicas)."
+            )
         if precision is None:
             precision = Precision()
         if not isinstance(precision, Precision):
@@ -125,6 +169,8 @@ class ZeroPolicy:
         self.stage = int(stage)
         self.mesh = mesh
         self.axes: tuple[str, ...] = axes
+        self.replica_axes: tuple[str, ...] = replicas
+        self.optimizer_over_replicas = bool(optimizer_over_replicas)
         self.min_shard_size = int(min_shard_size)
         self.precision = precision
         self.stacked: tuple[tuple[str, ...], ...] = tuple(
@@ -143,9 +189,43 @@ class ZeroPolicy:
         return math.prod(self.mesh.shape[a] for a in self.axes)
 
     @property
+    def num_replicas(self) -> int:
+        """R: how many replicas of the partitioned state (1 without ``replica_axis``)."""
+        return math.prod(self.mesh.shape[a] for a in self.replica_axes)
+
+    @property
+    def state_axes(self) -> tuple[str, ...]:
+        """The axes the optimizer state (and master copy, reduced gradients)
+        is partitioned over: ``axis``, plus ``replica_axis`` with
+        ``optimizer_over_replicas`` (partition-major, so one device's
+        optimizer piece lies inside its parameter piece)."""
+        return self.axes + self.replica_axes if self.optimizer_over_replicas else self.axes
+
+    @property
+    def num_state_shards(self) -> int:
+        """How many pieces the optimizer state is cut into (N, or R·N)."""
+        return math.prod(self.mesh.shape[a] for a in self.state_axes)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over: ``replica_axis`` then ``axis``."""
+        return self.replica_axes + self.axes
+
+    @property
+    def num_batch_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
     def axis_name(self) -> str | tuple[str, ...]:
-        """The axis name to pass to ``jax.lax`` collectives."""
+        """The partition axis name to pass to ``jax.lax`` collectives."""
         return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    @property
+    def comm(self) -> Any:
+        """The axes the step's collectives run over (a ``_collectives.Axes``)."""
+        from zero_jax._collectives import Axes  # the collectives module imports this one
+
+        return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -153,6 +233,8 @@ class ZeroPolicy:
         return (
             self.stage,
             self.axes,
+            self.replica_axes,
+            self.optimizer_over_replicas,
             tuple(self.mesh.axis_names),
             tuple(self.mesh.devices.shape),
             tuple(int(d.id) for d in self.mesh.devices.flat),
@@ -170,7 +252,9 @@ class ZeroPolicy:
     def __repr__(self) -> str:
         return (
             f"ZeroPolicy(stage={self.stage}, axis={self.axis_name!r}, N={self.num_shards}, "
-            f"mesh={dict(self.mesh.shape)}, min_shard_size={self.min_shard_size}"
+            + (f"replica_axis={self.replica_axes!r}, R={self.num_replicas}, " if self.replica_axes else "")
+            + ("optimizer_over_replicas=True, " if self.optimizer_over_replicas else "")
+            + f"mesh={dict(self.mesh.shape)}, min_shard_size={self.min_shard_size}"
             + (f", stacked={tuple('/'.join(p) for p in self.stacked)!r}" if self.stacked else "")
             + (f", precision={self.precision})" if self.precision != Precision() else ")")
         )
@@ -197,10 +281,13 @@ class ZeroPolicy:
 
     def _layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
         shape, dtype = _shape_dtype(leaf)
+        # Pad to a multiple of the optimizer's piece count: with
+        # optimizer_over_replicas it is a multiple of the parameters' N too,
+        # so both cuts share one stored shape.
         return _partition.leaf_layout(
             shape,
             dtype,
-            self.num_shards,
+            self.num_state_shards,
             min_shard_size=self.min_shard_size,
             skip_leading=stacked,
         )
@@ -257,17 +344,19 @@ class ZeroPolicy:
 
     # -- shardings -----------------------------------------------------------------
 
-    def _named(self, layout: LeafLayout, partitioned: bool) -> NamedSharding:
+    def _named(self, layout: LeafLayout, partitioned: bool, axes: tuple[str, ...] | None = None) -> NamedSharding:
+        """The sharding of one stored leaf cut over ``axes`` (default: the
+        parameters' partition axes; ``self.state_axes`` for optimizer state)."""
         # Mesh axes of size 1 cut nothing; leaving them out keeps the spec in the
         # form the compiler reports back, so a step's output state has exactly
         # its input's shardings (no second compilation).
-        axes = tuple(a for a in self.axes if self.mesh.shape[a] > 1)
+        axes = tuple(a for a in (self.axes if axes is None else axes) if self.mesh.shape[a] > 1)
         spec = layout.spec(axes) if partitioned and axes else PartitionSpec()
         return NamedSharding(self._mesh, spec)
 
-    def _shardings(self, layouts: PyTree, partitioned: bool) -> PyTree:
+    def _shardings(self, layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
         return jax.tree.map(
-            lambda lay: self._named(lay, partitioned),
+            lambda lay: self._named(lay, partitioned, axes),
             layouts,
             is_leaf=lambda x: isinstance(x, LeafLayout),
         )
@@ -281,30 +370,33 @@ class ZeroPolicy:
 
     def grad_sharding(self, params: PyTree) -> PyTree:
         """``NamedSharding`` of each gradient as the step holds it
-        (partitioned in stages 2 and 3)."""
-        return self._shardings(self.layouts(params), self.partitions_grads)
+        (partitioned in stages 2 and 3; over ``state_axes``, like the
+        optimizer state that consumes it)."""
+        return self._shardings(self.layouts(params), self.partitions_grads, self.state_axes)
 
     def opt_state_sharding(self, opt_state: PyTree, params: PyTree | None = None) -> PyTree:
         """``NamedSharding`` of each stored optimizer-state leaf (partitioned
         from stage 1). Pass ``params`` so mirrored leaves take their
         parameter's layout (needed for ``stacked`` subtrees)."""
-        return self._shardings(self.state_layouts(opt_state, params), self.partitions_opt_state)
+        return self._shardings(self.state_layouts(opt_state, params), self.partitions_opt_state, self.state_axes)
 
     def batch_sharding(self) -> NamedSharding:
-        """Every batch leaf is split along its leading dimension over ``axis``."""
-        return NamedSharding(self._mesh, PartitionSpec(self.axis_name))
+        """Every batch leaf is split along its leading dimension over
+        ``replica_axis`` and ``axis``."""
+        axes = self.batch_axes
+        return NamedSharding(self._mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes))
 
     def check_batch(self, batch: PyTree, *, where: str, microbatches: int = 1) -> None:
         """Raise a ValueError naming the first batch leaf whose leading (batch)
         dimension does not split over the data axis (and ``microbatches``)."""
-        n, k = self.num_shards, microbatches
+        n, k = self.num_batch_shards, microbatches
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
             shape = tuple(getattr(leaf, "shape", ()))
             if not shape or shape[0] % n:
                 raise ValueError(
                     f"{where}: batch leaf '{path_str(path)}' has shape {shape}; its leading "
-                    f"(batch) dimension must divide by the {n} devices of the data axis "
-                    f"{self.axis_name!r}. Use a global batch size that is a multiple of {n}."
+                    f"(batch) dimension must divide by the {n} devices of the batch axes "
+                    f"{self.batch_axes}. Use a global batch size that is a multiple of {n}."
                 )
             if shape[0] % (n * k):
                 raise ValueError(

@@ -29,11 +29,13 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
 from zero_jax._layers import Sharded, manual_gather_scope
+from zero_jax._multihost import check_same_on_all_processes, policy_fingerprint
 from zero_jax._optimizer import (
     ShardedOptState,
     ShardedTransformation,
@@ -117,20 +119,20 @@ def _state_shardings(state: TrainState) -> TrainState:
     """The sharding of every leaf of a (possibly abstract) state."""
     policy = state.policy
 
-    def shardings(layouts: PyTree, partitioned: bool) -> PyTree:
-        return jax.tree.map(lambda lay: policy._named(lay, partitioned), layouts, is_leaf=_is_layout)
+    def shardings(layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
+        return jax.tree.map(lambda lay: policy._named(lay, partitioned, axes), layouts, is_leaf=_is_layout)
 
     layouts = state.layouts.tree()
     return state.replace(
         step=policy.replicated(),
         params=shardings(layouts, policy.partitions_params),
         opt_state=ShardedOptState(
-            shardings(state.opt_state.layouts.tree(), policy.partitions_opt_state),
+            shardings(state.opt_state.layouts.tree(), policy.partitions_opt_state, policy.state_axes),
             policy,
             state.opt_state.params,
             state.opt_state.layouts,
         ),
-        master=None if state.master is None else shardings(layouts, policy.partitions_opt_state),
+        master=None if state.master is None else shardings(layouts, policy.partitions_opt_state, policy.state_axes),
         loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: policy.replicated(), state.loss_scale),
     )
 
@@ -158,11 +160,22 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
     (1000, 3)
     """
     _check_tx(tx, policy, "init_state")
+    # Several processes: agree on the policy before the first collective, so
+    # a mismatch is an error on every process rather than a hang.
+    check_same_on_all_processes("zj.init_state", policy_fingerprint(policy))
     abstract_only = not callable(params) and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
     if abstract_only:  # only ever traced, under eval_shape: nothing is allocated
         make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
+    elif callable(params):
+        make = params
     else:
-        make = params if callable(params) else (lambda: params)
+        if jax.process_count() > 1:
+            # Arrays on this process's devices cannot enter a program over every
+            # process's devices: pass them as host values (each process holds them).
+            params = jax.tree.map(
+                lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x, params
+            )
+        make = lambda: params  # noqa: E731
     prec = policy.precision
     layouts = _with_dtype(policy.layouts(jax.eval_shape(make)), prec.param_dtype)
 
@@ -172,7 +185,9 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
             step=jnp.zeros((), jnp.int32),
             params=_stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),
             opt_state=tx.init(logical),
-            master=store(logical, layouts, policy, policy.partitions_opt_state) if prec.mixed else None,
+            master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
+            if prec.mixed
+            else None,
             loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,
             policy=policy,
             layouts=TreeLayouts.of(layouts),
@@ -207,7 +222,7 @@ def full_params(state: TrainState) -> PyTree:
 
 
 def _unstore(stored: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTree:
-    logical = to_logical(stored, layouts, policy, False)
+    logical = to_logical(stored, layouts, policy, False)  # replicated: the cut axes do not matter
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, policy.replicated()), logical)
 
 
@@ -351,7 +366,10 @@ class TrainStep:
         """
         policy = self.policy
         stage, prec = policy.stage, policy.precision
-        axis, n, k = policy.axis_name, policy.num_shards, self.accum_steps
+        # Collectives run within the partition axes; on a hybrid mesh the
+        # replica axes split the batch too and see only the 1/N pieces.
+        axis, n, k = policy.comm, policy.num_shards, self.accum_steps
+        batch_shards = policy.num_batch_shards
         layouts = state.layouts.tree()
         frozen = self._frozen(state.layouts)
         manual = self.gather == "manual"
@@ -404,8 +422,8 @@ class TrainStep:
                     out = self.loss_fn(tree, mb)
                 loss, aux = _split_loss(out)
                 _check_scalar_loss(loss)
-                # Each device's loss / (N k): the summed gradient is the global mean.
-                scaled = loss.astype(jnp.float32) / (n * k)
+                # Each device's loss / (devices k): the summed gradient is the global mean.
+                scaled = loss.astype(jnp.float32) / (batch_shards * k)
                 if scale_loss:
                     scaled = scaled * scale
                 return scaled, (loss.astype(jnp.float32), aux)
@@ -436,9 +454,19 @@ class TrainStep:
             def reduce_all(g: PyTree) -> PyTree:
                 return jax.tree.map(reduce, g, layouts, is_leaf=lambda x: x is None)
 
+            def across_replicas(g: PyTree) -> PyTree:
+                """Pieces summed within the partition axes -> summed over the
+                replicas too, once per step (after accumulation)."""
+                return jax.tree.map(
+                    lambda x, lay: x if x is None or not cut(lay) else coll.reduce_across_replicas(x, lay, axis),
+                    g,
+                    layouts,
+                    is_leaf=lambda x: x is None,
+                )
+
             if k == 1:
                 (_, (loss, aux)), g = grad_fn(diff, local_batch)
-                grads = reduce_all(g)
+                grads = across_replicas(reduce_all(g))
             else:
                 micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), local_batch)
                 acc_dtype = prec.param_dtype
@@ -462,7 +490,7 @@ class TrainStep:
 
                 acc0 = jax.tree.map(zeros, example, layouts, is_leaf=lambda x: x is None)
                 acc, (losses, auxes) = jax.lax.scan(accumulate, acc0, micro_batches)
-                grads = reduce_all(acc) if local else acc
+                grads = across_replicas(reduce_all(acc) if local else acc)
                 loss = jnp.mean(losses)
                 aux = jax.tree.map(
                     lambda a: jnp.mean(a, 0) if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.sum(a, 0), auxes
@@ -487,39 +515,50 @@ class TrainStep:
                 else:
                     whole = whole + jnp.sum(u * u)
             any_cut = any(cut(lay) for lay, fz in zip(layout_leaves, _leaves(frozen), strict=True) if not fz)
-            sq_norm = (jax.lax.psum(part, axis) if any_cut else part) + whole
-            loss = jax.lax.pmean(loss, axis)
+            sq_norm = (jax.lax.psum(part, policy.state_axes) if any_cut else part) + whole
+            every = axis.all
+            loss = jax.lax.pmean(loss, every)
             aux = jax.tree.map(
-                lambda a: jax.lax.pmean(a, axis) if jnp.issubdtype(a.dtype, jnp.inexact) else jax.lax.psum(a, axis),
+                lambda a: jax.lax.pmean(a, every) if jnp.issubdtype(a.dtype, jnp.inexact) else jax.lax.psum(a, every),
                 aux,
             )
             return grads, loss, aux, sq_norm
 
-        def spec(lay: LeafLayout, partitioned: bool) -> PartitionSpec:
-            return lay.spec(policy.axes) if partitioned else PartitionSpec()
+        def spec(lay: LeafLayout, partitioned: bool, axes: tuple[str, ...]) -> PartitionSpec:
+            return lay.spec(axes) if partitioned else PartitionSpec()
 
-        param_specs = jax.tree.map(lambda lay: spec(lay, policy.partitions_params), layouts, is_leaf=_is_layout)
+        param_specs = jax.tree.map(
+            lambda lay: spec(lay, policy.partitions_params, policy.axes), layouts, is_leaf=_is_layout
+        )
         grad_specs = jax.tree.map(
-            lambda lay, fz: None if fz else spec(lay, cut(lay)), layouts, frozen, is_leaf=_is_layout
+            lambda lay, fz: None if fz else spec(lay, cut(lay), policy.state_axes), layouts, frozen, is_leaf=_is_layout
         )
         scale = state.loss_scale.scale if scale_loss else jnp.ones((), jnp.float32)
         return jax.shard_map(
             body,
             mesh=policy._mesh,
-            in_specs=(param_specs, PartitionSpec(policy.axis_name), PartitionSpec()),
+            in_specs=(param_specs, policy.batch_sharding().spec, PartitionSpec()),
             out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
         )(state.params, batch, scale)
 
     def _gather_updated(self, pieces: PyTree, layouts: PyTree) -> PyTree:
-        """Stages 1–2: all-gather the updated parameter pieces; every device
-        gets the whole, unpadded parameters back."""
+        """Stages 1–2: all-gather the updated parameter pieces (cut over the
+        optimizer's axes); every device gets the whole, unpadded parameters
+        back. Stage 3 with ``optimizer_over_replicas``: all-gather across the
+        replica axes only, into the parameters' 1/N pieces (still padded)."""
         policy = self.policy
-        specs = jax.tree.map(lambda lay: lay.spec(policy.axes), layouts, is_leaf=_is_layout)
+        specs = jax.tree.map(lambda lay: lay.spec(policy.state_axes), layouts, is_leaf=_is_layout)
+        if policy.partitions_params:
+            out_specs = jax.tree.map(lambda lay: lay.spec(policy.axes), layouts, is_leaf=_is_layout)
+            gather = lambda x, lay: coll.gather_replicated(x, lay, policy.replica_axes, unpadded=False)  # noqa: E731
+        else:
+            out_specs = PartitionSpec()
+            gather = lambda x, lay: coll.gather_replicated(x, lay, policy.state_axes)  # noqa: E731
         return jax.shard_map(
-            lambda p: jax.tree.map(lambda x, lay: coll.gather_replicated(x, lay, policy.axis_name), p, layouts),
+            lambda p: jax.tree.map(gather, p, layouts),
             mesh=policy._mesh,
             in_specs=(specs,),
-            out_specs=PartitionSpec(),
+            out_specs=out_specs,
         )(pieces)
 
     def _step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
@@ -550,8 +589,9 @@ class TrainStep:
         # (partitioned from stage 1), or the parameters themselves.
         if state.master is not None:
             master = state.master
-        elif policy.stage in (1, 2):
-            master = store(state.params, layouts, policy, True)  # this device's piece (a local slice)
+        elif policy.stage in (1, 2) or policy.optimizer_over_replicas:
+            # This device's piece of the optimizer's cut (a local slice).
+            master = store(state.params, layouts, policy, True, axes=policy.state_axes)
         else:
             master = state.params
 
@@ -571,6 +611,14 @@ class TrainStep:
         compute = cast_floats(new_master, prec.compute_dtype)
         if policy.stage in (1, 2):
             # All-gather only what changed: frozen leaves keep their whole copy.
+            trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=_is_layout)
+            trained = jax.tree.map(lambda c, fz: None if fz else c, compute, frozen)
+            gathered = self._gather_updated(trained, trained_layouts)
+            params = jax.tree.map(lambda old, new: old if new is None else new, state.params, gathered)
+        elif policy.optimizer_over_replicas:
+            # Stage 3, optimizer cut R times finer than the parameters: gather
+            # the updated pieces across the replicas into parameter pieces.
+            compute = store(compute, layouts, policy, True, axes=policy.state_axes)
             trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=_is_layout)
             trained = jax.tree.map(lambda c, fz: None if fz else c, compute, frozen)
             gathered = self._gather_updated(trained, trained_layouts)

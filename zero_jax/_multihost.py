@@ -1,0 +1,175 @@
+"""Several processes, one program: process-local batches and start-up checks.
+
+On a TPU pod or a multi-node GPU cluster every host runs the same script as
+its own process (JAX's multi-controller runtime, ``jax.distributed``) and
+drives only its local devices. Two things then need care, and live here:
+
+* the data: each process loads its own slice of the global batch;
+  :func:`shard_batch` turns those slices into one global ``jax.Array``;
+* agreement: processes that disagree on the policy, the mesh or their batch
+  slice would otherwise meet in a collective that never completes (a hang,
+  not an error). :func:`check_same_on_all_processes` compares a fingerprint
+  through the coordinator's key-value store -- no collective, so a mismatch
+  is an error on every process, and a process that never arrives is a
+  timeout that names it.
+
+With one process everything here is a cheap local check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+from zero_jax._policy import PyTree, ZeroPolicy, path_str
+
+#: How long a process waits for the others to publish a fingerprint.
+DEFAULT_TIMEOUT_S = 120
+
+_calls = itertools.count()  # every process calls the checks in the same order
+
+
+def _client() -> Any:
+    from jax._src import distributed  # the coordinator's key-value store; no public API exposes it
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "zero_jax: jax.process_count() > 1 but jax.distributed is not initialized in this process; "
+            "call jax.distributed.initialize() before creating arrays."
+        )
+    return client
+
+
+def check_same_on_all_processes(what: str, value: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Raise the same ``ValueError`` on every process unless all processes
+    pass an equal ``value`` (anything ``json``-serializable via ``repr``).
+
+    Every process must call it at the same point of its program (calls are
+    matched by order). A process that does not arrive within ``timeout_s``
+    makes the others raise a ``TimeoutError`` naming it.
+    """
+    count = jax.process_count()
+    if count == 1:
+        return
+    me = jax.process_index()
+    call = next(_calls)
+    client = _client()
+    text = json.dumps(value if isinstance(value, (str, int, float, list, dict)) else repr(value))
+    client.key_value_set(f"zero_jax/check/{call}/{me}", text)
+    seen = {}
+    for p in range(count):
+        try:
+            seen[p] = client.blocking_key_value_get(f"zero_jax/check/{call}/{p}", int(timeout_s * 1000))
+        except Exception as e:  # the runtime raises its own error type on timeout
+            raise TimeoutError(
+                f"{what}: process {p} did not reach this point within {timeout_s:.0f} s (process {me} did). "
+                "Every process must run the same program: check that it did not fail or take another branch."
+            ) from e
+    if len(set(seen.values())) > 1:
+        listing = "\n".join(f"  process {p}: {json.loads(v)}" for p, v in seen.items())
+        raise ValueError(
+            f"{what}: the processes disagree:\n{listing}\nEvery process must build the same mesh and "
+            "policy (same stage, axes, mesh shape and devices) and pass batch slices of the same shape."
+        )
+
+
+def policy_fingerprint(policy: ZeroPolicy) -> str:
+    """A short text every process derives alike from an equal policy."""
+    key = repr(policy.key)
+    return f"{policy!r} [{hashlib.sha256(key.encode()).hexdigest()[:12]}]"
+
+
+def shard_batch(local_batch: PyTree, policy: ZeroPolicy) -> PyTree:
+    """This process's slice of the global batch -> the global batch.
+
+    Every process passes its own rows (the same number on each): the result
+    is one global ``jax.Array`` per leaf, of leading size ``local rows x
+    processes``, split over the policy's batch axes, with this process's rows
+    on its own devices (``jax.make_array_from_process_local_data``). With one
+    process it is ``jax.device_put(local_batch, policy.batch_sharding())``.
+
+    Raises a ``ValueError`` (on every process) when the processes' slices
+    differ in shape or dtype, naming the leaf and the process, or when a
+    slice does not split over this process's devices.
+
+    Example (one process, 8 simulated devices):
+
+    >>> import jax, numpy as np, zero_jax as zj
+    >>> policy = zj.ZeroPolicy(stage=1, mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> batch = zj.shard_batch({"x": np.ones((16, 3), np.float32)}, policy)
+    >>> batch["x"].shape, batch["x"].sharding.spec
+    ((16, 3), P('data',))
+    """
+    if not isinstance(policy, ZeroPolicy):
+        raise TypeError(f"shard_batch: policy must be a zj.ZeroPolicy, got {type(policy).__name__}.")
+    sharding = policy.batch_sharding()
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(local_batch)
+    shapes = []
+    for path, leaf in pairs:
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not shape:
+            raise ValueError(
+                f"shard_batch: batch leaf '{path_str(path)}' is a scalar; every leaf needs a leading batch dimension."
+            )
+        shapes.append([path_str(path), list(shape), str(np.dtype(getattr(leaf, "dtype", np.float32)))])
+    count = jax.process_count()
+    if count > 1:
+        _check_local_shapes(shapes)
+    # The rows this process's devices hold: its share of the batch axes.
+    index_map = sharding.addressable_devices_indices_map((policy.num_batch_shards,))
+    local_shards = len({idx[0].start for idx in index_map.values()})
+    out = []
+    for (path, leaf), (_, shape, _) in zip(pairs, shapes, strict=True):
+        if shape[0] % local_shards:
+            raise ValueError(
+                f"shard_batch: batch leaf '{path_str(path)}' has {shape[0]} local rows on process "
+                f"{jax.process_index()}, which do not split over its {local_shards} batch shards "
+                f"(axes {policy.batch_axes}). Use a local batch that is a multiple of {local_shards}."
+            )
+        global_shape = (shape[0] * count, *shape[1:])
+        if count == 1:
+            out.append(jax.device_put(leaf, sharding))
+        else:
+            out.append(jax.make_array_from_process_local_data(sharding, np.asarray(leaf), global_shape))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _check_local_shapes(shapes: list[list[Any]]) -> None:
+    """Compare every process's batch-slice shapes; name the first difference."""
+    count, me = jax.process_count(), jax.process_index()
+    call = next(_calls)
+    client = _client()
+    client.key_value_set(f"zero_jax/batch/{call}/{me}", json.dumps(shapes))
+    theirs = {}
+    for p in range(count):
+        try:
+            theirs[p] = json.loads(
+                client.blocking_key_value_get(f"zero_jax/batch/{call}/{p}", DEFAULT_TIMEOUT_S * 1000)
+            )
+        except Exception as e:
+            raise TimeoutError(
+                f"shard_batch: process {p} did not pass its batch slice within {DEFAULT_TIMEOUT_S} s."
+            ) from e
+    for p, other in theirs.items():
+        if other == shapes:
+            continue
+        for mine, yours in itertools.zip_longest(shapes, other, fillvalue=None):
+            if mine != yours:
+                raise ValueError(
+                    f"shard_batch: the processes' batch slices differ: process {me} has "
+                    f"{_describe(mine)}, process {p} has {_describe(yours)}. Every process must pass the same "
+                    "number of rows (global batch / process count) with the same trailing shape and dtype."
+                )
+
+
+def _describe(entry: list[Any] | None) -> str:
+    if entry is None:
+        return "no such leaf"
+    path, shape, dtype = entry
+    return f"leaf '{path}' of shape {tuple(shape)} ({dtype})"
