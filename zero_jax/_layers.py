@@ -109,9 +109,12 @@ class Sharded:
 
     def fetch(self, axis: Any) -> jax.Array:
         """The whole, unpadded parameter (all-gather in stage 3)."""
+        source = self.arrays[0]
+        if _ACTIVE and _ACTIVE[-1][0].offload_params:
+            source = jax.device_put(source, jax.memory.Space.Device)  # host piece -> device, just before use
         if len(self.arrays) == 1:  # frozen: forward only
-            return coll.fetch(self.arrays[0], self.layout, axis, gather=self.stage == 3)
-        source, slot = self.arrays
+            return coll.fetch(source, self.layout, axis, gather=self.stage == 3)
+        slot = self.arrays[1]
         return coll.fetch_with_grad_slot(source, slot, self.layout, axis, gather=self.stage == 3)
 
 

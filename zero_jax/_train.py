@@ -33,6 +33,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
+from zero_jax import _offload
 from zero_jax._layers import Sharded, manual_gather_scope
 from zero_jax._optimizer import (
     ShardedOptState,
@@ -121,7 +122,7 @@ def _state_shardings(state: TrainState) -> TrainState:
         return jax.tree.map(lambda lay: policy._named(lay, partitioned), layouts, is_leaf=_is_layout)
 
     layouts = state.layouts.tree()
-    return state.replace(
+    placed = state.replace(
         step=policy.replicated(),
         params=shardings(layouts, policy.partitions_params),
         opt_state=ShardedOptState(
@@ -133,6 +134,7 @@ def _state_shardings(state: TrainState) -> TrainState:
         master=None if state.master is None else shardings(layouts, policy.partitions_opt_state),
         loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: policy.replicated(), state.loss_scale),
     )
+    return _offload.place(state, placed)  # offloaded leaves live in pinned_host
 
 
 def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation, policy: ZeroPolicy) -> TrainState:
@@ -386,6 +388,8 @@ class TrainStep:
             def handed(p: jax.Array, d: jax.Array | None, lay: LeafLayout) -> Any:
                 """What loss_fn receives for one leaf."""
                 partitioned_use = lay.dim is not None and (slots or (params_are_pieces and d is None))
+                if policy.offload_params and not manual:  # manual: zj.gather moves each piece (one layer in scan_layers)
+                    p = _offload.to_device(p)
                 if not partitioned_use:
                     return d if d is not None else p
                 gather = params_are_pieces
@@ -559,6 +563,8 @@ class TrainStep:
             updates, opt_state = self.tx.update(grads, opt_state, master)
             return optax.apply_updates(master, updates), opt_state
 
+        if policy.offload_optimizer or policy.offload_params:
+            update = _offload.stream_update(update, master, state, _state_shardings(state))
         if state.loss_scale is None:
             finite = jnp.asarray(True)
             new_master, opt_state = update(master, state.opt_state)
