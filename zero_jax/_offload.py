@@ -151,7 +151,8 @@ def plan(state: Any) -> OffloadPlan:
     bytes is offloaded, whole leaves, largest first (ties in tree order), so
     at least that share goes. Integer leaves (step counters) stay on the
     device: every chunk of the update reads them. With ``offload_params``
-    every float parameter piece lives on the host.
+    every partitioned parameter lives on the host (leaves kept whole, below
+    ``min_shard_size``, stay on the device).
     """
     from zero_jax._policy import path_str  # a cycle at import time otherwise
 
@@ -173,7 +174,7 @@ def plan(state: Any) -> OffloadPlan:
             break
         chosen.add((field, i))
         taken += nbytes
-    params_host = tuple(policy.offload_params and _floating(lay) for _, lay in param_pairs)
+    params_host = tuple(policy.offload_params and _floating(lay) and lay.partitioned for _, lay in param_pairs)
     leaves = []
     for field, pairs, partitioned in (
         ("opt_state", opt_pairs, policy.partitions_opt_state),
@@ -355,9 +356,12 @@ def num_chunks(fn: Callable[[list[jax.Array]], list[jax.Array]], args: Sequence[
 
 
 def to_device(x: jax.Array) -> jax.Array:
-    """Inside a step: move a (possibly host-resident) array to device memory.
-    Under ``scan_layers`` the scanned slice is one layer, so one layer moves."""
-    return jax.device_put(x, jax.memory.Space.Device)
+    """Inside a step: move a host-resident array (an offloaded parameter piece,
+    or under ``scan_layers`` one layer's slice of it) to device memory; any
+    other array passes through untouched."""
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
 
 
 def stream_update(

@@ -369,6 +369,10 @@ class TrainStep:
             return lay.dim is not None and (stage >= 2 or (stage == 1 and for_optimizer))
 
         def body(params: PyTree, local_batch: PyTree, scale: jax.Array) -> tuple[PyTree, jax.Array, Any, jax.Array]:
+            if policy.offload_params and (local or not manual):
+                # Host pieces to the device; the manual path moves each piece in zj.gather
+                # (one layer at a time in scan_layers), these gather everything anyway.
+                params = jax.tree.map(_offload.to_device, params)
             if stage == 3 and local:
                 # Local accumulation in stage 3: gather once per step (Ψ), compute
                 # every microbatch on the whole parameters, reduce-scatter once (Ψ).
@@ -388,8 +392,6 @@ class TrainStep:
             def handed(p: jax.Array, d: jax.Array | None, lay: LeafLayout) -> Any:
                 """What loss_fn receives for one leaf."""
                 partitioned_use = lay.dim is not None and (slots or (params_are_pieces and d is None))
-                if policy.offload_params and not manual:  # manual: zj.gather moves each piece (one layer in scan_layers)
-                    p = _offload.to_device(p)
                 if not partitioned_use:
                     return d if d is not None else p
                 gather = params_are_pieces
