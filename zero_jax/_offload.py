@@ -326,14 +326,15 @@ def streamed(
     prev: tuple[jax.Array, ...] = ()
     for group in groups:
         members = set(group)
+        incoming = {i: args[i] for i in group}
+        if prev:  # this chunk comes in only once the previous one is written back
+            incoming, _ = jax.lax.optimization_barrier((incoming, prev))
         call_args = []
         for i, x in enumerate(args):
             if not host[i]:
                 call_args.append(x)
             elif i in members:
-                if prev:
-                    x, _ = jax.lax.optimization_barrier((x, prev))
-                call_args.append(jax.device_put(x, host_shardings[i].with_memory_kind(DEVICE)))
+                call_args.append(jax.device_put(incoming[i], host_shardings[i].with_memory_kind(DEVICE)))
             else:
                 call_args.append(jnp.zeros(x.shape, x.dtype))  # never read by this chunk's outputs
         outs = fn(call_args)
@@ -399,3 +400,31 @@ def stream_update(
         return jax.tree.unflatten(treedef, streamed(flat, leaves, host_shardings))
 
     return run
+
+
+def _is_host(x: Any) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def for_compute(new_master: PyTree, param_shardings: PyTree, compute_dtype: Any) -> PyTree:
+    """The updated master leaves the compute copy is made from, in the memory
+    it is made in: a host master leaf whose parameter lives on the device (or
+    needs a cast) is read back to the device; one that *is* the stored
+    parameter (same dtype, parameter offloaded) stays on the host."""
+
+    def one(x: jax.Array, s: Any) -> jax.Array:
+        same = not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.dtype(compute_dtype)
+        return x if (s.memory_kind == HOST and same) else to_device(x)
+
+    return jax.tree.map(one, new_master, param_shardings)
+
+
+def to_memory_kinds(state: Any, shardings: Any) -> Any:
+    """Move each leaf of the new state computed on the device to the host
+    when its sharding says ``pinned_host`` (leaves written back chunk by
+    chunk are there already)."""
+
+    def one(x: jax.Array, s: Any) -> jax.Array:
+        return jax.device_put(x, s) if s.memory_kind == HOST and not _is_host(x) else x
+
+    return jax.tree.map(one, state, shardings)

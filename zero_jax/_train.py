@@ -576,6 +576,8 @@ class TrainStep:
             finite = jnp.isfinite(sq_norm)
             new_master, opt_state = jax.lax.cond(finite, update, lambda m, o: (m, o), master, state.opt_state)
 
+        if policy.offload_optimizer or policy.offload_params:
+            new_master = _offload.for_compute(new_master, _state_shardings(state).params, prec.compute_dtype)
         compute = cast_floats(new_master, prec.compute_dtype)
         if policy.stage in (1, 2):
             # All-gather only what changed: frozen leaves keep their whole copy.
@@ -592,6 +594,8 @@ class TrainStep:
             master=new_master if state.master is not None else None,
             loss_scale=None if state.loss_scale is None else state.loss_scale.next(finite, prec.loss_scale),
         )
+        if policy.offload_optimizer or policy.offload_params:
+            new_state = _offload.to_memory_kinds(new_state, _state_shardings(new_state))
         new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state, _state_shardings(new_state))
         metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
         if aux is not None:
