@@ -23,7 +23,7 @@ def _train(stage: int, fraction: float, *, precision: zj.Precision | None = None
     step = zj.make_train_step(mlp_loss, tx, policy)
     before = _measure.resident_bytes_by_kind(state)
     compiled = step.lower(state, mlp_batch()).compile()
-    flags = _offload.plan(state)
+    flags = zj.offload_plan(state)
     for i in range(steps):
         state, metrics = step(state, mlp_batch(seed=i))
     return state, metrics, before, compiled, flags
@@ -208,3 +208,46 @@ def test_policy_key_and_repr() -> None:
     assert a != zj.ZeroPolicy(stage=3, mesh=MESH)
     assert a.offload_optimizer == 1.0 and a.offload_params is True
     assert "offload_optimizer=1.0, offload_params=True" in repr(a)
+
+
+def test_audit_counts_host_and_device_bytes_separately() -> None:
+    reports = {}
+    for fraction in (0.0, 1.0):
+        policy = zj.ZeroPolicy(stage=2, mesh=MESH, offload_optimizer=fraction)
+        tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+        state = zj.init_state(mlp_params(), tx, policy)
+        step = zj.make_train_step(mlp_loss, tx, policy)
+        reports[fraction] = (zj.audit(step, state, mlp_batch(), grads=False), zj.offload_plan(state))
+    (base, _), (offl, plan) = reports[0.0], reports[1.0]
+    assert base.host_bytes == {}
+    assert offl.host_bytes == {"optimizer": plan.host_bytes}
+    assert offl.state_bytes["optimizer"] == base.state_bytes["optimizer"] - plan.host_bytes
+    assert offl.state_bytes["optimizer"] == 4  # only Adam's int32 step count stays on the device
+    assert "offloaded to pinned_host per device: optimizer" in str(offl)
+    assert {leaf.memory_kind for leaf in offl.leaves if leaf.category == "optimizer" and leaf.dtype == "float32"} == {
+        "pinned_host"
+    }
+
+
+def test_planner_offload() -> None:
+    full = zj.model_state_bytes(1e9, 8, 3)
+    half = zj.model_state_bytes(1e9, 8, 3, offload_optimizer=0.5)
+    assert half.optimizer == full.optimizer / 2 and half.host == full.optimizer / 2
+    assert half.total == full.total - full.optimizer / 2
+    inf = zj.model_state_bytes(1e9, 8, 3, offload_optimizer=1.0, offload_params=True)
+    assert (inf.params, inf.optimizer, inf.grads) == (0.0, 0.0, full.grads)
+    assert inf.host == full.params + full.optimizer
+    with pytest.raises(ValueError, match="offload_params needs stage 3"):
+        zj.model_state_bytes(1e9, 8, 2, offload_params=True)
+    with pytest.raises(ValueError, match=r"fraction in \[0, 1\]"):
+        zj.model_state_bytes(1e9, 8, 2, offload_optimizer=2)
+    # 7.5B on 8 x 16 GB with 14 GB of activations: stage 3 needs 15 + 14 GB; with the optimizer
+    # offloaded 3.75 + 14 GB; with the parameters offloaded too, 1.875 GB of gradients + 14 GB fit.
+    choice = zj.choose_stage(7.5e9, 8, "16GB", "14GB")
+    assert (choice.stage, choice.offload_stage, choice.offload_params) == (None, None, True)
+    assert "offload_params=True" in choice.reason
+    choice = zj.choose_stage(7.5e9, 8, "16GB", "4GB")
+    assert (choice.offload_stage, choice.offload_fraction, choice.offload_params) == (3, 0.27, False)
+    # The fraction suffices: stage 3 with 27% of its optimizer state offloaded fits, 26% does not.
+    assert zj.model_state_bytes(7.5e9, 8, 3, offload_optimizer=0.27).total + 4e9 <= 16e9
+    assert zj.model_state_bytes(7.5e9, 8, 3, offload_optimizer=0.26).total + 4e9 > 16e9

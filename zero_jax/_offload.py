@@ -5,7 +5,7 @@ through the device for the update; ZeRO-Infinity does the same with the
 partitioned parameters. In JAX "where an array lives" is the *memory kind* of
 its sharding (``"device"`` or ``"pinned_host"``), so offload is three things:
 
-1. placement: :func:`plan` picks the leaves that live in ``pinned_host``
+1. placement: :func:`offload_plan` picks the leaves that live in ``pinned_host``
    between steps (all of them, or a fraction of the bytes, largest leaves
    first), and :func:`place` gives their shardings that memory kind;
 2. streaming: :func:`streamed` runs the optimizer update chunk by chunk. A
@@ -143,7 +143,7 @@ def _floating(lay: Any) -> bool:
     return bool(jnp.issubdtype(lay.dtype, jnp.floating))
 
 
-def plan(state: Any) -> OffloadPlan:
+def offload_plan(state: Any) -> OffloadPlan:
     """Which leaves of a (possibly abstract) ``TrainState`` live in host memory.
 
     Candidates for ``offload_optimizer`` are the float leaves of the
@@ -153,6 +153,17 @@ def plan(state: Any) -> OffloadPlan:
     device: every chunk of the update reads them. With ``offload_params``
     every partitioned parameter lives on the host (leaves kept whole, below
     ``min_shard_size``, stay on the device).
+
+    >>> import jax, optax, zero_jax as zj
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> policy = zj.ZeroPolicy(stage=2, mesh=mesh, offload_optimizer=0.5)
+    >>> tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+    >>> params = {"w": jax.ShapeDtypeStruct((4096, 512), "float32"), "b": jax.ShapeDtypeStruct((512,), "float32")}
+    >>> state = zj.init_state(params, tx, policy)  # abstract: nothing allocated
+    >>> [leaf.path for leaf in zj.offload_plan(state).leaves if leaf.host]  # Adam's mu and nu of w
+    ['opt_state/0/mu/w', 'opt_state/0/nu/w']
+    >>> state.opt_state.inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
     """
     from zero_jax._policy import path_str  # a cycle at import time otherwise
 
@@ -213,7 +224,7 @@ def place(state: Any, shardings: Any) -> Any:
     policy = state.policy
     if not policy.offload_optimizer and not policy.offload_params:
         return shardings
-    p = plan(state)
+    p = offload_plan(state)
 
     def mark(tree: PyTree, flags: Sequence[bool]) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree)
