@@ -158,14 +158,12 @@ def _check_nonneg(value: Any, what: str) -> float:
 class ModelStateBytes(NamedTuple):
     """Model-state bytes on one device, by category (``total`` sums them).
 
-    With offload the categories count device memory only; ``host`` is what
-    one device's share keeps in host memory instead (not in ``total``).
+    With offload the categories count device memory only.
     """
 
     params: float
     grads: float
     optimizer: float
-    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -188,15 +186,24 @@ def model_state_bytes(
     Stage 1 divides the optimizer state by N, stage 2 also the gradients,
     stage 3 also the parameters. The defaults are the paper's mixed-precision
     Adam: 2-byte parameters and gradients, K = 12 (fp32 master, m, v).
-    ``offload_optimizer`` (a fraction) and ``offload_params`` (stage 3) move
-    that share to ``host``, as ``ZeroPolicy``'s arguments of the same names do
-    (the transient chunk an update streams through the device is not counted).
+    ``offload_optimizer`` (a fraction) and ``offload_params`` (stage 3) leave
+    that share out (it lives in host memory), as ``ZeroPolicy``'s arguments of
+    the same names do; the host bytes are the difference to the figures
+    without offload. The chunk an update streams through the device is not
+    counted.
 
     The paper's Figure 1 (Ψ = 7.5B, N = 64):
 
     >>> import zero_jax as zj
     >>> [round(zj.model_state_bytes(7.5e9, 64, s).total / 1e9, 1) for s in range(4)]
     [120.0, 31.4, 16.6, 1.9]
+
+    Half the optimizer state offloaded (1B parameters, N = 8, stage 3): on the
+    device, and in host memory:
+
+    >>> half = zj.model_state_bytes(1e9, 8, 3, offload_optimizer=0.5)
+    >>> half.optimizer / 1e9, (zj.model_state_bytes(1e9, 8, 3).total - half.total) / 1e9
+    (0.75, 0.75)
     """
     psi = _check_params(num_params, "model_state_bytes")
     n = _check_devices(num_devices, "model_state_bytes")
@@ -217,7 +224,6 @@ def model_state_bytes(
         params=0.0 if offload_params else params,
         grads=g * psi / (n if stage >= 2 else 1),
         optimizer=optimizer * (1 - f),
-        host=optimizer * f + (params if offload_params else 0.0),
     )
 
 
