@@ -160,15 +160,19 @@ def main() -> None:
             }
         )
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+        where = os.path.dirname(zj.__file__)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=where)
         commit_s = commit.stdout.strip()
     except OSError:
         commit_s = "?"
     meta = [
         "Offload: device bytes, host bytes and step time (benchmarks/offload.py)",
-        "command: python " + " ".join(["benchmarks/offload.py", *sys.argv[1:]]),
+        "command: "
+        + ("PYTHONPATH=" + os.environ["PYTHONPATH"] + " " if os.environ.get("PYTHONPATH") else "")
+        + " ".join(["python", "benchmarks/offload.py", *sys.argv[1:]]),
         f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__} at {commit_s}",
+        f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__} from "
+        f"{os.path.dirname(os.path.dirname(zj.__file__))} at {commit_s}",
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
         f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         "devices: 8 simulated cpu devices, mesh ('data',) = 8",
