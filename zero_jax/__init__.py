@@ -11,6 +11,7 @@ from zero_jax._audit import AuditError, AuditReport, audit
 from zero_jax._launch import launch
 from zero_jax._layers import Sharded, gather, scan_layers
 from zero_jax._multihost import shard_batch
+from zero_jax._offload import OffloadedLeaf, OffloadPlan, offload_plan
 from zero_jax._optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
 from zero_jax._planner import (
@@ -41,6 +42,8 @@ __all__ = [
     "LeafLayout",
     "LossScaleState",
     "ModelStateBytes",
+    "OffloadPlan",
+    "OffloadedLeaf",
     "Plan",
     "Precision",
     "ReplicatedLeaf",
@@ -67,6 +70,7 @@ __all__ = [
     "load_params",
     "make_train_step",
     "model_state_bytes",
+    "offload_plan",
     "plan",
     "required_bandwidth",
     "restore",

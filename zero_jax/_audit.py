@@ -63,6 +63,7 @@ class LeafBytes:
     dtype: str
     nbytes: int
     per_device: int
+    memory_kind: str = "device"  # "pinned_host": offloaded (counted in host_bytes, not state_bytes)
 
     @property
     def replicated(self) -> bool:
@@ -132,8 +133,10 @@ class AuditReport:
     Attributes:
       stage, num_devices: the policy's stage and N (the data-parallel size).
       num_params: Φ, the float parameter elements (logical, unpadded).
-      state_bytes: category -> the most bytes one device holds
-        (``"grads"`` is missing when gradients were not measured).
+      state_bytes: category -> the most bytes one device holds in device
+        memory (``"grads"`` is missing when gradients were not measured).
+      host_bytes: category -> bytes per device kept in ``pinned_host``
+        memory (offloaded leaves; empty without offload).
       state_bytes_min: category -> the least (devices should be balanced).
       formula: category -> :func:`zero_jax.model_state_bytes` for this Φ, N,
         stage and the run's bytes per parameter (``bytes_per_param``).
@@ -176,6 +179,7 @@ class AuditReport:
     accum_mode: str | None = None
     accum_steps: int = 1
     abstract: bool = False
+    host_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -214,6 +218,11 @@ class AuditReport:
                 f = self.formula.get(cat)
                 ratio = f" / {fmt_bytes(f)} = {self.state_bytes[cat] / f:.4f}" if f else ""
                 lines.append(f"  {cat:<10} {fmt_bytes(self.state_bytes[cat]):>12}{ratio}")
+        if self.host_bytes:
+            lines.append(
+                "offloaded to pinned_host per device: "
+                + ", ".join(f"{cat} {fmt_bytes(b)}" for cat, b in self.host_bytes.items())
+            )
         kept = sum(leaf.per_device for leaf in self.replicated)
         lines.append(f"leaves kept whole in partitioned categories: {len(self.replicated)} ({fmt_bytes(kept)})")
         m = self.memory
@@ -295,11 +304,15 @@ def _leaves(tree: PyTree, category: str | None) -> tuple[list[LeafBytes], dict[s
             continue
         cat = category or _category(path)
         per = _device_bytes(leaf)
-        for d, b in per.items():
-            totals[cat][d] = totals[cat].get(d, 0) + b
+        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
+        if kind == "device":  # offloaded leaves are host bytes: see AuditReport.host_bytes
+            for d, b in per.items():
+                totals[cat][d] = totals[cat].get(d, 0) + b
         nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         name = path_str(path) if category is None else f"{category}/{path_str(path)}"
-        leaves.append(LeafBytes(cat, name, tuple(leaf.shape), str(np.dtype(leaf.dtype)), nbytes, max(per.values())))
+        leaves.append(
+            LeafBytes(cat, name, tuple(leaf.shape), str(np.dtype(leaf.dtype)), nbytes, max(per.values()), kind)
+        )
     return leaves, totals
 
 
@@ -519,6 +532,11 @@ def audit(
         num_devices=n,
         num_params=phi,
         state_bytes={c: max(totals[c].values(), default=0) for c in measured_cats},
+        host_bytes={
+            c: b
+            for c in CATEGORIES
+            if (b := sum(x.per_device for x in leaves if x.category == c and x.memory_kind != "device"))
+        },
         state_bytes_min={c: min(totals[c].values(), default=0) for c in measured_cats},
         formula=formula,
         bytes_per_param=per_param,

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import _collectives as coll
+from zero_jax._offload import to_device
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import PyTree, ZeroPolicy, path_str
 
@@ -109,9 +110,10 @@ class Sharded:
 
     def fetch(self, axis: Any) -> jax.Array:
         """The whole, unpadded parameter (all-gather in stage 3)."""
+        source = to_device(self.arrays[0])  # offload_params: the host piece comes in just before use
         if len(self.arrays) == 1:  # frozen: forward only
-            return coll.fetch(self.arrays[0], self.layout, axis, gather=self.stage == 3)
-        source, slot = self.arrays
+            return coll.fetch(source, self.layout, axis, gather=self.stage == 3)
+        slot = self.arrays[1]
         return coll.fetch_with_grad_slot(source, slot, self.layout, axis, gather=self.stage == 3)
 
 
@@ -300,7 +302,7 @@ def _zero_scan(
     def fetch(i: jax.Array, diff: list[Any], wholes: list[Any]) -> PyTree:
         """Layer i's whole parameters (all-gathers for stage-3 pieces)."""
         out = [
-            coll.fetch(w[i], lay, axis, gather=g) if s else d[i]
+            coll.fetch(to_device(w[i]), lay, axis, gather=g) if s else d[i]  # one layer in from the host
             for s, d, w, lay, g in zip(sharded, diff, wholes, layouts, gathers, strict=True)
         ]
         return jax.tree_util.tree_unflatten(treedef, out)

@@ -325,3 +325,20 @@ def loop_nesting(hlo: str) -> dict[str, tuple[int, ...]]:
             if m:
                 nesting[m.group("name")] = loops
     return nesting
+
+
+def resident_bytes_by_kind(tree: Any) -> dict[tuple[Any, str], int]:
+    """Bytes held per (device, memory kind) for the arrays of ``tree``:
+    offloaded leaves count under ``"pinned_host"``, the rest under ``"device"``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.device_put(jnp.zeros(4), jax.devices()[0])
+    >>> resident_bytes_by_kind(x)[(jax.devices()[0], "device")]
+    16
+    """
+    out: dict[tuple[Any, str], int] = collections.defaultdict(int)
+    for leaf in jax.tree.leaves(tree):
+        kind = leaf.sharding.memory_kind or "device"
+        for shard in leaf.addressable_shards:
+            out[(shard.device, kind)] += shard.data.nbytes
+    return dict(out)

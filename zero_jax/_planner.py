@@ -156,7 +156,10 @@ def _check_nonneg(value: Any, what: str) -> float:
 
 
 class ModelStateBytes(NamedTuple):
-    """Model-state bytes on one device, by category (``total`` sums them)."""
+    """Model-state bytes on one device, by category (``total`` sums them).
+
+    With offload the categories count device memory only.
+    """
 
     params: float
     grads: float
@@ -177,12 +180,19 @@ def model_state_bytes(
     optimizer_bytes: float = 12,
     replicas: int = 1,
     optimizer_over_replicas: bool = False,
+    offload_optimizer: float = 0.0,
+    offload_params: bool = False,
 ) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state on one device.
 
     Stage 1 divides the optimizer state by N, stage 2 also the gradients,
     stage 3 also the parameters. The defaults are the paper's mixed-precision
     Adam: 2-byte parameters and gradients, K = 12 (fp32 master, m, v).
+    ``offload_optimizer`` (a fraction) and ``offload_params`` (stage 3) leave
+    that share out (it lives in host memory), as ``ZeroPolicy``'s arguments of
+    the same names do; the host bytes are the difference to the figures
+    without offload. The chunk an update streams through the device is not
+    counted.
 
     On a hybrid mesh ``num_devices`` is N, the size of the partition axis,
     and ``replicas`` R, the size of the replica axis: HSDP
@@ -197,6 +207,13 @@ def model_state_bytes(
     [120.0, 31.4, 16.6, 1.9]
     >>> round(zj.model_state_bytes(7.5e9, 8, 3, replicas=8, optimizer_over_replicas=True).total / 1e9, 1)
     3.5
+
+    Half the optimizer state offloaded (1B parameters, N = 8, stage 3): on the
+    device, and in host memory:
+
+    >>> half = zj.model_state_bytes(1e9, 8, 3, offload_optimizer=0.5)
+    >>> half.optimizer / 1e9, (zj.model_state_bytes(1e9, 8, 3).total - half.total) / 1e9
+    (0.75, 0.75)
     """
     psi = _check_params(num_params, "model_state_bytes")
     n = _check_devices(num_devices, "model_state_bytes")
@@ -206,10 +223,19 @@ def model_state_bytes(
     k = _check_nonneg(optimizer_bytes, "model_state_bytes: optimizer_bytes")
     r = _check_devices(replicas, "model_state_bytes: replicas")
     finer = n * r if optimizer_over_replicas else n  # the optimizer's cut
+    f = float(offload_optimizer)
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(
+            f"model_state_bytes: offload_optimizer must be a fraction in [0, 1], got {offload_optimizer!r}."
+        )
+    if offload_params and stage < 3:
+        raise ValueError(f"model_state_bytes: offload_params needs stage 3 (got stage {stage}).")
+    params = p * psi / (n if stage >= 3 else 1)
+    optimizer = k * psi / (finer if stage >= 1 else 1)
     return ModelStateBytes(
-        params=p * psi / (n if stage >= 3 else 1),
+        params=0.0 if offload_params else params,
         grads=g * psi / (finer if stage >= 2 else 1),
-        optimizer=k * psi / (finer if stage >= 1 else 1),
+        optimizer=optimizer * (1 - f),
     )
 
 
@@ -334,6 +360,12 @@ class StageChoice:
         (the K bytes per parameter) offloaded to host memory, ZeRO-Offload
         style; ``None`` when even that does not fit.
       reason: one sentence: why this stage, or what would make one fit.
+      offload_fraction: for ``offload_stage``, the smallest share of the
+        optimizer state to offload (``ZeroPolicy(offload_optimizer=...)``,
+        rounded up to a hundredth) for it to fit.
+      offload_params: when even a fully offloaded optimizer does not fit,
+        whether stage 3 fits with the parameters offloaded too
+        (``offload_params=True``, ZeRO-Infinity style).
     """
 
     stage: int | None
@@ -347,6 +379,8 @@ class StageChoice:
     max_activation_bytes: float
     offload_stage: int | None
     reason: str
+    offload_fraction: float | None = None
+    offload_params: bool = False
 
     def total(self, stage: int) -> float:
         """Model states plus activations on one device for ``stage``."""
@@ -375,13 +409,13 @@ def choose_stage(
     >>> zj.choose_stage(7.5e9, 64, "80GB", "10GB").stage  # stage 0 needs 120 + 10 GB
     1
     >>> choice = zj.choose_stage(7.5e9, 8, "16GB", "4GB")
-    >>> choice.stage, choice.min_devices, choice.offload_stage
-    (None, 10, 3)
+    >>> choice.stage, choice.min_devices, choice.offload_stage, choice.offload_fraction
+    (None, 10, 3, 0.27)
     >>> print(choice.reason)  # doctest: +NORMALIZE_WHITESPACE
     no stage fits 16.0 GB per device: stage 3 needs 15.0 GB of model state + 4.0 GB of activations.
     It would fit on >= 10 devices with stage 3, with the optimizer state offloaded to the host
-    (stage 3: 3.8 GB + activations), or with activations <= 1.0 GB (activation checkpointing,
-    a smaller per-device batch).
+    (stage 3: 3.8 GB + activations; offload_optimizer=0.27 suffices), or with activations <= 1.0 GB
+    (activation checkpointing, a smaller per-device batch).
     """
     where = "choose_stage"
     psi = _check_params(num_params, where)
@@ -402,6 +436,12 @@ def choose_stage(
     max_act = mem - state[3].total
     offload = [s.params + s.grads for s in state]
     offload_stage = next((s for s in range(4) if offload[s] + act <= mem), None)
+    offload_fraction = None
+    if offload_stage is not None:
+        over = state[offload_stage].total + act - mem
+        opt = state[offload_stage].optimizer
+        offload_fraction = min(1.0, math.ceil(100 * over / opt - 1e-9) / 100) if opt > 0 and over > 0 else 0.0
+    infinity = offload_stage is None and state[3].grads + act <= mem
     if stage is not None:
         cheaper = ""
         if stage:
@@ -420,7 +460,12 @@ def choose_stage(
         if offload_stage is not None:
             options.append(
                 f"with the optimizer state offloaded to the host (stage {offload_stage}: "
-                f"{_gb(offload[offload_stage])} + activations)"
+                f"{_gb(offload[offload_stage])} + activations; offload_optimizer={offload_fraction:g} suffices)"
+            )
+        elif infinity:
+            options.append(
+                f"with optimizer state and parameters offloaded to the host (stage 3, offload_optimizer=True, "
+                f"offload_params=True: {_gb(state[3].grads)} of gradients + activations)"
             )
         if max_act > 0:
             options.append(f"with activations <= {_gb(max_act)} (activation checkpointing, a smaller per-device batch)")
@@ -431,7 +476,9 @@ def choose_stage(
             + (f"It would fit {', '.join(options[:-1])}{', or ' if len(options) > 1 else ''}{options[-1]}." if options
                else "No number of devices makes room: reduce the activations first.")
         )  # fmt: skip
-    return StageChoice(stage, state, fits, psi, n, mem, act, min_devices, max_act, offload_stage, reason)
+    return StageChoice(
+        stage, state, fits, psi, n, mem, act, min_devices, max_act, offload_stage, reason, offload_fraction, infinity
+    )
 
 
 # -- plan: compile for a simulated mesh of the target size ------------------------------------------------------

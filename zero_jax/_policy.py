@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from zero_jax import _partition
+from zero_jax import _offload, _partition
 from zero_jax._partition import LeafLayout
 from zero_jax._precision import Precision
 
@@ -88,6 +88,13 @@ class ZeroPolicy:
         ``scan_layers``; that axis is never partitioned.
       precision: a :class:`Precision` (mixed precision, loss scaling); by
         default everything computes and reduces in the parameters' float32.
+      offload_optimizer: keep optimizer state (and the float32 master copy)
+        in ``pinned_host`` memory between steps; the update streams it to the
+        device chunk by chunk. ``True`` offloads all of it, a fraction in
+        [0, 1] that share of its bytes, largest leaves first.
+      offload_params: stage 3 only: keep the partitioned parameters in
+        ``pinned_host`` memory too; each is brought to the device just before
+        it is gathered (per layer inside ``scan_layers``).
 
     Example:
 
@@ -120,6 +127,8 @@ class ZeroPolicy:
         min_shard_size: int = _partition.DEFAULT_MIN_SHARD_SIZE,
         stacked: str | Sequence[str] = (),
         precision: Precision | None = None,
+        offload_optimizer: bool | float = False,
+        offload_params: bool = False,
     ) -> None:
         if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage <= 3:
             raise ValueError(
@@ -166,6 +175,9 @@ class ZeroPolicy:
         if min_shard_size < 0:
             raise ValueError(f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}.")
         prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
+        self.offload_optimizer, self.offload_params = _offload.check_options(
+            offload_optimizer, offload_params, int(stage), mesh
+        )
         self.stage = int(stage)
         self.mesh = mesh
         self.axes: tuple[str, ...] = axes
@@ -241,6 +253,8 @@ class ZeroPolicy:
             self.min_shard_size,
             self.stacked,
             self.precision,
+            self.offload_optimizer,
+            self.offload_params,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -256,7 +270,10 @@ class ZeroPolicy:
             + ("optimizer_over_replicas=True, " if self.optimizer_over_replicas else "")
             + f"mesh={dict(self.mesh.shape)}, min_shard_size={self.min_shard_size}"
             + (f", stacked={tuple('/'.join(p) for p in self.stacked)!r}" if self.stacked else "")
-            + (f", precision={self.precision})" if self.precision != Precision() else ")")
+            + (f", precision={self.precision}" if self.precision != Precision() else "")
+            + (f", offload_optimizer={self.offload_optimizer}" if self.offload_optimizer else "")
+            + (", offload_params=True" if self.offload_params else "")
+            + ")"
         )
 
     # -- which state a stage partitions ---------------------------------------------

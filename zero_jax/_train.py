@@ -34,6 +34,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
+from zero_jax import _offload
 from zero_jax._layers import Sharded, manual_gather_scope
 from zero_jax._multihost import check_same_on_all_processes, policy_fingerprint
 from zero_jax._optimizer import (
@@ -123,7 +124,7 @@ def _state_shardings(state: TrainState) -> TrainState:
         return jax.tree.map(lambda lay: policy._named(lay, partitioned, axes), layouts, is_leaf=_is_layout)
 
     layouts = state.layouts.tree()
-    return state.replace(
+    placed = state.replace(
         step=policy.replicated(),
         params=shardings(layouts, policy.partitions_params),
         opt_state=ShardedOptState(
@@ -135,6 +136,7 @@ def _state_shardings(state: TrainState) -> TrainState:
         master=None if state.master is None else shardings(layouts, policy.partitions_opt_state, policy.state_axes),
         loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: policy.replicated(), state.loss_scale),
     )
+    return _offload.place(state, placed)  # offloaded leaves live in pinned_host
 
 
 def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation, policy: ZeroPolicy) -> TrainState:
@@ -385,6 +387,10 @@ class TrainStep:
             return lay.dim is not None and (stage >= 2 or (stage == 1 and for_optimizer))
 
         def body(params: PyTree, local_batch: PyTree, scale: jax.Array) -> tuple[PyTree, jax.Array, Any, jax.Array]:
+            if policy.offload_params and (local or not manual):
+                # Host pieces to the device; the manual path moves each piece in zj.gather
+                # (one layer at a time in scan_layers), these gather everything anyway.
+                params = jax.tree.map(_offload.to_device, params)
             if stage == 3 and local:
                 # Local accumulation in stage 3: gather once per step (Ψ), compute
                 # every microbatch on the whole parameters, reduce-scatter once (Ψ).
@@ -599,6 +605,8 @@ class TrainStep:
             updates, opt_state = self.tx.update(grads, opt_state, master)
             return optax.apply_updates(master, updates), opt_state
 
+        if policy.offload_optimizer or policy.offload_params:
+            update = _offload.stream_update(update, master, state, _state_shardings(state))
         if state.loss_scale is None:
             finite = jnp.asarray(True)
             new_master, opt_state = update(master, state.opt_state)
@@ -608,6 +616,8 @@ class TrainStep:
             finite = jnp.isfinite(sq_norm)
             new_master, opt_state = jax.lax.cond(finite, update, lambda m, o: (m, o), master, state.opt_state)
 
+        if policy.offload_optimizer or policy.offload_params:
+            new_master = _offload.for_compute(new_master, _state_shardings(state).params, prec.compute_dtype)
         compute = cast_floats(new_master, prec.compute_dtype)
         if policy.stage in (1, 2):
             # All-gather only what changed: frozen leaves keep their whole copy.
@@ -632,6 +642,8 @@ class TrainStep:
             master=new_master if state.master is not None else None,
             loss_scale=None if state.loss_scale is None else state.loss_scale.next(finite, prec.loss_scale),
         )
+        if policy.offload_optimizer or policy.offload_params:
+            new_state = _offload.to_memory_kinds(new_state, _state_shardings(new_state))
         new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state, _state_shardings(new_state))
         metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
         if aux is not None:
