@@ -158,11 +158,14 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
     (1000, 3)
     """
     _check_tx(tx, policy, "init_state")
-    abstract_only = not callable(params) and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    # A factory is a callable with no array leaves: an Equinox module is callable
+    # too, but it is a pytree of parameters.
+    factory = callable(params) and not any(hasattr(x, "shape") for x in jax.tree.leaves(params))
+    abstract_only = not factory and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
     if abstract_only:  # only ever traced, under eval_shape: nothing is allocated
         make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
     else:
-        make = params if callable(params) else (lambda: params)
+        make = params if factory else (lambda: params)
     prec = policy.precision
     layouts = _with_dtype(policy.layouts(jax.eval_shape(make)), prec.param_dtype)
 
