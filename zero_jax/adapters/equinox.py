@@ -2,7 +2,8 @@
 
 The model is split once with ``eqx.partition(model, trainable)``: the leaves
 the filter selects (``eqx.is_inexact_array`` by default: every float array)
-are ``params``, an Equinox module with ``None`` where the other leaves were;
+are ``params``, an Equinox module with an empty placeholder where the other
+leaves were (``None`` would read as a frozen gradient);
 everything else (integer arrays, float arrays the filter leaves out, and
 non-array leaves: activation functions, Python numbers, strings) is
 ``non_trainable``, held constant by ``loss_fn``. ``loss_fn(params, batch)``
@@ -63,6 +64,28 @@ _DEPTH_FIX = (
 )
 
 
+class _Hole:
+    """Marks, in ``params``, a model leaf that is not trained. It has no
+    children, so it is no leaf; unlike ``eqx.partition``'s ``None`` it is not
+    mistaken for a frozen gradient (zero_jax's ``None``)."""
+
+    def __repr__(self) -> str:
+        return "<non-trainable>"
+
+
+_HOLE = _Hole()
+jax.tree_util.register_pytree_node(_Hole, lambda _: ((), None), lambda *_: _HOLE)
+
+
+def _is_hole(x: Any) -> bool:
+    return x is _HOLE or is_sharded(x)
+
+
+def _combine(params: Any, static: Any) -> Any:
+    """``eqx.combine`` for ``params`` with holes (and partitioned pieces)."""
+    return jax.tree.map(lambda p, s: s if p is _HOLE else p, params, static, is_leaf=_is_hole)
+
+
 def _is_float_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
 
@@ -104,17 +127,17 @@ def from_equinox(
                 f"floating-point array; only float arrays get gradients and optimizer state. Fix: {fix}exclude it "
                 "from trainable= (the default eqx.is_inexact_array selects exactly the float arrays)."
             )
-    params = jax.tree.map(jnp.asarray, params)
+    params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)
     prefixes = normalize_prefixes(stacked, _WHERE)
     others = eqx.filter(static, eqx.is_array)
     check_stacked(params, others, prefixes, _WHERE, _DEPTH_FIX)
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
         params = gather_unstacked(params, prefixes, _WHERE)
-        return loss(eqx.combine(params, static, is_leaf=is_sharded), batch)
+        return loss(_combine(params, static), batch)
 
     def to_model(state_or_params: Any) -> Any:
-        return eqx.combine(params_of(state_or_params), static)
+        return _combine(params_of(state_or_params), static)
 
     return Adapted(params, loss_fn, prefixes, static, to_model)
 

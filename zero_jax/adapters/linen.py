@@ -84,8 +84,10 @@ def from_linen(
       ``to_model`` returns the variables dict.
     """
     if not isinstance(module, nn.Module):
+        from flax import nnx  # Linen's package: installed
+
         hint = ""
-        if type(module).__module__.startswith("flax.nnx") or hasattr(module, "__nnx_graph_node__"):
+        if isinstance(module, nnx.Module):
             hint = " It looks like a Flax NNX module: use zj.adapters.from_nnx(model, loss)."
         raise TypeError(f"{_WHERE}: module must be a flax.linen.Module, got {type(module).__name__}.{hint}")
     if variables is None or callable(variables) and not isinstance(variables, Mapping):

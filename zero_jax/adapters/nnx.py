@@ -119,7 +119,10 @@ def _check_unchanged(before: dict[str, tuple[Any, Any]], model: nnx.Module, wher
     after = _snapshot(model)
     for path, (kind, value) in before.items():
         new = after.get(path, (kind, value))[1]
-        if new is not value:
+        # Compare the arrays, not their containers: NNX may re-wrap a partitioned
+        # (Sharded) value in a new node holding the same pieces.
+        old_leaves, new_leaves = jax.tree.leaves(value), jax.tree.leaves(new)
+        if len(old_leaves) != len(new_leaves) or any(a is not b for a, b in zip(old_leaves, new_leaves, strict=True)):
             raise ValueError(
                 f"{where}: the loss updated {kind} '{path}' ({describe(value)}), but a zero_jax step keeps "
                 "only the trainable parameters: the update would be lost every step. Make the forward pass "
