@@ -191,6 +191,29 @@ def test_nnx_updates_to_non_trainable_state_are_an_error_unless_discarded() -> N
     assert np.isfinite(float(metrics["loss"]))
 
 
+class NNXScanModel(NNXModel):
+    """The same model running its stack with NNX's own nnx.scan."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(layer: NNXBlock, h: jax.Array) -> jax.Array:
+            return layer(h)
+
+        return self.out(self.bn(run(self.layers, self.inp(x))))
+
+
+def test_nnx_scan_model_trains_stage3_whole_and_explains_manual_gather() -> None:
+    adapted = zj.adapters.from_nnx(NNXScanModel(nnx.Rngs(0)), _nnx_loss, stacked="layers")
+    policy = adapted.policy(3, make_mesh(8), min_shard_size=MIN_SHARD)
+    tx = zj.shard_optimizer(optax.adam(LR), policy)
+    batch = _batches()[0]
+    _, metrics = zj.make_train_step(adapted.loss_fn, tx, policy)(zj.init_state(adapted.params, tx, policy), batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(_nnx_loss(NNXScanModel(nnx.Rngs(0)), batch)), rtol=1e-6)
+    step = zj.make_train_step(adapted.loss_fn, tx, policy, gather="manual")
+    with pytest.raises(TypeError, match=r"partitioned pieces \(e.g. 'layers/.*zj.adapters.nnx.scan_layers\(fn, self"):
+        step(zj.init_state(adapted.params, tx, policy), batch)
+
+
 def test_nnx_stacked_layers_that_disagree_on_depth() -> None:
     model = _nnx_model()
     model.layers.extra = nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r), in_axes=0)(nnx.Rngs(1).split(DEPTH + 1))

@@ -48,6 +48,7 @@ from zero_jax.adapters._common import (
     Adapted,
     check_stacked,
     describe,
+    explain_unscanned_pieces,
     gather_unstacked,
     is_sharded,
     normalize_prefixes,
@@ -134,7 +135,8 @@ def from_equinox(
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
         params = gather_unstacked(params, prefixes, _WHERE)
-        return loss(_combine(params, static), batch)
+        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
+            return loss(_combine(params, static), batch)
 
     def to_model(state_or_params: Any) -> Any:
         return _combine(params_of(state_or_params), static)

@@ -54,6 +54,7 @@ from zero_jax.adapters._common import (
     Adapted,
     check_stacked,
     describe,
+    explain_unscanned_pieces,
     gather_unstacked,
     is_sharded,
     normalize_prefixes,
@@ -191,7 +192,8 @@ def from_nnx(
         before = _snapshot(m)
         _MODES.append(state_updates)
         try:
-            out = loss(m, batch)
+            with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.nnx.scan_layers"):
+                out = loss(m, batch)
         finally:
             _MODES.pop()
         if state_updates == "error":
