@@ -26,6 +26,7 @@ from flax import nnx
 import zero_jax as zj
 from zero_jax import _measure
 from zero_jax.adapters import equinox as zj_eqx
+from zero_jax.adapters import linen as zj_linen
 from zero_jax.adapters import nnx as zj_nnx
 
 IN, WIDTH, OUT, DEPTH = 12, 40, 6, 3  # 12 and 6 do not divide 8: padded pieces
@@ -160,13 +161,14 @@ def _layerwise_counts(adapted: zj.adapters.Adapted) -> dict[tuple[str, tuple[int
     return _tally(_measure.collectives(step.jitted, state, _batches()[0]))
 
 
-@pytest.mark.parametrize("library", ["nnx", "equinox"])
+@pytest.mark.parametrize("library", ["nnx", "linen", "equinox"])
 def test_layerwise_stage3_gathers_each_layer_twice_and_scatters_once(library: str) -> None:
-    adapted = (
-        zj.adapters.from_nnx(_nnx_model(), _nnx_loss, stacked="layers")
-        if library == "nnx"
-        else zj.adapters.from_equinox(_eqx_model(), _eqx_loss, stacked="layers")
-    )
+    if library == "nnx":
+        adapted = zj.adapters.from_nnx(_nnx_model(), _nnx_loss, stacked="layers")
+    elif library == "linen":
+        adapted = zj.adapters.from_linen(LINEN[True], _linen_variables(True), _linen_loss_of(True), stacked="layers")
+    else:
+        adapted = zj.adapters.from_equinox(_eqx_model(), _eqx_loss, stacked="layers")
     counts = _layerwise_counts(adapted)
     # One layer's kernel, whole (40, 40), and its piece (40 / 8, 40).
     assert counts[("all-gather", (WIDTH, WIDTH))] == 2 * DEPTH, counts  # forward gather + backward re-gather
@@ -230,95 +232,115 @@ def test_nnx_stacked_layers_that_disagree_on_depth() -> None:
 # -- Flax Linen ----------------------------------------------------------------------------------------------------
 
 
+class LinenLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(nn.Dense(WIDTH)(nn.LayerNorm()(x)))
+
+
 class LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
-        return x + jnp.tanh(nn.Dense(WIDTH)(nn.LayerNorm()(x))), None
+        return LinenLayer()(x), None
 
 
 class LinenModel(nn.Module):
-    """A stack made with nn.scan (params stacked on axis 0) and batch norm in
-    eval mode (a "batch_stats" collection)."""
+    """A stack made with nn.scan (params stacked on axis 0), or with the
+    adapter's ScanLayers (layer-by-layer gathering); batch norm in eval mode
+    (a "batch_stats" collection)."""
+
+    zero_scan: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         h = nn.Dense(WIDTH)(x)
-        stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=DEPTH)
-        h, _ = stack(name="layers")(h, None)
+        if self.zero_scan:
+            h = zj_linen.ScanLayers(LinenLayer(), length=DEPTH, name="layers")(h)
+        else:
+            stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=DEPTH)
+            h, _ = stack(name="layers")(h, None)
         h = nn.BatchNorm(use_running_average=True)(h)
         return nn.Dense(OUT)(h)
 
 
-LINEN = LinenModel()
+LINEN = {False: LinenModel(), True: LinenModel(zero_scan=True)}
 
 
-def _linen_variables() -> dict[str, Any]:
-    variables = LINEN.init(jax.random.key(0), jnp.ones((1, IN)))
+def _linen_variables(zero_scan: bool = False) -> dict[str, Any]:
+    variables = LINEN[zero_scan].init(jax.random.key(0), jnp.ones((1, IN)))
     stats = variables["batch_stats"]["BatchNorm_0"]
     stats["mean"] = jnp.linspace(-0.5, 0.5, WIDTH)
     stats["var"] = jnp.linspace(0.5, 2.0, WIDTH)
     return variables
 
 
-def _linen_loss(variables: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
-    return _mse(LINEN.apply(variables, batch["x"]), batch["y"])
+def _linen_loss_of(zero_scan: bool) -> Callable[[dict[str, Any], dict[str, jax.Array]], jax.Array]:
+    return lambda variables, batch: _mse(LINEN[zero_scan].apply(variables, batch["x"]), batch["y"])
+
+
+_linen_loss = _linen_loss_of(False)
 
 
 @functools.cache
-def _linen_reference() -> tuple[Any, list[float]]:
+def _linen_reference(zero_scan: bool) -> tuple[Any, list[float]]:
     """Linen's usual unsharded training: grad of apply w.r.t. "params", optax."""
-    variables = _linen_variables()
+    variables = _linen_variables(zero_scan)
     params, stats = variables["params"], variables["batch_stats"]
+    loss = _linen_loss_of(zero_scan)
     tx = optax.adam(LR)
     opt_state = tx.init(params)
 
     @jax.jit
     def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]) -> Any:
-        loss, grads = jax.value_and_grad(lambda p: _linen_loss({"params": p, "batch_stats": stats}, batch))(params)
+        value, grads = jax.value_and_grad(lambda p: loss({"params": p, "batch_stats": stats}, batch))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, value
 
     losses = []
     for batch in _batches():
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
+        params, opt_state, value = step(params, opt_state, batch)
+        losses.append(float(value))
     return params, losses
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_linen_matches_unsharded_training(stage: int) -> None:
-    adapted = zj.adapters.from_linen(LINEN, _linen_variables(), _linen_loss, stacked="layers")
-    assert adapted.params["layers"]["Dense_0"]["kernel"].shape == (DEPTH, WIDTH, WIDTH)
+@pytest.mark.parametrize(("stage", "zero_scan"), [(0, False), (1, False), (2, False), (3, False), (2, True),
+                                                  (3, True)])  # fmt: skip
+def test_linen_matches_unsharded_training(stage: int, zero_scan: bool) -> None:
+    variables = _linen_variables(zero_scan)
+    adapted = zj.adapters.from_linen(LINEN[zero_scan], variables, _linen_loss_of(zero_scan), stacked="layers")
+    layer = adapted.params["layers"]["stack"] if zero_scan else adapted.params["layers"]["LinenLayer_0"]
+    assert layer["Dense_0"]["kernel"].shape == (DEPTH, WIDTH, WIDTH)
     assert list(adapted.non_trainable) == ["batch_stats"]
-    state, step, losses = _train(adapted, stage)
-    ref, ref_losses = _linen_reference()
-    variables = adapted.to_model(state)
-    assert sorted(variables) == ["batch_stats", "params"]
-    err = _assert_matches(variables["params"], ref, adapted.params, losses, ref_losses)
-    print(f"linen stage {stage}: max relative update error {err:.2e}")
-    if stage == 3:  # the layer axis is never cut: every stacked kernel is partitioned on another dimension
+    gather = "manual" if zero_scan else "all"  # ScanLayers: layer by layer; nn.scan: the step gathers
+    state, step, losses = _train(adapted, stage, gather)
+    ref, ref_losses = _linen_reference(zero_scan)
+    trained = adapted.to_model(state)
+    assert sorted(trained) == ["batch_stats", "params"]
+    err = _assert_matches(trained["params"], ref, adapted.params, losses, ref_losses)
+    print(f"linen stage {stage} gather={gather}: max relative update error {err:.2e}")
+    if stage == 3:  # the layer axis is never cut: every stacked leaf is partitioned on another dimension
         layouts = step.policy.layouts(adapted.params)["layers"]
         assert all(lay.dim != 0 for lay in jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, zj.LeafLayout)))
 
 
-def test_linen_manual_gather_is_refused_with_the_alternative() -> None:
-    adapted = zj.adapters.from_linen(LINEN, _linen_variables(), _linen_loss, stacked="layers")
+def test_linen_nn_scan_under_manual_gather_says_to_use_scan_layers() -> None:
+    adapted = zj.adapters.from_linen(LINEN[False], _linen_variables(), _linen_loss, stacked="layers")
     policy = adapted.policy(3, make_mesh(8), min_shard_size=MIN_SHARD)
     tx = zj.shard_optimizer(optax.sgd(LR), policy)
     step = zj.make_train_step(adapted.loss_fn, tx, policy, gather="manual")
-    with pytest.raises(ValueError, match=r"partitioned parameters.*gather='all'"):
+    with pytest.raises(TypeError, match=r"partitioned pieces.*zj.adapters.linen.ScanLayers.*gather='all'"):
         step(zj.init_state(adapted.params, tx, policy), _batches()[0])
 
 
 def test_linen_module_without_its_variables() -> None:
     with pytest.raises(TypeError, match=r"LinenModel module was passed without its variables.*module.init\("):
-        zj.adapters.from_linen(LINEN, _linen_loss)  # the loss in the variables' place
+        zj.adapters.from_linen(LINEN[False], _linen_loss)  # the loss in the variables' place
     with pytest.raises(TypeError, match=r"without its variables"):
-        zj.adapters.from_linen(LINEN, loss=_linen_loss)
+        zj.adapters.from_linen(LINEN[False], loss=_linen_loss)
     params_only = _linen_variables()["params"]
     unwrapped = r"no 'params' collection.*contents of the 'params' collection.*\{'params': params\}"
     with pytest.raises(ValueError, match=unwrapped):
-        zj.adapters.from_linen(LINEN, params_only, _linen_loss)
+        zj.adapters.from_linen(LINEN[False], params_only, _linen_loss)
     with pytest.raises(TypeError, match=r"looks like a Flax NNX module: use zj.adapters.from_nnx"):
         zj.adapters.from_linen(_nnx_model(), {}, _linen_loss)
 

@@ -19,9 +19,9 @@ the library's object::
 
 Flax and Equinox are imported only when their adapter is used
 (``pip install 'zero_jax[adapters]'``). Layer-by-layer ZeRO-3
-(``gather="manual"``) for stacked layers: ``zero_jax.adapters.nnx.scan_layers``
-and ``zero_jax.adapters.equinox.scan_layers``, drop-ins for ``nnx.scan`` and a
-``lax.scan`` over an Equinox stack.
+(``gather="manual"``) for stacked layers: ``zero_jax.adapters.nnx.scan_layers``,
+``zero_jax.adapters.linen.ScanLayers`` and ``zero_jax.adapters.equinox.scan_layers``,
+drop-ins for ``nnx.scan``, ``nn.scan`` and a ``lax.scan`` over an Equinox stack.
 """
 
 from __future__ import annotations

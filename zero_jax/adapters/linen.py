@@ -11,13 +11,16 @@ update a collection unless ``apply`` is given ``mutable=``, and a loss that
 asks for updates gets them back and drops them by its own hand — nothing is
 lost silently.
 
-Stacks made with ``nn.scan`` (``variable_axes={"params": 0}``) are declared
-with ``stacked=`` (the scanned submodule's name): the policy then never cuts
-the layer axis, and stage 3 trains them with ``gather="all"`` (the step
-gathers the parameters inside ``jax.checkpoint``; the backward pass gathers
-again). Layer-by-layer gathering (``gather="manual"``) needs the model to
-call ``zj.scan_layers`` itself, which ``nn.scan`` cannot: it is not
-supported for Linen models (use the NNX or Equinox adapter for that).
+Stacked layers are declared with ``stacked=`` (the stack's name), so the
+policy never cuts the layer axis. Stacks made with ``nn.scan``
+(``variable_axes={"params": 0}``) train under every stage with
+``gather="all"`` (stage 3 gathers the parameters inside ``jax.checkpoint``;
+the backward pass gathers again). For layer-by-layer ZeRO-3
+(``gather="manual"``) build the stack with :class:`ScanLayers` instead, a
+drop-in for that ``nn.scan`` that runs ``zj.scan_layers``: inside the step
+each layer is gathered just before use. (``nn.scan`` itself cannot: it
+slices the parameters it is given, and the pieces of a partitioned parameter
+are not layers.)
 
 >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
 >>> import flax.linen as nn
@@ -45,9 +48,20 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax._policy import PyTree, path_str
-from zero_jax.adapters._common import Adapted, check_stacked, describe, is_sharded, normalize_prefixes, params_of
+from zero_jax.adapters._common import (
+    Adapted,
+    check_stacked,
+    describe,
+    explain_unscanned_pieces,
+    gather_unstacked,
+    is_sharded,
+    normalize_prefixes,
+    params_of,
+    scan_stacked,
+    under,
+)
 
-__all__ = ["from_linen"]
+__all__ = ["ScanLayers", "from_linen"]
 
 _WHERE = "zj.adapters.from_linen"
 _DEPTH_FIX = (
@@ -136,18 +150,67 @@ def from_linen(
         return {**rest, **({collections[0]: params} if unwrap else dict(params))}
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
-        sharded = [path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
-                   if is_sharded(x)]  # fmt: skip
-        if sharded:
-            raise ValueError(
-                f"{_WHERE}: the step hands partitioned parameters (e.g. '{sharded[0]}') to the loss: "
-                "make_train_step(..., gather='manual') needs a model that gathers its own layers with "
-                "zj.scan_layers, which nn.scan cannot do. Use gather='all' (stage 3 then gathers the parameters "
-                "inside jax.checkpoint), or the NNX / Equinox adapter for layer-by-layer ZeRO-3."
-            )
-        return loss(as_variables(params), batch)
+        params = gather_unstacked(params, prefixes, _WHERE)
+        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
+            return loss(as_variables(_box(params, prefixes)), batch)
 
     def to_model(state_or_params: Any) -> dict[str, Any]:
         return as_variables(params_of(state_or_params))
 
     return Adapted(params, loss_fn, prefixes, rest, to_model)
+
+
+class _Pieces:
+    """A partitioned stacked parameter on its way through ``module.apply``: an
+    opaque leaf (Linen flattens parameters to check their shapes; the pieces
+    inside have other shapes) that reports the parameter's logical shape."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.shape = node.shape
+        self.dtype = node.dtype
+
+
+def _box(params: PyTree, prefixes: tuple[str, ...]) -> PyTree:
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        return _Pieces(x) if is_sharded(x) and any(under(path, p) for p in prefixes) else x
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
+
+
+class ScanLayers(nn.Module):
+    """``length`` copies of ``block`` (a Linen module mapping ``x -> x``, with
+    parameters only), stacked on a leading layer axis and run with
+    ``zj.scan_layers``: the drop-in for ``nn.scan(Block, variable_axes={"params":
+    0}, split_rngs={"params": True}, length=length)`` that lets a
+    ``gather="manual"`` step gather one layer at a time. Its parameters live
+    under ``<name>/stack``; declare ``stacked="<name>"`` in ``from_linen``.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from zero_jax.adapters import linen as zj_linen
+    >>> stack = zj_linen.ScanLayers(nn.Dense(4), length=3)
+    >>> variables = stack.init(jax.random.key(0), jnp.ones((2, 4)))
+    >>> variables["params"]["stack"]["kernel"].shape
+    (3, 4, 4)
+    >>> stack.apply(variables, jnp.ones((2, 4))).shape
+    (2, 4)
+    """
+
+    block: nn.Module
+    length: int
+    prefetch: int = 1
+    remat: bool = True
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        block = self.block.clone(parent=None)
+
+        def init(rng: jax.Array) -> PyTree:
+            keys = jax.random.split(rng, self.length)
+            return jax.vmap(lambda k: block.init(k, x)["params"])(keys)
+
+        stacked = self.param("stack", init)
+        stacked = jax.tree.map(lambda v: v.node if isinstance(v, _Pieces) else v, stacked)
+        return scan_stacked(
+            lambda p, _, c: block.apply({"params": p}, c), stacked, {}, x, prefetch=self.prefetch, remat=self.remat
+        )
