@@ -28,9 +28,9 @@ class Adapted(NamedTuple):
         attribute / collection paths, e.g. ``layers/mlp/kernel``).
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``): rebuilds
         the model from ``params`` and the non-trainable state and calls the
-        user's loss on it. Works with ``gather="all"`` in every adapter and with
-        ``gather="manual"`` in the NNX and Equinox adapters (see their
-        ``scan_layers``).
+        user's loss on it. Works with ``gather="all"``, and with
+        ``gather="manual"`` when the model runs its stack with the adapter's
+        ``scan_layers`` (Linen: ``ScanLayers``).
       stacked: the key-path prefixes of stacked (scanned) layers, checked to
         share one leading layer axis: pass them to ``ZeroPolicy(stacked=...)``
         (or build the policy with :meth:`policy`) so that axis is never cut.
