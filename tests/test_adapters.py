@@ -80,9 +80,12 @@ class NNXBlock(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
         self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+        # Stacked non-trainable state (per-layer statistics): sliced per layer, never trained.
+        self.stats = nnx.BatchNorm(WIDTH, use_running_average=True, rngs=rngs)
+        self.stats.mean[...] = jnp.full((WIDTH,), 0.1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x + jnp.tanh(self.lin(self.norm(x)))
+        return x + jnp.tanh(self.lin(self.stats(self.norm(x))))
 
 
 class NNXModel(nnx.Module):
@@ -135,6 +138,7 @@ def test_nnx_matches_unsharded_training(stage: int, gather: str) -> None:
     assert adapted.stacked == ("layers",)
     assert adapted.params["layers"]["lin"]["kernel"].shape == (DEPTH, WIDTH, WIDTH)
     assert set(nnx.to_pure_dict(adapted.non_trainable)["bn"]) == {"mean", "var"}
+    assert nnx.to_pure_dict(adapted.non_trainable)["layers"]["stats"]["mean"].shape == (DEPTH, WIDTH)
     state, step, losses = _train(adapted, stage, gather)
     ref, ref_losses = _nnx_reference()
     trained = adapted.to_model(state)
@@ -351,13 +355,15 @@ def test_linen_module_without_its_variables() -> None:
 class EqxBlock(eqx.Module):
     lin: eqx.nn.Linear
     norm: eqx.nn.LayerNorm
+    seed: jax.Array  # a stacked integer leaf: sliced per layer, never trained
 
     def __init__(self, key: jax.Array) -> None:
         self.lin = eqx.nn.Linear(WIDTH, WIDTH, key=key)
         self.norm = eqx.nn.LayerNorm(WIDTH)
+        self.seed = jax.random.key_data(key)[-1] % 7
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x + jnp.tanh(self.lin(self.norm(x)))
+        return x + jnp.tanh(self.lin(self.norm(x))) * (1.0 + 0.01 * self.seed)
 
 
 class EqxModel(eqx.Module):
@@ -429,7 +435,7 @@ def test_equinox_matches_unsharded_training(stage: int, gather: str) -> None:
 
 
 def test_equinox_non_array_leaves_marked_trainable() -> None:
-    everything = lambda leaf: True  # noqa: E731
+    everything = lambda leaf: eqx.is_inexact_array(leaf) or callable(leaf)  # noqa: E731  (functions too)
     function_leaf = r"leaf 'activation' is marked trainable but is a function \(<function gelu.*exclude it"
     with pytest.raises(ValueError, match=function_leaf):
         zj.adapters.from_equinox(_eqx_model(), _eqx_loss, trainable=everything)
