@@ -65,7 +65,8 @@ __all__ = ["ScanLayers", "from_linen"]
 
 _WHERE = "zj.adapters.from_linen"
 _DEPTH_FIX = (
-    "Make the stack with one nn.scan(..., variable_axes={'params': 0}, length=depth) and keep "
+    "Make the stack with one ScanLayers(block, length=depth) (or nn.scan(..., variable_axes={'params': 0}, "
+    "length=depth)) and keep "
     "unstacked submodules out of the stacked= subtree."
 )
 _INIT_HINT = "variables = module.init(jax.random.key(0), example_input)"
@@ -90,7 +91,8 @@ def from_linen(
         dict (trained ``params`` plus the constant other collections).
       trainable: the collection(s) to train (default ``"params"``).
       stacked: key-path prefixes inside the trained collection (``"layers"``,
-        ``"decoder/ScanBlock_0"``) of stacks made with ``nn.scan``.
+        ``"decoder/ScanBlock_0"``) of stacks made with ``nn.scan`` or
+        :class:`ScanLayers` (the name given to it).
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``params`` is the trained
