@@ -6,7 +6,7 @@
 >>> tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
 """
 
-from zero_jax import checkpoint
+from zero_jax import adapters, checkpoint
 from zero_jax._audit import AuditError, AuditReport, audit
 from zero_jax._launch import launch
 from zero_jax._layers import Sharded, gather, scan_layers
@@ -54,6 +54,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "ZeroPolicy",
+    "adapters",
     "audit",
     "checkpoint",
     "choose_stage",

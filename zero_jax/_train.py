@@ -165,10 +165,13 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
     # Several processes: agree on the policy before the first collective, so
     # a mismatch is an error on every process rather than a hang.
     check_same_on_all_processes("zj.init_state", policy_fingerprint(policy))
-    abstract_only = not callable(params) and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    # A factory is a callable with no array leaves: an Equinox module is callable
+    # too, but it is a pytree of parameters.
+    factory = callable(params) and not any(hasattr(x, "shape") for x in jax.tree.leaves(params))
+    abstract_only = not factory and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
     if abstract_only:  # only ever traced, under eval_shape: nothing is allocated
         make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
-    elif callable(params):
+    elif factory:
         make = params
     else:
         if jax.process_count() > 1:

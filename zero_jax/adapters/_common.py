@@ -1,0 +1,217 @@
+"""What every adapter shares: the :class:`Adapted` result, the stacked-subtree
+checks, manual-gather support and the layer scan over a model's stacked state.
+
+Nothing here imports Flax or Equinox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax import _layers
+from zero_jax._layers import Sharded
+from zero_jax._policy import PyTree, ZeroPolicy, key_name, path_str
+from zero_jax._train import TrainState, full_params
+
+
+class Adapted(NamedTuple):
+    """A model from another library, ready for ``zj.init_state`` and
+    ``zj.make_train_step`` unchanged.
+
+    Attributes:
+      params: the trainable arrays (a pytree; its key paths are the model's
+        attribute / collection paths, e.g. ``layers/mlp/kernel``).
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``): rebuilds
+        the model from ``params`` and the non-trainable state and calls the
+        user's loss on it. Works with ``gather="all"``, and with
+        ``gather="manual"`` when the model runs its stack with the adapter's
+        ``scan_layers`` (Linen: ``ScanLayers``).
+      stacked: the key-path prefixes of stacked (scanned) layers, checked to
+        share one leading layer axis: pass them to ``ZeroPolicy(stacked=...)``
+        (or build the policy with :meth:`policy`) so that axis is never cut.
+      non_trainable: what the model holds besides ``params`` (NNX variables that
+        are not ``nnx.Param``, Linen collections other than ``"params"``,
+        Equinox leaves the filter leaves out). It is a constant of
+        ``loss_fn``: never trained, never partitioned, replicated on every
+        device, and unchanged by training.
+      to_model: ``to_model(state_or_params)`` -> the library's own model object
+        (an NNX module, a Linen variables dict, an Equinox module) from a
+        ``TrainState`` (through ``zj.full_params``) or from a params pytree.
+    """
+
+    params: PyTree
+    loss_fn: Callable[[PyTree, PyTree], Any]
+    stacked: tuple[str, ...]
+    non_trainable: PyTree
+    to_model: Callable[[Any], Any]
+
+    def policy(self, stage: int, mesh: jax.sharding.Mesh, axis: str | Sequence[str] = "data", **kwargs: Any):
+        """``zj.ZeroPolicy(stage, mesh, axis, stacked=self.stacked, **kwargs)``."""
+        stacked = kwargs.pop("stacked", ())
+        extra = (stacked,) if isinstance(stacked, str) else tuple(stacked)
+        return ZeroPolicy(stage, mesh, axis, stacked=self.stacked + extra, **kwargs)
+
+
+def params_of(state_or_params: Any) -> PyTree:
+    """Ordinary parameters from a TrainState (gathered, unpadded) or as given."""
+    return full_params(state_or_params) if isinstance(state_or_params, TrainState) else state_or_params
+
+
+def normalize_prefixes(stacked: str | Sequence[str], where: str) -> tuple[str, ...]:
+    prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
+    for p in prefixes:
+        if not isinstance(p, str) or not p.strip("/."):
+            raise TypeError(f"{where}: stacked must be key-path prefixes like 'layers' or 'decoder/blocks', got {p!r}.")
+    return tuple(p.replace(".", "/").strip("/") for p in prefixes)
+
+
+def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(key_name(k) for k in path)
+
+
+def under(path: tuple[Any, ...], prefix: str) -> bool:
+    parts = tuple(prefix.split("/"))
+    return _names(path)[: len(parts)] == parts
+
+
+def is_sharded(x: Any) -> bool:
+    return isinstance(x, Sharded)
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else ()
+
+
+def check_stacked(
+    params: PyTree, others: PyTree, prefixes: tuple[str, ...], where: str, fix: str, is_leaf: Any = None
+) -> None:
+    """Every array under a stacked prefix (trainable or not) must carry the
+    same leading layer axis; a prefix must match a trainable leaf."""
+    param_leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
+    other_leaves = jax.tree_util.tree_flatten_with_path(others, is_leaf=is_leaf)[0]
+    for prefix in prefixes:
+        mine = [(p, x) for p, x in param_leaves if under(p, prefix)]
+        if not mine:
+            tops = sorted({path_str(p[:1]) for p, _ in param_leaves})
+            raise ValueError(
+                f"{where}: stacked prefix {prefix!r} matches no trainable parameter; top-level entries are "
+                f"{tops}. Pass the path of the subtree whose leaves carry the leading layer axis."
+            )
+        mine += [(p, x) for p, x in other_leaves if under(p, prefix) and hasattr(x, "shape")]
+        depths: dict[int | None, list[str]] = {}
+        for p, x in mine:
+            shape = _shape(x)
+            depths.setdefault(shape[0] if shape else None, []).append(f"'{path_str(p)}' {shape}")
+        if len(depths) > 1 or None in depths:
+            (common, _), *_ = sorted(depths.items(), key=lambda kv: -len(kv[1]))
+            odd = [f"{leaf} (depth {d})" for d, leaves in depths.items() if d != common for leaf in leaves]
+            raise ValueError(
+                f"{where}: the stacked layers under {prefix!r} disagree on depth: most leaves have {common} "
+                f"layers (e.g. {depths[common][0]}), but {', '.join(odd)}. Every leaf of a stack needs the same "
+                f"leading layer axis. {fix}"
+            )
+
+
+def active_policy() -> ZeroPolicy | None:
+    """The policy of the manual-gather step being traced, or None (outside a
+    step, or a step that hands ``loss_fn`` whole parameters)."""
+    return _layers._ACTIVE[-1][0] if _layers._ACTIVE else None
+
+
+def gather_unstacked(params: PyTree, prefixes: tuple[str, ...], where: str) -> PyTree:
+    """Manual-gather steps: make every partitioned leaf outside the stacked
+    subtrees whole (gathered once for the whole step); stacked leaves stay
+    pieces for ``scan_layers``. Nothing to do for whole parameters."""
+    if not any(is_sharded(x) for x in jax.tree.leaves(params, is_leaf=is_sharded)):
+        return params
+    policy = active_policy()
+    if policy is None:  # pragma: no cover - Sharded nodes only exist inside a manual step
+        raise RuntimeError(f"{where}: got partitioned parameters outside a train step.")
+
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        if is_sharded(x) and not any(under(path, p) for p in prefixes):
+            return _layers.gather(x, policy)
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
+
+
+# One entry per adapted loss being traced: how many adapter scan_layers calls it made.
+_SCANS: list[list[int]] = []
+
+
+@contextlib.contextmanager
+def explain_unscanned_pieces(params: PyTree, prefixes: tuple[str, ...], where: str, drop_in: str) -> Iterator[None]:
+    """In a manual-gather step, stacked leaves reach the model as pieces that
+    only the adapter's ``scan_layers`` can run; a model that runs its stack
+    another way (``nnx.scan``, ``lax.scan``) fails deep inside that transform.
+    Say why and what to do instead."""
+    pieces = [
+        path_str(p)
+        for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
+        if is_sharded(x) and any(under(p, q) for q in prefixes)
+    ]
+    _SCANS.append([0])
+    try:
+        yield
+    except Exception as e:
+        if pieces and not _SCANS[-1][0]:
+            raise TypeError(
+                f"{where}: under make_train_step(..., gather='manual') the stacked layers reach the model as "
+                f"partitioned pieces (e.g. '{pieces[0]}'), which only {drop_in} can run, and the model did not "
+                f"call it. Run the stack with {drop_in}(fn, self.layers, x) (a drop-in for the scan), or train "
+                f"with gather='all'. The error was: {type(e).__name__}: {e}"
+            ) from e
+        raise
+    finally:
+        _SCANS.pop()
+
+
+def scan_stacked(
+    layer_fn: Callable[[PyTree, PyTree, Any], Any],
+    scanned: PyTree,
+    indexed: PyTree,
+    carry: Any,
+    *,
+    prefetch: int,
+    remat: bool,
+) -> Any:
+    """``layer_fn(layer_scanned, layer_indexed, carry) -> carry`` over the
+    leading axis of ``scanned`` with ``zj.scan_layers`` (pieces gathered
+    layer by layer inside a manual-gather step; a plain scan otherwise).
+
+    ``indexed`` is stacked state that is not differentiated (integers, RNG
+    keys, batch statistics): it is closed over and sliced by a layer counter
+    carried beside ``carry`` (a float, so the custom VJP of ``scan_layers``
+    sees only float carries).
+    """
+    if _SCANS:
+        _SCANS[-1][0] += 1
+    policy = active_policy()
+    if not jax.tree.leaves(indexed):
+        return _layers.scan_layers(lambda p, c: layer_fn(p, None, c), scanned, carry, policy, prefetch=prefetch,
+                                   remat=remat)  # fmt: skip
+
+    def body(p: PyTree, c: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
+        x, i = c
+        layer = jax.tree.map(lambda a: a[i.astype(jnp.int32)], indexed)
+        return layer_fn(p, layer, x), i + 1
+
+    out, _ = _layers.scan_layers(
+        body, scanned, (carry, jnp.zeros((), jnp.float32)), policy, prefetch=prefetch, remat=remat
+    )
+    return out
+
+
+def describe(leaf: Any) -> str:
+    """A leaf as an error message names it: shape and dtype, or its type."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"an array of shape {tuple(leaf.shape)} and dtype {jnp.dtype(leaf.dtype)}"
+    text = repr(leaf)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"a {type(leaf).__name__} ({text})"

@@ -1,0 +1,179 @@
+"""Equinox models under ZeRO: ``from_equinox`` and the layer-wise ``scan_layers``.
+
+The model is split once with ``eqx.partition(model, trainable)``: the leaves
+the filter selects (``eqx.is_inexact_array`` by default: every float array)
+are ``params``, an Equinox module with an empty placeholder where the other
+leaves were (``None`` would read as a frozen gradient);
+everything else (integer arrays, float arrays the filter leaves out, and
+non-array leaves: activation functions, Python numbers, strings) is
+``non_trainable``, held constant by ``loss_fn``. ``loss_fn(params, batch)``
+rebuilds the model with ``eqx.combine`` and calls ``loss(model, batch)``.
+Equinox never updates a model in place, so nothing can be lost silently; a
+stateful layer's ``eqx.nn.State`` is threaded by the user's loss, as usual.
+
+A filter that marks a leaf trainable which is not a float array is an error
+naming the leaf (gradients and optimizer state exist only for float arrays).
+
+Layer-wise ZeRO-3: layers stacked with ``eqx.filter_vmap`` over a layer axis
+are declared with ``stacked=``; running them with :func:`scan_layers` lets a
+``make_train_step(..., gather="manual")`` step gather one layer at a time.
+
+>>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+>>> import equinox as eqx
+>>> model = eqx.nn.Linear(4, 2, key=jax.random.key(0))
+>>> def loss(model, batch):
+...     return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
+>>> adapted = zj.adapters.from_equinox(model, loss)
+>>> policy = adapted.policy(stage=1, mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+>>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+>>> state = zj.init_state(adapted.params, tx, policy)
+>>> step = zj.make_train_step(adapted.loss_fn, tx, policy)
+>>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
+>>> type(adapted.to_model(state)).__name__
+'Linear'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zero_jax._policy import PyTree, path_str
+from zero_jax.adapters._common import (
+    Adapted,
+    check_stacked,
+    describe,
+    explain_unscanned_pieces,
+    gather_unstacked,
+    is_sharded,
+    normalize_prefixes,
+    params_of,
+    scan_stacked,
+)
+
+__all__ = ["from_equinox", "scan_layers"]
+
+_WHERE = "zj.adapters.from_equinox"
+_DEPTH_FIX = (
+    "Build the whole stack with one eqx.filter_vmap(make_layer)(jax.random.split(key, depth)), and keep "
+    "unstacked modules out of the stacked= subtree."
+)
+
+
+class _Hole:
+    """Marks, in ``params``, a model leaf that is not trained. It has no
+    children, so it is no leaf; unlike ``eqx.partition``'s ``None`` it is not
+    mistaken for a frozen gradient (zero_jax's ``None``)."""
+
+    def __repr__(self) -> str:
+        return "<non-trainable>"
+
+
+_HOLE = _Hole()
+jax.tree_util.register_pytree_node(_Hole, lambda _: ((), None), lambda *_: _HOLE)
+
+
+def _is_hole(x: Any) -> bool:
+    return x is _HOLE or is_sharded(x)
+
+
+def _combine(params: Any, static: Any) -> Any:
+    """``eqx.combine`` for ``params`` with holes (and partitioned pieces)."""
+    return jax.tree.map(lambda p, s: s if p is _HOLE else p, params, static, is_leaf=_is_hole)
+
+
+def _is_float_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def from_equinox(
+    model: eqx.Module,
+    loss: Callable[[eqx.Module, PyTree], Any],
+    *,
+    trainable: Any = eqx.is_inexact_array,
+    stacked: str | Sequence[str] = (),
+) -> Adapted:
+    """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or
+    ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
+    ``zj.make_train_step``.
+
+    Args:
+      model: an ``eqx.Module`` (any pytree works).
+      loss: the mean loss of ``model`` over the batch it is given.
+      trainable: an Equinox filter: a function of a leaf, or a ``filter_spec``
+        pytree of bools / functions (as ``eqx.partition`` takes). Default:
+        every floating-point array. Every selected leaf must be a float array.
+      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of
+        subtrees made with ``eqx.filter_vmap``, sharing a leading layer axis.
+
+    Returns:
+      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model.
+    """
+    if not callable(loss):
+        raise TypeError(f"{_WHERE}: loss must be callable as loss(model, batch), got {type(loss).__name__}.")
+    params, static = eqx.partition(model, trainable)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not _is_float_array(leaf):
+            if isinstance(leaf, (float, int, complex)) and not isinstance(leaf, bool):
+                fix = f"store it as jnp.asarray({leaf!r}, jnp.float32) if it should learn, or "
+            else:
+                fix = ""
+            raise ValueError(
+                f"{_WHERE}: leaf '{path_str(path)}' is marked trainable but is {describe(leaf)}, not a "
+                f"floating-point array; only float arrays get gradients and optimizer state. Fix: {fix}exclude it "
+                "from trainable= (the default eqx.is_inexact_array selects exactly the float arrays)."
+            )
+    params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)
+    prefixes = normalize_prefixes(stacked, _WHERE)
+    others = eqx.filter(static, eqx.is_array)
+    check_stacked(params, others, prefixes, _WHERE, _DEPTH_FIX)
+
+    def loss_fn(params: PyTree, batch: PyTree) -> Any:
+        params = gather_unstacked(params, prefixes, _WHERE)
+        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
+            return loss(_combine(params, static), batch)
+
+    def to_model(state_or_params: Any) -> Any:
+        return _combine(params_of(state_or_params), static)
+
+    return Adapted(params, loss_fn, prefixes, static, to_model)
+
+
+def scan_layers(
+    fn: Callable[[Any, Any], Any],
+    layers: Any,
+    carry: Any,
+    *,
+    prefetch: int = 1,
+    remat: bool = True,
+) -> Any:
+    """``carry = fn(layer, carry)`` for each layer of ``layers``, an Equinox
+    module whose arrays are stacked on a leading layer axis
+    (``eqx.filter_vmap``): the drop-in for the usual
+    ``lax.scan`` over ``eqx.partition(layers, eqx.is_array)``.
+
+    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted
+    with ``stacked=`` naming this subtree, each layer's parameters are
+    gathered just before use and dropped after (``zj.scan_layers``).
+    Anywhere else it is a per-layer-checkpointed ``lax.scan``.
+
+    >>> import jax, jax.numpy as jnp, equinox as eqx
+    >>> from zero_jax.adapters import equinox as zj_eqx
+    >>> layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(jax.random.split(jax.random.key(0), 3))
+    >>> zj_eqx.scan_layers(lambda layer, x: jax.vmap(layer)(x), layers, jnp.ones((2, 4))).shape
+    (2, 4)
+    """
+    scanned, rest = eqx.partition(layers, lambda x: is_sharded(x) or eqx.is_inexact_array(x), is_leaf=is_sharded)
+    indexed, static = eqx.partition(rest, eqx.is_array, is_leaf=is_sharded)
+
+    def layer_fn(p: Any, r: Any, c: Any) -> Any:
+        return fn(eqx.combine(p, static) if r is None else eqx.combine(p, r, static), c)
+
+    return scan_stacked(
+        layer_fn, scanned, indexed if jax.tree.leaves(indexed) else {}, carry, prefetch=prefetch, remat=remat
+    )

@@ -1,0 +1,218 @@
+"""Flax Linen models under ZeRO: ``from_linen(module, variables, loss)``.
+
+Linen keeps a model's numbers outside the module, in the variables dict that
+``module.init`` returns. The ``"params"`` collection (or the collections named
+by ``trainable=``) becomes ``params``; every other collection
+(``"batch_stats"``, ``"cache"``, ``"intermediates"``, ...) is
+``non_trainable``: a constant of the step, whole on every device, never
+trained. ``loss(variables, batch)`` receives the whole variables dict, so it
+calls ``module.apply(variables, ...)`` as usual; Linen itself refuses to
+update a collection unless ``apply`` is given ``mutable=``, and a loss that
+asks for updates gets them back and drops them by its own hand — nothing is
+lost silently.
+
+Stacked layers are declared with ``stacked=`` (the stack's name), so the
+policy never cuts the layer axis. Stacks made with ``nn.scan``
+(``variable_axes={"params": 0}``) train under every stage with
+``gather="all"`` (stage 3 gathers the parameters inside ``jax.checkpoint``;
+the backward pass gathers again). For layer-by-layer ZeRO-3
+(``gather="manual"``) build the stack with :class:`ScanLayers` instead, a
+drop-in for that ``nn.scan`` that runs ``zj.scan_layers``: inside the step
+each layer is gathered just before use. (``nn.scan`` itself cannot: it
+slices the parameters it is given, and the pieces of a partitioned parameter
+are not layers.)
+
+>>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+>>> import flax.linen as nn
+>>> module = nn.Dense(2)
+>>> variables = module.init(jax.random.key(0), jnp.ones((1, 4)))
+>>> def loss(variables, batch):
+...     return jnp.mean((module.apply(variables, batch["x"]) - batch["y"]) ** 2)
+>>> adapted = zj.adapters.from_linen(module, variables, loss)
+>>> policy = adapted.policy(stage=2, mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+>>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+>>> state = zj.init_state(adapted.params, tx, policy)
+>>> step = zj.make_train_step(adapted.loss_fn, tx, policy)
+>>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
+>>> sorted(adapted.to_model(state))  # the variables dict again
+['params']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zero_jax._policy import PyTree, path_str
+from zero_jax.adapters._common import (
+    Adapted,
+    check_stacked,
+    describe,
+    explain_unscanned_pieces,
+    gather_unstacked,
+    is_sharded,
+    normalize_prefixes,
+    params_of,
+    scan_stacked,
+    under,
+)
+
+__all__ = ["ScanLayers", "from_linen"]
+
+_WHERE = "zj.adapters.from_linen"
+_DEPTH_FIX = (
+    "Make the stack with one ScanLayers(block, length=depth) (or nn.scan(..., variable_axes={'params': 0}, "
+    "length=depth)) and keep "
+    "unstacked submodules out of the stacked= subtree."
+)
+_INIT_HINT = "variables = module.init(jax.random.key(0), example_input)"
+
+
+def from_linen(
+    module: nn.Module,
+    variables: Mapping[str, Any] | None = None,
+    loss: Callable[[Mapping[str, Any], PyTree], Any] | None = None,
+    *,
+    trainable: str | Sequence[str] = "params",
+    stacked: str | Sequence[str] = (),
+) -> Adapted:
+    """Adapt a Flax Linen module: ``loss(variables, batch) -> loss`` (or
+    ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
+    ``zj.make_train_step``.
+
+    Args:
+      module: the ``flax.linen.Module``.
+      variables: its variables dict, as ``module.init(...)`` returns it.
+      loss: the mean loss over the batch it is given, of the whole variables
+        dict (trained ``params`` plus the constant other collections).
+      trainable: the collection(s) to train (default ``"params"``).
+      stacked: key-path prefixes inside the trained collection (``"layers"``,
+        ``"decoder/ScanBlock_0"``) of stacks made with ``nn.scan`` or
+        :class:`ScanLayers` (the name given to it).
+
+    Returns:
+      An :class:`~zero_jax.adapters.Adapted`; ``params`` is the trained
+      collection (``{"params": ...}`` is unwrapped when it is the only one);
+      ``to_model`` returns the variables dict.
+    """
+    if not isinstance(module, nn.Module):
+        from flax import nnx  # Linen's package: installed
+
+        hint = ""
+        if isinstance(module, nnx.Module):
+            hint = " It looks like a Flax NNX module: use zj.adapters.from_nnx(model, loss)."
+        raise TypeError(f"{_WHERE}: module must be a flax.linen.Module, got {type(module).__name__}.{hint}")
+    if variables is None or callable(variables) and not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{_WHERE}: the {type(module).__name__} module was passed without its variables. A Linen module "
+            f"holds no parameters itself: create them with {_INIT_HINT} and call "
+            "from_linen(module, variables, loss)."
+        )
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{_WHERE}: variables must be the dict module.init returns ({{'params': ...}}), got "
+            f"{type(variables).__name__}."
+        )
+    if loss is None or not callable(loss):
+        raise TypeError(f"{_WHERE}: loss must be callable as loss(variables, batch), got {type(loss).__name__}.")
+    collections = (trainable,) if isinstance(trainable, str) else tuple(trainable)
+    missing = [c for c in collections if c not in variables]
+    if missing:
+        found = sorted(variables)
+        looks_like_params = bool(found) and all(isinstance(variables[k], Mapping) for k in found)
+        hint = (
+            f" These look like the contents of the 'params' collection: pass {{'params': params}}, or the whole "
+            f"dict from {_INIT_HINT}."
+            if looks_like_params and "params" in collections
+            else f" Create them with {_INIT_HINT}."
+        )
+        raise ValueError(
+            f"{_WHERE}: the variables of {type(module).__name__} have no {missing[0]!r} collection (they have "
+            f"{found}).{hint}"
+        )
+    trained = {c: variables[c] for c in collections}
+    rest = {c: v for c, v in variables.items() if c not in collections}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]:
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            raise ValueError(
+                f"{_WHERE}: trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array. "
+                "Keep non-float state in another collection (self.variable('state', ...)), not in 'params'."
+            )
+    unwrap = len(collections) == 1
+    params = trained[collections[0]] if unwrap else trained
+    prefixes = normalize_prefixes(stacked, _WHERE)
+    # Only the trained collection is checked: nn.scan may broadcast other collections (variable_broadcast).
+    check_stacked(params, {}, prefixes, _WHERE, _DEPTH_FIX)
+
+    def as_variables(params: PyTree) -> dict[str, Any]:
+        return {**rest, **({collections[0]: params} if unwrap else dict(params))}
+
+    def loss_fn(params: PyTree, batch: PyTree) -> Any:
+        params = gather_unstacked(params, prefixes, _WHERE)
+        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
+            return loss(as_variables(_box(params, prefixes)), batch)
+
+    def to_model(state_or_params: Any) -> dict[str, Any]:
+        return as_variables(params_of(state_or_params))
+
+    return Adapted(params, loss_fn, prefixes, rest, to_model)
+
+
+class _Pieces:
+    """A partitioned stacked parameter on its way through ``module.apply``: an
+    opaque leaf (Linen flattens parameters to check their shapes; the pieces
+    inside have other shapes) that reports the parameter's logical shape."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.shape = node.shape
+        self.dtype = node.dtype
+
+
+def _box(params: PyTree, prefixes: tuple[str, ...]) -> PyTree:
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        return _Pieces(x) if is_sharded(x) and any(under(path, p) for p in prefixes) else x
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
+
+
+class ScanLayers(nn.Module):
+    """``length`` copies of ``block`` (a Linen module mapping ``x -> x``, with
+    parameters only), stacked on a leading layer axis and run with
+    ``zj.scan_layers``: the drop-in for ``nn.scan(Block, variable_axes={"params":
+    0}, split_rngs={"params": True}, length=length)`` that lets a
+    ``gather="manual"`` step gather one layer at a time. Its parameters live
+    under ``<name>/stack``; declare ``stacked="<name>"`` in ``from_linen``.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from zero_jax.adapters import linen as zj_linen
+    >>> stack = zj_linen.ScanLayers(nn.Dense(4), length=3)
+    >>> variables = stack.init(jax.random.key(0), jnp.ones((2, 4)))
+    >>> variables["params"]["stack"]["kernel"].shape
+    (3, 4, 4)
+    >>> stack.apply(variables, jnp.ones((2, 4))).shape
+    (2, 4)
+    """
+
+    block: nn.Module
+    length: int
+    prefetch: int = 1
+    remat: bool = True
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        block = self.block.clone(parent=None)
+
+        def init(rng: jax.Array) -> PyTree:
+            keys = jax.random.split(rng, self.length)
+            return jax.vmap(lambda k: block.init(k, x)["params"])(keys)
+
+        stacked = self.param("stack", init)
+        stacked = jax.tree.map(lambda v: v.node if isinstance(v, _Pieces) else v, stacked)
+        return scan_stacked(
+            lambda p, _, c: block.apply({"params": p}, c), stacked, {}, x, prefetch=self.prefetch, remat=self.remat
+        )
