@@ -36,14 +36,17 @@ def _batches() -> list[dict[str, np.ndarray]]:
     return [jax.tree.map(np.asarray, synthetic_batch(CFG, BATCH, jax.random.key(10 + i))) for i in range(STEPS)]
 
 
-def _train(policy: zj.ZeroPolicy, put) -> tuple[list[float], dict[str, np.ndarray]]:
+def _train(policy: zj.ZeroPolicy, put) -> tuple[list[tuple[float, float]], dict[str, np.ndarray]]:
+    """Losses and gradient norms of 5 steps, and the final parameters."""
     tx = zj.shard_optimizer(optax.adam(1e-2), policy)
     state = zj.init_state(lambda: init_params(CFG, jax.random.key(0)), tx, policy)
     step = zj.make_train_step(make_loss_fn(CFG, policy), tx, policy, gather="manual")
     losses = []
     for batch in _batches():
         state, metrics = step(state, put(batch))
-        losses.append(float(metrics["loss"]))  # a replicated scalar: readable on every process
+        # Replicated scalars: readable on every process. The gradient norm sees the
+        # gradient's scale (Adam's update would not).
+        losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
     full = zj.full_params(state)  # gathered: whole on every device of every process
     return losses, {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(full)[0]}
 
@@ -114,7 +117,7 @@ def test_two_processes_equal_one_process(two_processes, one_process, name: str) 
         np.testing.assert_array_equal(params0[k], params1[k], err_msg=k)
     # ... and equal one process with 8 devices up to float32 reduction order (gloo sums differently).
     ref_losses, ref_params = one_process[name]
-    np.testing.assert_allclose(losses0, ref_losses, rtol=1e-6)
+    np.testing.assert_allclose(losses0, ref_losses, rtol=1e-6)  # loss and gradient norm of every step
     start = {
         jax.tree_util.keystr(p): np.asarray(x)
         for p, x in jax.tree_util.tree_flatten_with_path(init_params(CFG, jax.random.key(0)))[0]
