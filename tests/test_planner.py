@@ -196,6 +196,19 @@ def test_plan_cli_prints_the_table_the_recommendation_and_writes_the_chart(tmp_p
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plan_cli_reports_hybrid_meshes_per_axis(capsys) -> None:
+    argv = ["plan", "--params", "7e9", "--devices", "8", "--replicas", "4", "--device-memory", "80GB"]
+    assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "R = 4 replicas x N = 8 partitions (32 devices)" in out
+    hsdp3 = zj.model_state_bytes(7e9, 8, 3)  # HSDP holds ZeRO at N
+    hpz3 = zj.model_state_bytes(7e9, 8, 3, replicas=4, optimizer_over_replicas=True)
+    assert f"{hsdp3.total / 1e9:.1f} GB" in out and f"{hpz3.total / 1e9:.1f} GB" in out  # 14.0 GB, 4.8 GB
+    # Across the replicas only the 1/N piece moves: 2 * 7e9/8 * 2 B * 3/4 = 2.6 GB per step, every stage.
+    assert zj.comm_bytes_per_axis(7e9, 8, 3, replicas=4)["replica"] == pytest.approx(2.625e9)
+    assert "2.6 GB" in out
+
+
 def test_plan_cli_reports_bad_input_and_exits_2(capsys) -> None:
     assert cli.main(["plan", "--params", "7e9", "--device-memory", "80XB"]) == 2
     assert "cannot read '80XB' as a size in bytes" in capsys.readouterr().err

@@ -813,6 +813,12 @@ def add_plan_arguments(p: Any) -> None:
 
     p.add_argument("--params", help="number of parameters, e.g. 7e9 or 7B (default: the --compile model's)")
     p.add_argument("--devices", type=int, default=8, help="data-parallel devices N (default 8)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="hybrid mesh: R replicas of N-device partitions (HSDP, R*N devices); adds per-axis figures",
+    )
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB or 16GiB")
     p.add_argument("--activations", default="0", help="activation memory per device, e.g. 10GB (default 0)")
     p.add_argument("--bandwidth", help="bandwidth per device, e.g. 300GB/s or 200Gb/s (with --compute-time)")
@@ -896,12 +902,33 @@ def _plan_command(args: Any) -> int:
             num_params, n, s, compute_time=args.compute_time, target=args.target_efficiency, dtype_bytes=args.grad_bytes
         )
         console.print(f"Bandwidth for {args.target_efficiency:.0%} efficiency at stage {s}: {_si(need)}/s per device.")
+    if args.replicas > 1:
+        _hybrid_table(console, num_params, n, args.replicas, per, args.grad_bytes)
     if args.plot:
         _plot(choice, args.plot)
         console.print(f"Chart written to {args.plot}")
     if args.compile:
         _compiled_table(console, n, mem, model, args.stages)
     return 0
+
+
+def _hybrid_table(console: Any, num_params: float, n: int, r: int, per: dict[str, float], dtype_bytes: float) -> None:
+    """Per-device model states and per-axis communication of the hybrid policies."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"Hybrid mesh: R = {r} replicas x N = {n} partitions ({r * n} devices)",
+        caption="HSDP: ZeroPolicy(..., replica_axis=...); hpZ: also optimizer_over_replicas=True. Per step, per "
+        "device, as a ring moves it: within the partition axis (fast), across the replica axis (slow).",
+    )
+    for col in ("stage", "HSDP per device", "hpZ per device", "comm within N", "comm across R"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for s in range(1, 4):
+        hsdp = model_state_bytes(num_params, n, s, replicas=r, **per).total
+        hpz = model_state_bytes(num_params, n, s, replicas=r, optimizer_over_replicas=True, **per).total
+        comm = comm_bytes_per_axis(num_params, n, s, replicas=r, dtype_bytes=dtype_bytes)
+        table.add_row(f"{s} {_STAGE_NAMES[s]}", _si(hsdp), _si(hpz), _si(comm["shard"]), _si(comm["replica"]))
+    console.print(table)
 
 
 def _plot(choice: StageChoice, path: str) -> None:
