@@ -179,3 +179,11 @@ def test_audit_cli_prints_every_stage(capsys) -> None:
     out = capsys.readouterr().out
     assert "3 P_os+g+p" in out and "All checks passed" in out and "passed" in out
     assert out.count("zj.audit: stage 3") == 1 and "compiled memory per device" in out and "skipped re-gather" in out
+
+
+def test_audit_cli_on_an_hsdp_mesh_reports_the_replica_axis(capsys) -> None:
+    argv = ["audit", "--stages", "2", "--depth", "2", "--dim", "64", "--vocab", "64", "--seq", "16", "--heads", "2"]
+    assert cli.main([*argv, "--batch-per-device", "1", "--replicas", "2", "--verbose"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "HSDP R = 2 x N = 4" in out and "All checks passed" in out
+    assert "by mesh axes:" in out and "replica " in out  # the report's per-axis line

@@ -746,6 +746,12 @@ def add_audit_arguments(p: Any) -> None:
     p.add_argument("--gather", choices=("manual", "all"), default="manual", help="layer-wise (manual) or whole")
     p.add_argument("--accum-steps", type=int, default=1)
     p.add_argument("--accum-mode", choices=("local", "partitioned"), default=None)
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="HSDP: a (replica, data) = (R, devices / R) mesh, state partitioned within data (default 1: flat)",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="print every stage's full report")
 
 
@@ -763,24 +769,33 @@ def run_audit_command(args: Any) -> int:
     console = _console()
     devices = jax.devices()
     n = len(devices)
-    mesh = jax.make_mesh((n,), ("data",))
+    replicas = args.replicas
+    if replicas < 1 or n % replicas:
+        raise SystemExit(f"audit: --replicas {replicas} must be >= 1 and divide the {n} devices.")
+    if replicas > 1:
+        mesh = jax.make_mesh((replicas, n // replicas), ("replica", "data"))
+        hybrid: dict[str, Any] = {"replica_axis": "replica"}
+    else:
+        mesh, hybrid = jax.make_mesh((n,), ("data",)), {}
     cfg = TransformerConfig(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads, seq=args.seq)
     # Jitted: one compilation each instead of one per eager op.
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     batch = jax.jit(synthetic_batch, static_argnums=(0, 1))(cfg, args.batch_per_device * n, jax.random.key(1))
     precision = zj.Precision(compute_dtype=jnp.bfloat16) if args.bf16 else zj.Precision()
     table = Table(
-        title=f"zj.audit: reference transformer, Φ = {cfg.num_params():,}, N = {n} {devices[0].platform} devices, "
+        title=f"zj.audit: reference transformer, Φ = {cfg.num_params():,}, "
+        + (f"HSDP R = {replicas} x N = {n // replicas}" if replicas > 1 else f"N = {n}")
+        + f" {devices[0].platform} devices, "
         f"AdamW, {'bf16 compute / fp32 master' if args.bf16 else 'fp32'}, gather={args.gather!r}",
         caption="bytes per device (max over devices), measured on the live arrays / ZeRO formula for the run's bytes "
         "per parameter; comm: post-SPMD collectives, ring bytes per device per step / the stage's theory",
     )
     for col in ("stage", "params", "grads", "optimizer", "/formula", "peak", "comm/step", "/theory", "/accounted",
-                "max all-reduce", "check"):  # fmt: skip
+                "max all-reduce", *(("across replica",) if replicas > 1 else ()), "check"):  # fmt: skip
         table.add_column(col, justify="left" if col == "stage" else "right")
     failed, reports = 0, []
     for stage in args.stages:
-        policy = zj.ZeroPolicy(stage, mesh, stacked="layers", precision=precision)
+        policy = zj.ZeroPolicy(stage, mesh, "data", **hybrid, stacked="layers", precision=precision)
         tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
         state = zj.init_state(params, tx, policy)
         loss_fn = make_loss_fn(cfg, policy if args.gather == "manual" else None)
@@ -797,6 +812,7 @@ def run_audit_command(args: Any) -> int:
             f"{stage} {_STAGE_NAMES[stage]}", fmt_bytes(b["params"]), fmt_bytes(b.get("grads", 0)),
             fmt_bytes(b["optimizer"]), f"{worst:.3f}", fmt_bytes(r.memory["peak"]), fmt_bytes(r.comm.measured),
             f"{r.comm.ratio:.3f}", f"{r.comm.accounted_ratio:.3f}", fmt_bytes(biggest),
+            *((fmt_bytes(r.comm_per_axis.get("replica", 0.0)),) if replicas > 1 else ()),
             "[green]passed[/green]" if r.ok else f"[red]{len(r.violations)} violation(s)[/red]",
         )  # fmt: skip
     console.print(table)
