@@ -298,3 +298,193 @@ def test_model_state_errors() -> None:
 
     with pytest.raises(TypeError, match=r"must return \(out, new_model_state\)"):
         zj.make_train_step(lambda p, ms, b: bn_loss(p, ms, b)[0][0], tx, policy, stateful=True)(state, batch)
+
+
+# -- adapters: each library's own BatchNorm, against the library vmapped over the 8 device slices -----------------
+
+ADAPTER_LR = 1e-2
+
+
+def _adapter_batches() -> list[dict[str, jax.Array]]:
+    return _batches(32)
+
+
+def _adapter_reference(per_slice, params0, ms0) -> tuple[Any, Any, list[float]]:
+    """``per_slice(params, ms, slice) -> (loss, new_ms)`` written with the library; the
+    loss and gradient are the mean over the 8 slices, float state the mean of each slice's."""
+
+    def total(p, ms, batch):
+        slices = jax.tree.map(lambda x: x.reshape(N, x.shape[0] // N, *x.shape[1:]), batch)
+        losses, news = jax.vmap(per_slice, in_axes=(None, None, 0))(p, ms, slices)
+        return jnp.mean(losses), jax.tree.map(lambda x: jnp.mean(x, 0), news)
+
+    tx = optax.adam(ADAPTER_LR)
+
+    @jax.jit
+    def step(p, opt, ms, batch):
+        (loss_value, new), g = jax.value_and_grad(total, has_aux=True)(p, ms, batch)
+        updates, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, updates), opt, new, loss_value
+
+    params, opt, ms, losses = params0, tx.init(params0), ms0, []
+    for b in _adapter_batches():
+        params, opt, ms, loss_value = step(params, opt, ms, b)
+        losses.append(float(loss_value))
+    return params, ms, losses
+
+
+def _train_adapted(adapted: Any, stage: int) -> tuple[Any, list[float]]:
+    policy = adapted.policy(stage, make_mesh(N), min_shard_size=MIN_SHARD)
+    tx = zj.shard_optimizer(optax.adam(ADAPTER_LR), policy)
+    state = adapted.init_state(tx, policy)
+    step = adapted.make_train_step(tx, policy)
+    losses = []
+    for b in _adapter_batches():
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def _assert_adapter_matches(state, losses, ref_params, ref_ms, params0, ms0) -> float:
+    err = relative_update_error(_np(zj.full_params(state)), _np(ref_params), _np(params0))
+    err_ms = relative_update_error(_np(state.model_state), _np(ref_ms), _np(ms0))
+    assert len(err_ms) >= 2, err_ms
+    assert max(err.values()) <= FP32_RTOL, err
+    assert max(err_ms.values()) <= FP32_RTOL, err_ms
+    return max([*err.values(), *err_ms.values()])
+
+
+class _NNXNet:
+    @staticmethod
+    def make():
+        from flax import nnx
+
+        class Net(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs) -> None:
+                self.lin1 = nnx.Linear(IN, HIDDEN, use_bias=False, rngs=rngs)  # no gradient before BN
+                self.bn = nnx.BatchNorm(HIDDEN, momentum=MOMENTUM, rngs=rngs)
+                self.lin2 = nnx.Linear(HIDDEN, OUT, rngs=rngs)
+
+            def __call__(self, x: jax.Array) -> jax.Array:
+                return self.lin2(jnp.tanh(self.bn(self.lin1(x))))
+
+        return Net(nnx.Rngs(0))
+
+
+def _mse_loss(pred: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((pred - y) ** 2)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_nnx_batch_norm_statistics_are_carried(stage: int) -> None:
+    from flax import nnx
+
+    model = _NNXNet.make()
+
+    def loss(model, batch):
+        return _mse_loss(model(batch["x"]), batch["y"])
+
+    adapted = zj.adapters.from_nnx(model, loss)
+    assert adapted.stateful and set(adapted.model_state["bn"]) == {"mean", "var"}
+    state, losses = _train_adapted(adapted, stage)
+
+    graphdef, params0, rest0 = nnx.split(model, nnx.Param, ...)
+
+    def per_slice(p, ms, sl):
+        m = nnx.merge(graphdef, p, ms)
+        value = loss(m, sl)
+        return value, nnx.state(m, nnx.Not(nnx.Param))
+
+    ref_p, ref_rest, ref_losses = _adapter_reference(per_slice, params0, rest0)
+    ref_params, ref_ms = nnx.to_pure_dict(ref_p), nnx.to_pure_dict(ref_rest)
+    err = _assert_adapter_matches(state, losses, ref_params, ref_ms, adapted.params, adapted.model_state)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    trained = adapted.to_model(state)
+    np.testing.assert_array_equal(np.asarray(trained.bn.mean[...]), np.asarray(state.model_state["bn"]["mean"]))
+    np.testing.assert_allclose(trained.bn.var[...], ref_ms["bn"]["var"], rtol=1e-5)
+    print(f"nnx stage {stage}: max relative error {err:.2e}")
+
+
+def test_linen_and_equinox_batch_norm_statistics_are_carried() -> None:
+    import equinox as eqx
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = nn.Dense(HIDDEN, use_bias=False)(x)
+            h = nn.BatchNorm(use_running_average=False, momentum=MOMENTUM)(h)
+            return nn.Dense(OUT)(jnp.tanh(h))
+
+    module = Net()
+    variables = module.init(jax.random.key(0), jnp.ones((2, IN)))
+
+    def linen_loss(variables, batch):
+        pred, updates = module.apply(variables, batch["x"], mutable=["batch_stats"])
+        return _mse_loss(pred, batch["y"]), updates
+
+    adapted = zj.adapters.from_linen(module, variables, linen_loss, mutable="batch_stats")
+    assert adapted.stateful and set(adapted.model_state) == {"batch_stats"}
+
+    def linen_slice(p, ms, sl):
+        value, updates = linen_loss({"params": p, **ms}, sl)
+        return value, updates
+
+    ref_params, ref_ms, ref_losses = _adapter_reference(linen_slice, variables["params"], adapted.model_state)
+    for stage in (0, 3):
+        state, losses = _train_adapted(adapted, stage)
+        err = _assert_adapter_matches(state, losses, ref_params, ref_ms, adapted.params, adapted.model_state)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        trained = adapted.to_model(state)
+        assert sorted(trained) == ["batch_stats", "params"]
+        np.testing.assert_allclose(
+            trained["batch_stats"]["BatchNorm_0"]["mean"], ref_ms["batch_stats"]["BatchNorm_0"]["mean"], rtol=1e-5
+        )
+        print(f"linen stage {stage}: max relative error {err:.2e}")
+
+    class EqxNet(eqx.Module):
+        lin1: eqx.nn.Linear
+        bn: eqx.nn.BatchNorm
+        lin2: eqx.nn.Linear
+
+        def __init__(self, key: jax.Array) -> None:
+            k1, k2 = jax.random.split(key)
+            self.lin1 = eqx.nn.Linear(IN, HIDDEN, use_bias=False, key=k1)
+            self.bn = eqx.nn.BatchNorm(HIDDEN, axis_name="batch", mode="batch", momentum=MOMENTUM)
+            self.lin2 = eqx.nn.Linear(HIDDEN, OUT, key=k2)
+
+        def __call__(self, x: jax.Array, state: eqx.nn.State) -> tuple[jax.Array, eqx.nn.State]:
+            h, state = self.bn(self.lin1(x), state)
+            return self.lin2(jnp.tanh(h)), state
+
+    net, bn_state = eqx.nn.make_with_state(EqxNet)(jax.random.key(0))
+
+    def eqx_loss(model, state, batch):
+        run = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        pred, state = run(batch["x"], state)
+        return _mse_loss(pred, batch["y"]), state
+
+    adapted = zj.adapters.from_equinox(net, eqx_loss, state=bn_state)
+    params0, static = eqx.partition(net, eqx.is_inexact_array)
+
+    def eqx_slice(p, ms, sl):
+        return eqx_loss(eqx.combine(p, static), ms, sl)
+
+    ref_p, ref_ms, ref_losses = _adapter_reference(eqx_slice, params0, bn_state)
+    ref_params = eqx.filter(ref_p, eqx.is_inexact_array)
+    for stage in (0, 3):
+        state, losses = _train_adapted(adapted, stage)
+        err = _assert_adapter_matches(
+            state,
+            losses,
+            jax.tree.leaves(ref_params),
+            jax.tree.leaves(ref_ms),
+            jax.tree.leaves(adapted.params),
+            jax.tree.leaves(bn_state),
+        )
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        trained, trained_state = adapted.to_model(state)
+        assert isinstance(trained, EqxNet) and isinstance(trained_state, eqx.nn.State)
+        for got, want in zip(jax.tree.leaves(trained_state), jax.tree.leaves(ref_ms), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5)  # running statistics and the batch counter
+        print(f"equinox stage {stage}: max relative error {err:.2e}")

@@ -93,6 +93,23 @@ def model_state_of(state_or_params: Any, model_state: Any, initial: Any) -> Any:
     return initial
 
 
+def stateful_signature(fn: Callable[..., Any], where: str) -> Callable[..., Any]:
+    """``fn(params, model_state, batch)``, with a clear error when a step made
+    without ``stateful=True`` calls it as ``loss_fn(params, batch)``."""
+
+    def loss_fn(params: PyTree, *rest: Any) -> Any:
+        if len(rest) != 2:
+            raise TypeError(
+                f"{where}: this adapted model has model state (adapted.stateful is True), so its loss_fn is "
+                "loss_fn(params, model_state, batch) and must be trained by a stateful step: use "
+                "adapted.init_state(tx, policy) and adapted.make_train_step(tx, policy), or pass "
+                "model_state=adapted.model_state to zj.init_state and stateful=True to zj.make_train_step."
+            )
+        return fn(params, *rest)
+
+    return loss_fn
+
+
 def normalize_prefixes(stacked: str | Sequence[str], where: str) -> tuple[str, ...]:
     prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
     for p in prefixes:

@@ -86,6 +86,7 @@ from zero_jax.adapters._common import (
     normalize_prefixes,
     params_of,
     scan_stacked,
+    stateful_signature,
 )
 
 __all__ = ["from_equinox", "scan_layers"]
@@ -205,7 +206,9 @@ def from_equinox(
     def to_stateful_model(state_or_params: Any, model_state: Any = None) -> tuple[Any, Any]:
         return to_model(state_or_params), model_state_of(state_or_params, model_state, state)
 
-    return Adapted(params, stateful_loss_fn, prefixes, static, to_stateful_model, state, True)
+    return Adapted(
+        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, static, to_stateful_model, state, True
+    )
 
 
 def scan_layers(

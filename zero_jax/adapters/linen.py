@@ -82,6 +82,7 @@ from zero_jax.adapters._common import (
     normalize_prefixes,
     params_of,
     scan_stacked,
+    stateful_signature,
     under,
 )
 
@@ -229,7 +230,9 @@ def from_linen(
         ms = model_state_of(state_or_params, model_state, initial)
         return {**as_variables(params_of(state_or_params)), **ms}
 
-    return Adapted(params, stateful_loss_fn, prefixes, rest, to_stateful_model, initial, True)
+    return Adapted(
+        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True
+    )
 
 
 class _Pieces:

@@ -80,6 +80,7 @@ from zero_jax.adapters._common import (
     normalize_prefixes,
     params_of,
     scan_stacked,
+    stateful_signature,
 )
 
 __all__ = ["from_nnx", "scan_layers"]
@@ -293,7 +294,13 @@ def from_nnx(
     adapted_state = model_state
     stateful = model_state is not None
     return Adapted(
-        params, stateful_loss_fn if stateful else plain_loss_fn, prefixes, rest, to_model, model_state, stateful
+        params,
+        stateful_signature(stateful_loss_fn, _WHERE) if stateful else plain_loss_fn,
+        prefixes,
+        rest,
+        to_model,
+        model_state,
+        stateful,
     )
 
 
