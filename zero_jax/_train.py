@@ -312,7 +312,7 @@ def _check_model_state(old: PyTree, new: PyTree) -> None:
         )
     for (path, a), (_, b) in zip(old_pairs, new_pairs, strict=True):
         a_shape, b_shape = tuple(jnp.shape(a)), tuple(jnp.shape(b))
-        a_dtype, b_dtype = jnp.result_type(a), jnp.result_type(b)
+        a_dtype, b_dtype = (x.dtype if hasattr(x, "dtype") else jnp.result_type(x) for x in (a, b))
         if a_shape != b_shape or a_dtype != b_dtype:
             raise ValueError(
                 f"make_train_step: loss_fn returned model state leaf '{path_str(path)}' with shape {b_shape} and "
