@@ -488,3 +488,71 @@ def test_linen_and_equinox_batch_norm_statistics_are_carried() -> None:
         for got, want in zip(jax.tree.leaves(trained_state), jax.tree.leaves(ref_ms), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5)  # running statistics and the batch counter
         print(f"equinox stage {stage}: max relative error {err:.2e}")
+
+
+def test_nnx_rng_counts_are_carried_and_keys_stay_constant() -> None:
+    from flax import nnx
+
+    class Drop(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.lin = nnx.Linear(IN, OUT, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.drop(self.lin(x))
+
+    model = Drop(nnx.Rngs(params=0, dropout=1))
+
+    def loss(model, batch):
+        return _mse_loss(model(batch["x"]), batch["y"])
+
+    adapted = zj.adapters.from_nnx(model, loss)
+    counts = [leaf for leaf in jax.tree.leaves(adapted.model_state) if jnp.issubdtype(leaf.dtype, jnp.integer)]
+    assert counts and not any(
+        jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(adapted.model_state)
+    )
+    policy = adapted.policy(1, make_mesh(N), min_shard_size=MIN_SHARD)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state, step = adapted.init_state(tx, policy), adapted.make_train_step(tx, policy)
+    for b in _adapter_batches()[:2]:
+        state, _ = step(state, b)
+    trained = adapted.to_model(state)
+    after = [leaf for leaf in jax.tree.leaves(state.model_state) if jnp.issubdtype(leaf.dtype, jnp.integer)]
+    assert [int(a) for a in after] == [int(c) + 2 for c in counts]  # one draw per step, agreed across devices
+    assert int(trained.drop.rngs.count[...]) == int(model.drop.rngs.count[...]) + 2
+
+
+def test_adapter_model_state_errors() -> None:
+    import equinox as eqx
+    import flax.linen as nn
+
+    module = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
+    variables = module.init(jax.random.key(0), jnp.ones((2, IN)))
+    with pytest.raises(ValueError, match=r"mutable collection 'stats' is not in the variables.*'batch_stats'"):
+        zj.adapters.from_linen(module, variables, lambda v, b: 0.0, mutable="stats")
+    with pytest.raises(ValueError, match=r"'params' is both trainable and mutable="):
+        zj.adapters.from_linen(module, variables, lambda v, b: 0.0, mutable=["params"])
+
+    def intermediates_loss(variables, batch):
+        pred, updates = module.apply(variables, batch["x"], mutable=["batch_stats"])
+        return jnp.mean(pred), {**updates, "intermediates": {"x": batch["x"]}}
+
+    def plain_loss(variables, batch):
+        pred, _ = module.apply(variables, batch["x"], mutable=["batch_stats"])
+        return jnp.mean(pred)
+
+    policy = zj.ZeroPolicy(0, make_mesh(N))
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    batch = {"x": jnp.ones((16, IN))}
+    for loss, match in [
+        (plain_loss, r"with mutable=\['batch_stats'\] the loss must return \(out, updates\)"),
+        (intermediates_loss, r"updated collection 'intermediates', which is not in mutable="),
+    ]:
+        adapted = zj.adapters.from_linen(module, variables, loss, mutable="batch_stats")
+        with pytest.raises((TypeError, ValueError), match=match):
+            adapted.make_train_step(tx, policy)(adapted.init_state(tx, policy), batch)
+
+    net, bn_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(IN, "batch", mode="batch")
+    adapted = zj.adapters.from_equinox(net, lambda m, s, b: jnp.mean(b["x"]), state=bn_state)
+    with pytest.raises(TypeError, match=r"with state= the loss must return \(out, new_state\)"):
+        adapted.make_train_step(tx, policy)(adapted.init_state(tx, policy), batch)
