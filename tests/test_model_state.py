@@ -144,6 +144,7 @@ def _check(final_params, final_ms, ref_params, ref_ms, params0, ms0, losses, ref
         (2, "adam", 1, False),
         (3, "adam", 1, False),
         (2, "sgd", 2, False),
+        (3, "adam", 2, False),  # accum_mode="local" below: gather once, reduce once
         (3, "adam", 1, True),
     ],
 )
@@ -157,7 +158,8 @@ def test_batch_norm_state_matches_per_device_reference(stage: int, opt: str, acc
     params0, ms0 = _params(), _model_state()
     state = zj.init_state(params0, tx, policy, model_state=ms0)
     assert state.model_state["mean"].sharding.is_fully_replicated
-    step = zj.make_train_step(bn_loss, tx, policy, stateful=True, accum_steps=accum)
+    accum_mode = "local" if (stage, accum) == (3, 2) else None
+    step = zj.make_train_step(bn_loss, tx, policy, stateful=True, accum_steps=accum, accum_mode=accum_mode)
     losses = []
     for b in _batches():
         state, metrics = step(state, b)
@@ -184,8 +186,11 @@ def test_manual_gather_and_mixed_precision_carry_the_state() -> None:
     step = zj.make_train_step(manual_loss, tx, policy, stateful=True, gather="manual")
     for b in _batches()[:2]:
         state, _ = step(state, b)
-    _, ref_ms, _ = _reference(optax.adam(1e-2), bn_loss, _params(), _model_state(), _batches()[:2])
+    ref_p, ref_ms, _ = _reference(optax.adam(1e-2), bn_loss, _params(), _model_state(), _batches()[:2])
     np.testing.assert_allclose(state.model_state["mean"], ref_ms["mean"], rtol=1e-5, atol=1e-6)
+    err = relative_update_error(_np(zj.full_params(state)), _np(ref_p), _np(_params()))
+    assert max(err.values()) <= FP32_RTOL, err
+    np.testing.assert_array_equal(step.grads(state, _batches()[2])["b2"].shape, (OUT,))  # inspection works too
 
     bf16 = zj.ZeroPolicy(2, make_mesh(N), min_shard_size=MIN_SHARD, precision=zj.Precision(compute_dtype=jnp.bfloat16))
     tx = zj.shard_optimizer(optax.adam(1e-2), bf16)
