@@ -561,3 +561,29 @@ def test_adapter_model_state_errors() -> None:
     adapted = zj.adapters.from_equinox(net, lambda m, s, b: jnp.mean(b["x"]), state=bn_state)
     with pytest.raises(TypeError, match=r"with state= the loss must return \(out, new_state\)"):
         adapted.make_train_step(tx, policy)(adapted.init_state(tx, policy), batch)
+
+
+def test_equinox_state_checkpoint_needs_and_takes_a_template() -> None:
+    import equinox as eqx
+
+    net, bn_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="batch", momentum=MOMENTUM)
+
+    def loss(model, state, batch):
+        y, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(batch["x"], state)
+        return jnp.mean(y**2), state
+
+    adapted = zj.adapters.from_equinox(net, loss, state=bn_state)
+    policy = zj.ZeroPolicy(2, make_mesh(N))
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state, _ = adapted.make_train_step(tx, policy)(
+        adapted.init_state(tx, policy), {"x": jnp.arange(64.0).reshape(16, 4)}
+    )
+    directory = tempfile.mkdtemp()
+    zj.save(directory, state, step=1)
+    with pytest.raises(ValueError, match=r"model state tree has nodes other than dicts and lists.*pass model_state="):
+        zj.restore(directory, policy=policy, tx=tx, like=adapted.params)
+    back = zj.restore(directory, policy=policy, tx=tx, like=adapted.params, model_state=adapted.model_state)
+    for a, b in zip(jax.tree.leaves(back.model_state), jax.tree.leaves(state.model_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, restored_state = adapted.to_model(back)
+    assert isinstance(restored_state, eqx.nn.State)
