@@ -204,6 +204,11 @@ def test_nnx_updates_to_non_trainable_state_are_carried_or_an_error_or_discarded
     assert np.isfinite(float(metrics["loss"]))
     state, _ = run(zj.adapters.from_nnx(model, _nnx_loss, stacked="layers"))  # carried (the default)
     assert not np.array_equal(state.model_state["bn"]["mean"], jnp.linspace(-0.5, 0.5, WIDTH))
+    # Updates inside the adapter's layer scan cannot leave it: an error, even when carrying.
+    inner = _nnx_model()
+    inner.layers.stats.use_running_average = False
+    with pytest.raises(ValueError, match=r"updated BatchStat 'stats/mean'.*cannot be carried out of the layer scan"):
+        run(zj.adapters.from_nnx(inner, _nnx_loss, stacked="layers"))
     # The plain path on a stateful adapter says what to do.
     adapted = zj.adapters.from_nnx(model, _nnx_loss, stacked="layers")
     policy = adapted.policy(2, make_mesh(8), min_shard_size=MIN_SHARD)
