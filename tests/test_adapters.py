@@ -51,8 +51,8 @@ def _mse(pred: jax.Array, y: jax.Array) -> jax.Array:
 def _train(adapted: zj.adapters.Adapted, stage: int, gather: str = "all"):
     policy = adapted.policy(stage, make_mesh(8), min_shard_size=MIN_SHARD)
     tx = zj.shard_optimizer(optax.adam(LR), policy)
-    state = zj.init_state(adapted.params, tx, policy)
-    step = zj.make_train_step(adapted.loss_fn, tx, policy, gather=gather)
+    state = adapted.init_state(tx, policy)  # with the model state, if the model has one
+    step = adapted.make_train_step(tx, policy, gather=gather)
     losses = []
     for batch in _batches():
         state, metrics = step(state, batch)
@@ -145,8 +145,10 @@ def test_nnx_matches_unsharded_training(stage: int, gather: str) -> None:
     assert isinstance(trained, NNXModel)
     err = _assert_matches(nnx.to_pure_dict(nnx.state(trained, nnx.Param)), ref, adapted.params, losses, ref_losses)
     print(f"nnx stage {stage} gather={gather}: max relative update error {err:.2e}")
-    # Batch statistics are constants: unchanged, and used by the trained model.
+    # Eval-mode batch statistics are model state the loss never changes: bitwise unchanged, used by the model.
+    assert adapted.stateful and "mean" in adapted.model_state["bn"]
     np.testing.assert_array_equal(trained.bn.mean[...], jnp.linspace(-0.5, 0.5, WIDTH))
+    np.testing.assert_array_equal(state.model_state["layers"]["stats"]["mean"], jnp.full((DEPTH, WIDTH), 0.1))
     assert step.jitted._cache_size() == 1
 
 
@@ -160,8 +162,8 @@ def _tally(colls: list[_measure.Collective]) -> dict[tuple[str, tuple[int, ...]]
 def _layerwise_counts(adapted: zj.adapters.Adapted) -> dict[tuple[str, tuple[int, ...]], int]:
     policy = adapted.policy(3, make_mesh(8), min_shard_size=MIN_SHARD)
     tx = zj.shard_optimizer(optax.adam(LR), policy)
-    state = zj.init_state(adapted.params, tx, policy)
-    step = zj.make_train_step(adapted.loss_fn, tx, policy, gather="manual")
+    state = adapted.init_state(tx, policy)
+    step = adapted.make_train_step(tx, policy, gather="manual")
     # The audit reads the partitioned program once: ZeRO-3's contract (no gradient-sized all-reduce, nothing
     # partitionable kept whole, communication within 2% of 3Ψ) and the collectives with their loop trip counts.
     report = zj.audit(step, state, _batches()[0], min_shard_size=MIN_SHARD, grads=False).check()
@@ -183,21 +185,38 @@ def test_layerwise_stage3_passes_the_audit_and_gathers_each_layer_twice(library:
     assert ("all-gather", (DEPTH, WIDTH, WIDTH)) not in counts  # the stack is never gathered whole
 
 
-def test_nnx_updates_to_non_trainable_state_are_an_error_unless_discarded() -> None:
+def test_nnx_updates_to_non_trainable_state_are_carried_or_an_error_or_discarded() -> None:
     model = _nnx_model()
     model.bn.use_running_average = False  # training mode: the loss updates the running statistics
 
     def run(adapted: zj.adapters.Adapted) -> Any:
         policy = adapted.policy(2, make_mesh(8), min_shard_size=MIN_SHARD)
         tx = zj.shard_optimizer(optax.adam(LR), policy)
-        step = zj.make_train_step(adapted.loss_fn, tx, policy)
-        return step(zj.init_state(adapted.params, tx, policy), _batches()[0])
+        step = adapted.make_train_step(tx, policy)
+        return step(adapted.init_state(tx, policy), _batches()[0])
 
     updated = r"updated BatchStat 'bn/mean' \(an array of shape \(40,\).*state_updates='discard'"
     with pytest.raises(ValueError, match=updated):
-        run(zj.adapters.from_nnx(model, _nnx_loss, stacked="layers"))
-    _, metrics = run(zj.adapters.from_nnx(model, _nnx_loss, stacked="layers", state_updates="discard"))
+        run(zj.adapters.from_nnx(model, _nnx_loss, stacked="layers", state_updates="error"))
+    discarded = zj.adapters.from_nnx(model, _nnx_loss, stacked="layers", state_updates="discard")
+    assert not discarded.stateful and discarded.model_state is None
+    _, metrics = run(discarded)
     assert np.isfinite(float(metrics["loss"]))
+    state, _ = run(zj.adapters.from_nnx(model, _nnx_loss, stacked="layers"))  # carried (the default)
+    assert not np.array_equal(state.model_state["bn"]["mean"], jnp.linspace(-0.5, 0.5, WIDTH))
+    # Updates inside the adapter's layer scan cannot leave it: an error, even when carrying.
+    inner = _nnx_model()
+    inner.layers.stats.use_running_average = False
+    with pytest.raises(ValueError, match=r"updated BatchStat 'stats/mean'.*cannot be carried out of the layer scan"):
+        run(zj.adapters.from_nnx(inner, _nnx_loss, stacked="layers"))
+    # The plain path on a stateful adapter says what to do.
+    adapted = zj.adapters.from_nnx(model, _nnx_loss, stacked="layers")
+    policy = adapted.policy(2, make_mesh(8), min_shard_size=MIN_SHARD)
+    tx = zj.shard_optimizer(optax.adam(LR), policy)
+    with pytest.raises(
+        TypeError, match=r"has model state.*adapted.init_state\(tx, policy\) and adapted.make_train_step"
+    ):
+        zj.make_train_step(adapted.loss_fn, tx, policy)(zj.init_state(adapted.params, tx, policy), _batches()[0])
 
 
 class NNXScanModel(NNXModel):
@@ -216,11 +235,11 @@ def test_nnx_scan_model_trains_stage3_whole_and_explains_manual_gather() -> None
     policy = adapted.policy(3, make_mesh(8), min_shard_size=MIN_SHARD)
     tx = zj.shard_optimizer(optax.adam(LR), policy)
     batch = _batches()[0]
-    _, metrics = zj.make_train_step(adapted.loss_fn, tx, policy)(zj.init_state(adapted.params, tx, policy), batch)
+    _, metrics = adapted.make_train_step(tx, policy)(adapted.init_state(tx, policy), batch)
     np.testing.assert_allclose(float(metrics["loss"]), float(_nnx_loss(NNXScanModel(nnx.Rngs(0)), batch)), rtol=1e-6)
-    step = zj.make_train_step(adapted.loss_fn, tx, policy, gather="manual")
+    step = adapted.make_train_step(tx, policy, gather="manual")
     with pytest.raises(TypeError, match=r"partitioned pieces \(e.g. 'layers/.*zj.adapters.nnx.scan_layers\(fn, self"):
-        step(zj.init_state(adapted.params, tx, policy), batch)
+        step(adapted.init_state(tx, policy), batch)
 
 
 def test_nnx_stacked_layers_that_disagree_on_depth() -> None:

@@ -67,6 +67,11 @@ class TrainState:
       master: with mixed precision, the float32 master copy, partitioned like
         the optimizer state (from stage 1); ``None`` otherwise.
       loss_scale: with float16, the :class:`LossScaleState`; ``None`` otherwise.
+      model_state: non-trainable model state that training updates (batch-norm
+        running statistics, RNG counts, an ``eqx.nn.State``), replicated on
+        every device, never differentiated, never seen by the optimizer;
+        stepped by ``make_train_step(..., stateful=True)``. ``None`` when
+        the model has none.
       policy: the policy the state is laid out for (static).
       layouts: the parameters' layouts (static).
     """
@@ -76,6 +81,7 @@ class TrainState:
     opt_state: ShardedOptState
     master: PyTree = None
     loss_scale: LossScaleState | None = None
+    model_state: PyTree = None
     policy: ZeroPolicy = dataclasses.field(default=None, metadata={"static": True})  # type: ignore[assignment]
     layouts: TreeLayouts = dataclasses.field(default=None, metadata={"static": True})  # type: ignore[assignment]
 
@@ -85,7 +91,7 @@ class TrainState:
 
 jax.tree_util.register_dataclass(
     TrainState,
-    data_fields=["step", "params", "opt_state", "master", "loss_scale"],
+    data_fields=["step", "params", "opt_state", "master", "loss_scale", "model_state"],
     meta_fields=["policy", "layouts"],
 )
 
@@ -135,11 +141,18 @@ def _state_shardings(state: TrainState) -> TrainState:
         ),
         master=None if state.master is None else shardings(layouts, policy.partitions_opt_state, policy.state_axes),
         loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: policy.replicated(), state.loss_scale),
+        model_state=jax.tree.map(lambda _: policy.replicated(), state.model_state),
     )
     return _offload.place(state, placed)  # offloaded leaves live in pinned_host
 
 
-def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation, policy: ZeroPolicy) -> TrainState:
+def init_state(
+    params: PyTree | Callable[[], PyTree],
+    tx: ShardedTransformation,
+    policy: ZeroPolicy,
+    *,
+    model_state: PyTree = None,
+) -> TrainState:
     """Create the :class:`TrainState`, every leaf placed per ``policy``.
 
     The state is created inside ``jax.jit`` with output shardings, so the
@@ -150,6 +163,12 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
     ``ShapeDtypeStruct``s carrying their shardings, for planning). Floating
     leaves are cast to the policy's ``param_dtype`` (the master copy) and
     ``compute_dtype`` (``state.params``).
+
+    ``model_state`` (optional): non-trainable state the loss updates (batch
+    statistics, RNG counts, an ``eqx.nn.State``): a pytree of arrays (or
+    ``jax.ShapeDtypeStruct``s for an abstract state), kept in its own dtypes
+    and replicated on every device as ``state.model_state``. Train it with
+    ``make_train_step(..., stateful=True)``.
 
     Example:
 
@@ -183,6 +202,7 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
         make = lambda: params  # noqa: E731
     prec = policy.precision
     layouts = _with_dtype(policy.layouts(jax.eval_shape(make)), prec.param_dtype)
+    model_state = _model_state_values(model_state)
 
     def build() -> TrainState:
         logical = cast_floats(make(), prec.param_dtype)
@@ -194,6 +214,9 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
             if prec.mixed
             else None,
             loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,
+            model_state=jax.tree.map(
+                lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, model_state
+            ),
             policy=policy,
             layouts=TreeLayouts.of(layouts),
         )
@@ -204,6 +227,30 @@ def init_state(params: PyTree | Callable[[], PyTree], tx: ShardedTransformation,
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(build), shardings
         )
     return jax.jit(build, out_shardings=shardings)()
+
+
+def _model_state_values(model_state: PyTree) -> PyTree:
+    """Model state as arrays (``ShapeDtypeStruct``s kept): Python numbers
+    become arrays; on several processes, arrays on this process's devices
+    become host values (each process holds them)."""
+    if model_state is None:
+        return None
+
+    def one(path: Any, x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, jax.Array):
+            if jax.process_count() > 1 and x.is_fully_addressable:
+                return np.asarray(x)
+            return x
+        if not hasattr(x, "shape") and not isinstance(x, (bool, int, float, complex)):
+            raise TypeError(
+                f"init_state: model_state leaf '{path_str(path)}' is a {type(x).__name__}, not an array; model "
+                "state must be a pytree of arrays. Keep other values out of it (e.g. in the loss's closure)."
+            )
+        return jnp.asarray(x)
+
+    return jax.tree_util.tree_map_with_path(one, model_state)
 
 
 def full_params(state: TrainState) -> PyTree:
@@ -237,6 +284,55 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
     return out, None
 
 
+def _split_stateful(out: Any) -> tuple[Any, PyTree]:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "make_train_step(..., stateful=True): loss_fn(params, model_state, batch) must return "
+            "(out, new_model_state), where out is what an ordinary loss returns (loss or (loss, aux)); got "
+            f"{type(out).__name__}{'' if not isinstance(out, tuple) else f' of length {len(out)}'}."
+        )
+    return out[0], out[1]
+
+
+def _check_model_state(old: PyTree, new: PyTree) -> None:
+    """The new model state must be the old one's tree with the same shapes and dtypes."""
+    old_pairs, old_def = jax.tree_util.tree_flatten_with_path(old)
+    new_pairs, new_def = jax.tree_util.tree_flatten_with_path(new)
+    fix = (
+        "The step keeps the model state in one fixed layout: return a state with the same tree, shapes and "
+        "dtypes as the one loss_fn received (cast updated values back, e.g. new.astype(old.dtype))."
+    )
+    if old_def != new_def:
+        old_paths = {path_str(p) for p, _ in old_pairs}
+        new_paths = {path_str(p) for p, _ in new_pairs}
+        missing, extra = sorted(old_paths - new_paths), sorted(new_paths - old_paths)
+        detail = f"missing {missing[:6]}, unexpected {extra[:6]}" if missing or extra else f"{old_def} became {new_def}"
+        raise ValueError(
+            f"make_train_step: loss_fn returned a new model state whose tree differs from the old one: {detail}. {fix}"
+        )
+    for (path, a), (_, b) in zip(old_pairs, new_pairs, strict=True):
+        a_shape, b_shape = tuple(jnp.shape(a)), tuple(jnp.shape(b))
+        a_dtype, b_dtype = (x.dtype if hasattr(x, "dtype") else jnp.result_type(x) for x in (a, b))
+        if a_shape != b_shape or a_dtype != b_dtype:
+            raise ValueError(
+                f"make_train_step: loss_fn returned model state leaf '{path_str(path)}' with shape {b_shape} and "
+                f"dtype {b_dtype}, but it was {a_shape} {a_dtype}. {fix}"
+            )
+
+
+def _agree(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """One replicated value of a per-device model state leaf: floats are
+    averaged over the batch axes, anything else (counts, keys, flags) must
+    agree across devices and is taken as its maximum."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, axes)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(jax.lax.pmax(jax.random.key_data(x), axes), impl=jax.random.key_impl(x))
+    if x.dtype == jnp.bool_:
+        return jax.lax.pmax(x.astype(jnp.int32), axes).astype(jnp.bool_)
+    return jax.lax.pmax(x, axes)
+
+
 def _check_scalar_loss(loss: Any) -> None:
     shape = getattr(loss, "shape", None)
     if shape is None or shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -268,8 +364,10 @@ class TrainStep:
         accum_mode: Literal["local", "partitioned"],
         clip_norm: float | None,
         donate: bool,
+        stateful: bool = False,
     ) -> None:
         self.loss_fn = loss_fn
+        self.stateful = stateful
         self.tx = tx
         self.policy = policy
         self.gather = gather
@@ -345,6 +443,26 @@ class TrainStep:
                 "train_step: the optimizer state was made by another optimizer than this step's tx. "
                 "Create the state with zj.init_state(params, tx, policy) using the same tx."
             )
+        if self.stateful and state.model_state is None:
+            raise ValueError(
+                "train_step: this step was made with make_train_step(..., stateful=True), but the state has no "
+                "model_state. Create the state with zj.init_state(params, tx, policy, model_state=...) (for an "
+                "adapted model: adapted.init_state(tx, policy)), or make the step without stateful=True."
+            )
+        if not self.stateful and state.model_state is not None:
+            raise ValueError(
+                "train_step: the state carries a model_state, but this step was made without stateful=True, so "
+                "it would never update it. Make the step with zj.make_train_step(..., stateful=True) and a "
+                "loss_fn(params, model_state, batch) -> (out, new_model_state) (for an adapted model: "
+                "adapted.make_train_step(tx, policy)), or create the state without model_state."
+            )
+        if state.model_state is not None:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state.model_state)[0]:
+                if not isinstance(leaf, jax.Array):
+                    raise TypeError(
+                        f"train_step: model_state leaf '{path_str(path)}' is a {type(leaf).__name__}, not a "
+                        "jax.Array. Create the state with zj.init_state(..., model_state=...)."
+                    )
         policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a step object lives as long as its training run
@@ -361,9 +479,12 @@ class TrainStep:
 
     # -- the program ---------------------------------------------------------------------
 
-    def _grads(self, state: TrainState, batch: PyTree, *, for_optimizer: bool) -> tuple[PyTree, jax.Array, Any, Any]:
-        """Reduced gradients, loss, aux and the global squared norm of the
-        unscaled gradients, in one ``shard_map``.
+    def _grads(
+        self, state: TrainState, batch: PyTree, *, for_optimizer: bool
+    ) -> tuple[PyTree, jax.Array, Any, Any, PyTree]:
+        """Reduced gradients, loss, aux, the global squared norm of the
+        unscaled gradients and the new model state (``None`` unless
+        stateful), in one ``shard_map``.
 
         With ``for_optimizer`` (the step) gradients come back partitioned
         from stage 1 on (the optimizer works on pieces); otherwise as the
@@ -389,7 +510,12 @@ class TrainStep:
             """Whether this leaf's reduced gradient is a piece."""
             return lay.dim is not None and (stage >= 2 or (stage == 1 and for_optimizer))
 
-        def body(params: PyTree, local_batch: PyTree, scale: jax.Array) -> tuple[PyTree, jax.Array, Any, jax.Array]:
+        stateful = self.stateful
+        touched: list[bool] = []  # per model-state leaf: did the loss return a new value (set while tracing)
+
+        def body(
+            params: PyTree, local_batch: PyTree, scale: jax.Array, model_state: PyTree
+        ) -> tuple[PyTree, jax.Array, Any, jax.Array, PyTree]:
             if policy.offload_params and (local or not manual):
                 # Host pieces to the device; the manual path moves each piece in zj.gather
                 # (one layer at a time in scan_layers), these gather everything anyway.
@@ -422,20 +548,32 @@ class TrainStep:
                     return coll.fetch(p, lay, axis, gather=gather)
                 return coll.fetch_with_grad_slot(p, d, lay, axis, gather=gather)
 
-            def micro(d: PyTree, mb: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+            def micro(d: PyTree, mb: PyTree, ms: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any, PyTree]]:
                 tree = jax.tree.map(handed, params, d, layouts, is_leaf=lambda x: x is None)
+                args = (tree, ms, mb) if stateful else (tree, mb)
                 if manual:
                     with manual_gather_scope(policy, pieces=slots or params_are_pieces):
-                        out = self.loss_fn(tree, mb)
+                        out = self.loss_fn(*args)
                 else:
-                    out = self.loss_fn(tree, mb)
+                    out = self.loss_fn(*args)
+                new_ms = None
+                if stateful:
+                    out, new_ms = _split_stateful(out)
+                    _check_model_state(ms, new_ms)
+                    # A leaf the loss returned untouched (the very value it received) keeps
+                    # its value bitwise: it is neither averaged nor combined.
+                    new_leaves, treedef = jax.tree.flatten(new_ms)
+                    touched[:] = [n is not o for n, o in zip(new_leaves, jax.tree.leaves(ms), strict=True)]
+                    # Per device until the step combines them (a count that does not
+                    # depend on the batch is typed per-device too, for the scan carry).
+                    new_ms = jax.tree.unflatten(treedef, [coll.to_varying(x, axis) for x in new_leaves])
                 loss, aux = _split_loss(out)
                 _check_scalar_loss(loss)
                 # Each device's loss / (devices k): the summed gradient is the global mean.
                 scaled = loss.astype(jnp.float32) / (batch_shards * k)
                 if scale_loss:
                     scaled = scaled * scale
-                return scaled, (loss.astype(jnp.float32), aux)
+                return scaled, (loss.astype(jnp.float32), aux, new_ms)
 
             if stage == 3 and not manual and not local:
                 # Stage 3 gathers inside jax.checkpoint and keeps only matmul outputs
@@ -474,19 +612,22 @@ class TrainStep:
                 )
 
             if k == 1:
-                (_, (loss, aux)), g = grad_fn(diff, local_batch)
+                (_, (loss, aux, new_ms)), g = grad_fn(diff, local_batch, model_state)
                 grads = across_replicas(reduce_all(g))
             else:
                 micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), local_batch)
                 acc_dtype = prec.param_dtype
 
-                def accumulate(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
-                    (_, (loss, aux)), g = grad_fn(diff, mb)
+                def accumulate(carry: tuple[PyTree, PyTree], mb: PyTree) -> tuple[tuple[PyTree, PyTree], Any]:
+                    acc, ms = carry  # the model state flows through the microbatches in order
+                    (_, (loss, aux, new_ms)), g = grad_fn(diff, mb, ms)
                     g = g if local else reduce_all(g)  # partitioned mode: reduce every microbatch
                     acc = jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
-                    return acc, (loss, aux)
+                    return (acc, new_ms), (loss, aux)
 
-                example = jax.eval_shape(lambda: grad_fn(diff, jax.tree.map(lambda x: x[0], micro_batches))[1])
+                example = jax.eval_shape(
+                    lambda: grad_fn(diff, jax.tree.map(lambda x: x[0], micro_batches), model_state)[1]
+                )
                 if not local:
                     example = jax.eval_shape(reduce_all, example)
 
@@ -498,7 +639,8 @@ class TrainStep:
                     return coll.to_varying(z, axis) if per_device else z
 
                 acc0 = jax.tree.map(zeros, example, layouts, is_leaf=lambda x: x is None)
-                acc, (losses, auxes) = jax.lax.scan(accumulate, acc0, micro_batches)
+                ms0 = jax.tree.map(lambda x: coll.to_varying(x, axis), model_state) if stateful else None
+                (acc, new_ms), (losses, auxes) = jax.lax.scan(accumulate, (acc0, ms0), micro_batches)
                 grads = across_replicas(reduce_all(acc) if local else acc)
                 loss = jnp.mean(losses)
                 aux = jax.tree.map(
@@ -531,7 +673,18 @@ class TrainStep:
                 lambda a: jax.lax.pmean(a, every) if jnp.issubdtype(a.dtype, jnp.inexact) else jax.lax.psum(a, every),
                 aux,
             )
-            return grads, loss, aux, sq_norm
+            if stateful:
+                # Data-parallel model state: each device updated it from its own slice;
+                # floats are averaged over every batch axis, the rest must agree (max).
+                new_leaves, treedef = jax.tree.flatten(new_ms)
+                new_ms = jax.tree.unflatten(
+                    treedef,
+                    [
+                        _agree(x, every) if t else old
+                        for x, t, old in zip(new_leaves, touched, jax.tree.leaves(model_state), strict=True)
+                    ],
+                )
+            return grads, loss, aux, sq_norm, new_ms
 
         def spec(lay: LeafLayout, partitioned: bool, axes: tuple[str, ...]) -> PartitionSpec:
             return lay.spec(axes) if partitioned else PartitionSpec()
@@ -546,9 +699,13 @@ class TrainStep:
         return jax.shard_map(
             body,
             mesh=policy._mesh,
-            in_specs=(param_specs, policy.batch_sharding().spec, PartitionSpec()),
-            out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
-        )(state.params, batch, scale)
+            in_specs=(param_specs, policy.batch_sharding().spec, PartitionSpec(), PartitionSpec()),
+            out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
+            # JAX 0.10 cannot type a collective over a vmap axis (a batch norm's
+            # pmean over jax.vmap(..., axis_name=...), as eqx.nn.BatchNorm does)
+            # inside a vma-checked shard_map; stateful steps run unchecked.
+            check_vma=not stateful,
+        )(state.params, batch, scale, state.model_state if stateful else None)
 
     def _gather_updated(self, pieces: PyTree, layouts: PyTree) -> PyTree:
         """Stages 1–2: all-gather the updated parameter pieces (cut over the
@@ -575,7 +732,7 @@ class TrainStep:
         prec = policy.precision
         layouts = state.layouts.tree()
         frozen = self._frozen(state.layouts)
-        grads, loss, aux, sq_norm = self._grads(state, batch, for_optimizer=True)
+        grads, loss, aux, sq_norm, new_model_state = self._grads(state, batch, for_optimizer=True)
         grad_norm = jnp.sqrt(sq_norm)
         scale = state.loss_scale.scale if state.loss_scale is not None else None
 
@@ -618,6 +775,9 @@ class TrainStep:
             # the all-reduced norm, so every device takes the same branch.
             finite = jnp.isfinite(sq_norm)
             new_master, opt_state = jax.lax.cond(finite, update, lambda m, o: (m, o), master, state.opt_state)
+            if self.stateful:  # a skipped step keeps the old model state too
+                new_model_state = jax.lax.cond(finite, lambda n, o: n, lambda n, o: o, new_model_state,
+                                               state.model_state)  # fmt: skip
 
         if policy.offload_optimizer or policy.offload_params:
             new_master = _offload.for_compute(new_master, _state_shardings(state).params, prec.compute_dtype)
@@ -644,6 +804,7 @@ class TrainStep:
             opt_state=opt_state,
             master=new_master if state.master is not None else None,
             loss_scale=None if state.loss_scale is None else state.loss_scale.next(finite, prec.loss_scale),
+            model_state=new_model_state if self.stateful else state.model_state,
         )
         if policy.offload_optimizer or policy.offload_params:
             new_state = _offload.to_memory_kinds(new_state, _state_shardings(new_state))
@@ -677,6 +838,7 @@ def make_train_step(
     accum_mode: Literal["local", "partitioned"] | None = None,
     clip_norm: float | None = None,
     donate: bool = True,
+    stateful: bool = False,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
 
@@ -711,6 +873,20 @@ def make_train_step(
         pieces with one scalar all-reduce), exactly as
         ``optax.clip_by_global_norm`` on unsharded gradients.
       donate: donate the old state's buffers to the new one.
+      stateful: the model has non-trainable state that training updates
+        (batch-norm statistics, RNG counts): ``loss_fn(params, model_state,
+        batch) -> (out, new_model_state)``, where ``out`` is what an ordinary
+        loss returns (``loss`` or ``(loss, aux)``) and ``new_model_state`` has
+        the tree, shapes and dtypes of ``model_state``. The state must carry
+        it (``zj.init_state(..., model_state=...)``). Each device runs the
+        loss on its slice of the batch (threading the model state through
+        its microbatches in order when accumulating); the new state is then
+        made one replicated value, as data-parallel training does: float
+        leaves are averaged over the devices (``jax.lax.pmean`` over the batch
+        axes: batch norm with per-device batch statistics, like PyTorch DDP),
+        integer, boolean and key leaves must agree across devices and their
+        maximum is taken (``pmax``). A float16 step skipped for overflow keeps
+        the old model state.
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch)`` with
@@ -730,6 +906,17 @@ def make_train_step(
     >>> state, metrics = step(state, batch)
     >>> float(metrics["loss"])
     1.0
+
+    A stateful loss (here a running mean of the inputs, averaged over devices):
+
+    >>> def stateful_loss(p, ms, b):
+    ...     new = {"mean": 0.5 * ms["mean"] + 0.5 * jnp.mean(b["x"], 0)}
+    ...     return loss_fn(p, b), new
+    >>> state = zj.init_state({"w": jnp.zeros((4, 1))}, tx, policy, model_state={"mean": jnp.zeros(4)})
+    >>> step = zj.make_train_step(stateful_loss, tx, policy, stateful=True)
+    >>> state, metrics = step(state, batch)
+    >>> state.model_state["mean"].tolist()
+    [0.5, 0.5, 0.5, 0.5]
     """
     tx = _check_tx(tx, policy, "make_train_step")
     if gather not in ("all", "manual"):
@@ -752,6 +939,8 @@ def make_train_step(
         isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0
     ):
         raise ValueError(f"make_train_step: clip_norm must be a positive number or None, got {clip_norm!r}.")
+    if not isinstance(stateful, bool):
+        raise TypeError(f"make_train_step: stateful must be True or False, got {stateful!r}.")
     return TrainStep(
         loss_fn,
         tx,
@@ -761,4 +950,5 @@ def make_train_step(
         accum_mode=accum_mode,
         clip_norm=None if clip_norm is None else float(clip_norm),
         donate=donate,
+        stateful=stateful,
     )

@@ -90,7 +90,7 @@ FORMAT_VERSION = 1
 _STATE_ITEM = "state"
 _META_ITEM = "zero_jax"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
-_SECTIONS = ("step", "params", "opt_state", "master", "loss_scale")
+_SECTIONS = ("step", "params", "opt_state", "master", "loss_scale", "model_state")
 
 _is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
@@ -162,6 +162,8 @@ def _entries(state: TrainState) -> list[_Entry]:
         add("master", state.master, state.layouts.layouts)
     if state.loss_scale is not None:
         add("loss_scale", state.loss_scale, None)
+    if state.model_state is not None:
+        add("model_state", state.model_state, None)
     return out
 
 
@@ -314,6 +316,12 @@ class CheckpointManager:
         step = int(step)
         entries = _entries(state)
         arrays = jax.tree.leaves(state)
+        for e, x in zip(entries, arrays, strict=False):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                raise TypeError(
+                    f"zj.save: leaf '{e.name}' is a typed PRNG key array, which a checkpoint cannot hold. Keep "
+                    "keys out of the model state (or store jax.random.key_data(key) in it)."
+                )
         if len(arrays) != len(entries):
             raise ValueError("zj.save: the state's leaves do not match its layouts; is this a zero_jax state?")
         tree = _nest({e.name: x for e, x in zip(entries, arrays, strict=True)})
@@ -351,10 +359,11 @@ class CheckpointManager:
         tx: ShardedTransformation,
         step: int | None = None,
         like: PyTree | TrainState | None = None,
+        model_state: PyTree = None,
     ) -> TrainState:
         """:func:`restore` from this manager's directory (waits for pending saves)."""
         self.wait()
-        return restore(self.directory, policy=policy, tx=tx, step=step, like=like)
+        return restore(self.directory, policy=policy, tx=tx, step=step, like=like, model_state=model_state)
 
     def close(self) -> None:
         """Wait for pending saves and release the manager's threads."""
@@ -394,6 +403,13 @@ def _metadata(state: TrainState, entries: list[_Entry], step: int, sums: list[li
         "params": [
             {"path": [_key_json(k) for k in path], "shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name}
             for path, lay in param_paths
+        ],
+        # The model state's tree (None: the state has none), to rebuild it without a template.
+        "model_state": None
+        if state.model_state is None
+        else [
+            {"path": [_key_json(k) for k in path], "shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
+            for path, x in jax.tree_util.tree_flatten_with_path(state.model_state)[0]
         ],
         "leaves": {
             e.name: {
@@ -492,18 +508,23 @@ def _read_metadata(directory: epath.Path, step: int, where: str) -> dict[str, An
     return meta
 
 
-def _params_from_metadata(meta: dict[str, Any], where: str) -> PyTree:
-    """The checkpoint's parameter tree as ``ShapeDtypeStruct``s (dicts and lists only)."""
+def _params_from_metadata(meta: dict[str, Any], where: str, section: str = "params") -> PyTree:
+    """The checkpoint's parameter (or model state) tree as ``ShapeDtypeStruct``s (dicts and lists only)."""
     entries = [
         ([tuple(k) for k in e["path"]], jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"])))
-        for e in meta["params"]
+        for e in meta[section]
     ]
     for path, _ in entries:
         if any(kind not in ("dict", "index") for kind, _ in path):
+            fix = (
+                "pass like= (the parameters, abstract or concrete, or a TrainState)"
+                if section == "params"
+                else "pass model_state= (the model state, abstract or concrete, e.g. adapted.model_state) or "
+                "like= (a TrainState that has one)"
+            )
             raise ValueError(
-                f"{where}: the checkpoint's parameter tree has nodes other than dicts and lists "
-                f"({'/'.join(str(k) for _, k in path)}); pass like= (the parameters, abstract or concrete, or a "
-                "TrainState) so the tree can be rebuilt."
+                f"{where}: the checkpoint's {section.replace('_', ' ')} tree has nodes other than dicts and lists "
+                f"({'/'.join(str(k) for _, k in path)}); {fix} so the tree can be rebuilt."
             )
 
     def build(group: list[tuple[list[tuple[str, Any]], Any]]) -> Any:
@@ -530,6 +551,26 @@ def _abstract_params(like: Any, meta: dict[str, Any], where: str) -> PyTree:
         )
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), getattr(x, "dtype", np.asarray(x).dtype)), like
+    )
+
+
+def _abstract_model_state(like: Any, model_state: Any, meta: dict[str, Any], where: str) -> PyTree:
+    """The target's model state as ``ShapeDtypeStruct``s: from ``model_state=``, a
+    ``like`` TrainState's, or the checkpoint's own tree; ``None`` when neither
+    the checkpoint nor the caller has one."""
+    saved = meta.get("model_state")
+    if model_state is None and isinstance(like, TrainState):
+        model_state = like.model_state
+    if model_state is None:
+        return None if saved is None else _params_from_metadata(meta, where, "model_state")
+    if saved is None:
+        raise ValueError(
+            f"{where}: a model state was asked for (model_state= or like=), but the checkpoint has none: it was "
+            "saved from a state without model_state. Restore without it, and start the model state afresh with "
+            "state.replace(model_state=...) only if that is what you mean."
+        )
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), getattr(x, "dtype", np.asarray(x).dtype)), model_state
     )
 
 
@@ -579,6 +620,12 @@ def _source(e: _Entry, meta: dict[str, Any], where: str) -> str | None:
                 f"optimizer (or another model). Its optimizer-state leaves are {saved[:12]}"
                 f"{' ...' if len(saved) > 12 else ''}. Pass the tx the checkpoint was trained with."
             )
+        if section == "model_state":
+            saved = sorted(n for n in leaves if n.startswith("model_state/"))
+            raise ValueError(
+                f"{where}: the checkpoint's model state has no leaf '{e.name}': the model state passed in is of "
+                f"another model. Its model-state leaves are {saved[:12]}{' ...' if len(saved) > 12 else ''}."
+            )
         raise ValueError(f"{where}: the checkpoint has no leaf '{e.name}'.")
     return e.name
 
@@ -591,6 +638,7 @@ def restore(
     step: int | None = None,
     like: PyTree | TrainState | None = None,
     verify: bool = True,
+    model_state: PyTree = None,
 ) -> TrainState:
     """Restore checkpoint ``step`` (default: the latest) of ``directory`` laid out for ``policy``.
 
@@ -606,6 +654,13 @@ def restore(
     result and checked against the checkpoint (an error names the first
     mismatched leaf and both shapes). Without it the parameter tree is
     rebuilt from the checkpoint (nested dicts and lists).
+
+    The model state (``state.model_state``: batch statistics and the like)
+    is restored, replicated, when the checkpoint has one. Its tree comes from
+    ``model_state=`` (a template: arrays or ``jax.ShapeDtypeStruct``s, e.g.
+    ``adapted.model_state``), from ``like`` when that is a TrainState with
+    one, or else is rebuilt from the checkpoint (nested dicts and lists; other
+    trees, such as an ``eqx.nn.State``, need the template).
 
     ``verify`` (default) checks every leaf read in its saved dtype against
     checksums recorded at save time (one pass over the restored state).
@@ -627,8 +682,9 @@ def restore(
     step = _pick_step(path, step, where)
     meta = _read_metadata(path, step, where)
     abstract_params = _abstract_params(like, meta, where)
+    abstract_model_state = _abstract_model_state(like, model_state, meta, where)
     try:
-        abstract = init_state(abstract_params, tx, policy)
+        abstract = init_state(abstract_params, tx, policy, model_state=abstract_model_state)
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"{where}: cannot build the target state from the checkpoint's parameters with this tx and policy "

@@ -13,9 +13,19 @@ the library's object::
 
     policy = adapted.policy(stage=3, mesh=mesh)      # = ZeroPolicy(..., stacked=adapted.stacked)
     tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
-    state = zj.init_state(adapted.params, tx, policy)
-    step = zj.make_train_step(adapted.loss_fn, tx, policy)
+    state = adapted.init_state(tx, policy)           # = zj.init_state(adapted.params, tx, policy,
+                                                     #       model_state=adapted.model_state)
+    step = adapted.make_train_step(tx, policy)       # = zj.make_train_step(adapted.loss_fn, tx, policy,
+                                                     #       stateful=adapted.stateful)
     model = adapted.to_model(state)
+
+Non-trainable state the loss updates (batch-norm statistics, RNG counts, an
+``eqx.nn.State``) is ``adapted.model_state``, carried from step to step in
+``TrainState.model_state``: NNX by default (``state_updates="carry"``), Linen
+for the collections named in ``mutable=``, Equinox for the ``state=`` passed.
+Without any, ``adapted.stateful`` is False and the plain
+``zj.init_state(adapted.params, ...)`` / ``zj.make_train_step(adapted.loss_fn,
+...)`` path is the same thing.
 
 Flax and Equinox are imported only when their adapter is used
 (``pip install 'zero_jax[adapters]'``). Layer-by-layer ZeRO-3

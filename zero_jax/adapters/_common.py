@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from zero_jax import _layers
 from zero_jax._layers import Sharded
 from zero_jax._policy import PyTree, ZeroPolicy, key_name, path_str
-from zero_jax._train import TrainState, full_params
+from zero_jax._train import TrainState, full_params, init_state, make_train_step
 
 
 class Adapted(NamedTuple):
@@ -28,7 +28,9 @@ class Adapted(NamedTuple):
         attribute / collection paths, e.g. ``layers/mlp/kernel``).
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``): rebuilds
         the model from ``params`` and the non-trainable state and calls the
-        user's loss on it. Works with ``gather="all"``, and with
+        user's loss on it; when ``stateful``, ``loss_fn(params, model_state,
+        batch) -> (out, new_model_state)`` for ``make_train_step(...,
+        stateful=True)``. Works with ``gather="all"``, and with
         ``gather="manual"`` when the model runs its stack with the adapter's
         ``scan_layers`` (Linen: ``ScanLayers``).
       stacked: the key-path prefixes of stacked (scanned) layers, checked to
@@ -36,12 +38,22 @@ class Adapted(NamedTuple):
         (or build the policy with :meth:`policy`) so that axis is never cut.
       non_trainable: what the model holds besides ``params`` (NNX variables that
         are not ``nnx.Param``, Linen collections other than ``"params"``,
-        Equinox leaves the filter leaves out). It is a constant of
-        ``loss_fn``: never trained, never partitioned, replicated on every
-        device, and unchanged by training.
+        Equinox leaves the filter leaves out). The part of it that training
+        updates is ``model_state``; the rest is a constant of ``loss_fn``.
       to_model: ``to_model(state_or_params)`` -> the library's own model object
-        (an NNX module, a Linen variables dict, an Equinox module) from a
-        ``TrainState`` (through ``zj.full_params``) or from a params pytree.
+        (an NNX module, a Linen variables dict, an Equinox module, or
+        ``(module, eqx.nn.State)``) from a ``TrainState`` (through
+        ``zj.full_params``, with the state's *updated* model state) or from a
+        params pytree (with the initial model state).
+      model_state: the initial non-trainable state that the loss updates
+        (NNX batch statistics and RNG counts, Linen ``mutable=``
+        collections, an ``eqx.nn.State``): pass it to
+        ``zj.init_state(..., model_state=...)``. ``None`` when there is none.
+      stateful: whether ``loss_fn`` has the stateful signature (pass it to
+        ``make_train_step(..., stateful=...)``).
+
+    :meth:`init_state` and :meth:`make_train_step` pass ``model_state`` and
+    ``stateful`` through, so one training loop serves every model.
     """
 
     params: PyTree
@@ -49,6 +61,16 @@ class Adapted(NamedTuple):
     stacked: tuple[str, ...]
     non_trainable: PyTree
     to_model: Callable[[Any], Any]
+    model_state: PyTree = None
+    stateful: bool = False
+
+    def init_state(self, tx: Any, policy: ZeroPolicy) -> TrainState:
+        """``zj.init_state(self.params, tx, policy, model_state=self.model_state)``."""
+        return init_state(self.params, tx, policy, model_state=self.model_state)
+
+    def make_train_step(self, tx: Any, policy: ZeroPolicy, **kwargs: Any) -> Any:
+        """``zj.make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)``."""
+        return make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)
 
     def policy(self, stage: int, mesh: jax.sharding.Mesh, axis: str | Sequence[str] = "data", **kwargs: Any):
         """``zj.ZeroPolicy(stage, mesh, axis, stacked=self.stacked, **kwargs)``."""
@@ -60,6 +82,32 @@ class Adapted(NamedTuple):
 def params_of(state_or_params: Any) -> PyTree:
     """Ordinary parameters from a TrainState (gathered, unpadded) or as given."""
     return full_params(state_or_params) if isinstance(state_or_params, TrainState) else state_or_params
+
+
+def model_state_of(state_or_params: Any, model_state: Any, initial: Any) -> Any:
+    """The model state ``to_model`` uses: given explicitly, a TrainState's, or the initial one."""
+    if model_state is not None:
+        return model_state
+    if isinstance(state_or_params, TrainState) and state_or_params.model_state is not None:
+        return state_or_params.model_state
+    return initial
+
+
+def stateful_signature(fn: Callable[..., Any], where: str) -> Callable[..., Any]:
+    """``fn(params, model_state, batch)``, with a clear error when a step made
+    without ``stateful=True`` calls it as ``loss_fn(params, batch)``."""
+
+    def loss_fn(params: PyTree, *rest: Any) -> Any:
+        if len(rest) != 2:
+            raise TypeError(
+                f"{where}: this adapted model has model state (adapted.stateful is True), so its loss_fn is "
+                "loss_fn(params, model_state, batch) and must be trained by a stateful step: use "
+                "adapted.init_state(tx, policy) and adapted.make_train_step(tx, policy), or pass "
+                "model_state=adapted.model_state to zj.init_state and stateful=True to zj.make_train_step."
+            )
+        return fn(params, *rest)
+
+    return loss_fn
 
 
 def normalize_prefixes(stacked: str | Sequence[str], where: str) -> tuple[str, ...]:

@@ -8,8 +8,16 @@ everything else (integer arrays, float arrays the filter leaves out, and
 non-array leaves: activation functions, Python numbers, strings) is
 ``non_trainable``, held constant by ``loss_fn``. ``loss_fn(params, batch)``
 rebuilds the model with ``eqx.combine`` and calls ``loss(model, batch)``.
-Equinox never updates a model in place, so nothing can be lost silently; a
-stateful layer's ``eqx.nn.State`` is threaded by the user's loss, as usual.
+Equinox never updates a model in place, so nothing can be lost silently.
+
+Stateful layers (``eqx.nn.BatchNorm``, made with ``eqx.nn.make_with_state``)
+keep their state in an ``eqx.nn.State``: pass it as
+``from_equinox(model, loss, state=state)`` with ``loss(model, state, batch) ->
+(out, new_state)`` (the usual Equinox way of threading it). It becomes the
+adapter's ``model_state`` (``TrainState.model_state``): each device updates
+it from its slice of the batch and the step averages float values over the
+devices (data-parallel batch norm); ``to_model(train_state)`` returns
+``(model, state)``.
 
 A filter that marks a leaf trainable which is not a float array is an error
 naming the leaf (gradients and optimizer state exist only for float arrays).
@@ -31,6 +39,29 @@ are declared with ``stacked=``; running them with :func:`scan_layers` lets a
 >>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
 >>> type(adapted.to_model(state)).__name__
 'Linear'
+
+With an ``eqx.nn.State``:
+
+>>> class Net(eqx.Module):
+...     lin: eqx.nn.Linear
+...     bn: eqx.nn.BatchNorm
+...     def __init__(self, key):
+...         self.lin = eqx.nn.Linear(4, 2, key=key)
+...         self.bn = eqx.nn.BatchNorm(2, axis_name="batch", mode="batch")
+...     def __call__(self, x, state):
+...         return self.bn(self.lin(x), state)
+>>> net, bn_state = eqx.nn.make_with_state(Net)(jax.random.key(0))
+>>> def bn_loss(model, state, batch):
+...     run = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+...     pred, state = run(batch["x"], state)
+...     return jnp.mean((pred - batch["y"]) ** 2), state
+>>> adapted = zj.adapters.from_equinox(net, bn_loss, state=bn_state)
+>>> state = adapted.init_state(tx, policy)  # zj.init_state(..., model_state=adapted.model_state)
+>>> step = adapted.make_train_step(tx, policy)  # zj.make_train_step(..., stateful=True)
+>>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
+>>> trained, trained_state = adapted.to_model(state)  # with the updated batch statistics
+>>> type(trained_state).__name__
+'State'
 """
 
 from __future__ import annotations
@@ -51,9 +82,11 @@ from zero_jax.adapters._common import (
     explain_unscanned_pieces,
     gather_unstacked,
     is_sharded,
+    model_state_of,
     normalize_prefixes,
     params_of,
     scan_stacked,
+    stateful_signature,
 )
 
 __all__ = ["from_equinox", "scan_layers"]
@@ -97,6 +130,7 @@ def from_equinox(
     *,
     trainable: Any = eqx.is_inexact_array,
     stacked: str | Sequence[str] = (),
+    state: Any = None,
 ) -> Adapted:
     """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or
     ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
@@ -110,12 +144,20 @@ def from_equinox(
         every floating-point array. Every selected leaf must be a float array.
       stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of
         subtrees made with ``eqx.filter_vmap``, sharing a leading layer axis.
+      state: the model's ``eqx.nn.State`` (from ``eqx.nn.make_with_state``),
+        or any pytree of arrays the loss updates. Then the loss is
+        ``loss(model, state, batch) -> (out, new_state)`` and ``state`` is
+        ``adapted.model_state``, carried from step to step: train with
+        ``adapted.init_state`` / ``adapted.make_train_step`` (or pass
+        ``model_state=`` / ``stateful=True`` yourself).
 
     Returns:
-      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model.
+      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model,
+      or ``(model, state)`` with a ``state=`` (a TrainState's updated one).
     """
     if not callable(loss):
-        raise TypeError(f"{_WHERE}: loss must be callable as loss(model, batch), got {type(loss).__name__}.")
+        sig = "loss(model, batch)" if state is None else "loss(model, state, batch)"
+        raise TypeError(f"{_WHERE}: loss must be callable as {sig}, got {type(loss).__name__}.")
     params, static = eqx.partition(model, trainable)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not _is_float_array(leaf):
@@ -141,7 +183,32 @@ def from_equinox(
     def to_model(state_or_params: Any) -> Any:
         return _combine(params_of(state_or_params), static)
 
-    return Adapted(params, loss_fn, prefixes, static, to_model)
+    if state is None:
+        return Adapted(params, loss_fn, prefixes, static, to_model)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise ValueError(
+                f"{_WHERE}: state leaf '{path_str(path)}' is {describe(leaf)}, not an array; the state carried "
+                "between steps must be a pytree of arrays (an eqx.nn.State from eqx.nn.make_with_state is)."
+            )
+
+    def stateful_loss_fn(params: PyTree, model_state: Any, batch: PyTree) -> Any:
+        params = gather_unstacked(params, prefixes, _WHERE)
+        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
+            result = loss(_combine(params, static), model_state, batch)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"{_WHERE}: with state= the loss must return (out, new_state), out being the loss (or "
+                f"(loss, aux)); got {type(result).__name__}."
+            )
+        return result
+
+    def to_stateful_model(state_or_params: Any, model_state: Any = None) -> tuple[Any, Any]:
+        return to_model(state_or_params), model_state_of(state_or_params, model_state, state)
+
+    return Adapted(
+        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, static, to_stateful_model, state, True
+    )
 
 
 def scan_layers(

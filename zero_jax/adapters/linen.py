@@ -4,12 +4,20 @@ Linen keeps a model's numbers outside the module, in the variables dict that
 ``module.init`` returns. The ``"params"`` collection (or the collections named
 by ``trainable=``) becomes ``params``; every other collection
 (``"batch_stats"``, ``"cache"``, ``"intermediates"``, ...) is
-``non_trainable``: a constant of the step, whole on every device, never
-trained. ``loss(variables, batch)`` receives the whole variables dict, so it
-calls ``module.apply(variables, ...)`` as usual; Linen itself refuses to
-update a collection unless ``apply`` is given ``mutable=``, and a loss that
-asks for updates gets them back and drops them by its own hand — nothing is
-lost silently.
+``non_trainable``: whole on every device, never trained.
+``loss(variables, batch)`` receives the whole variables dict, so it calls
+``module.apply(variables, ...)`` as usual; Linen itself refuses to update a
+collection unless ``apply`` is given ``mutable=``.
+
+Collections the loss updates (``"batch_stats"`` of ``nn.BatchNorm`` in
+training mode) are named with ``from_linen(..., mutable=["batch_stats"])``:
+they become the adapter's ``model_state`` (``TrainState.model_state``,
+updated every step: each device from its slice of the batch, float values
+averaged over the devices), and the loss returns what
+``module.apply(variables, x, mutable=[...])`` gave back besides its output:
+``loss(variables, batch) -> (out, updates)`` with ``out`` the loss (or
+``(loss, aux)``) and ``updates`` the dict of updated collections. Without
+``mutable=`` the other collections are constants of the step.
 
 Stacked layers are declared with ``stacked=`` (the stack's name), so the
 policy never cuts the layer axis. Stacks made with ``nn.scan``
@@ -36,6 +44,20 @@ are not layers.)
 >>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
 >>> sorted(adapted.to_model(state))  # the variables dict again
 ['params']
+
+Batch norm in training mode: ``mutable=`` names the collections the loss updates.
+
+>>> bn = nn.Sequential([nn.Dense(2), nn.BatchNorm(use_running_average=False)])
+>>> variables = bn.init(jax.random.key(0), jnp.ones((1, 4)))
+>>> def bn_loss(variables, batch):
+...     pred, updates = bn.apply(variables, batch["x"], mutable=["batch_stats"])
+...     return jnp.mean((pred - batch["y"]) ** 2), updates
+>>> adapted = zj.adapters.from_linen(bn, variables, bn_loss, mutable="batch_stats")
+>>> state = adapted.init_state(tx, policy)  # zj.init_state(..., model_state=adapted.model_state)
+>>> step = adapted.make_train_step(tx, policy)  # zj.make_train_step(..., stateful=True)
+>>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
+>>> sorted(adapted.to_model(state))  # with the updated batch statistics
+['batch_stats', 'params']
 """
 
 from __future__ import annotations
@@ -46,6 +68,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import unfreeze
 
 from zero_jax._policy import PyTree, path_str
 from zero_jax.adapters._common import (
@@ -55,9 +78,11 @@ from zero_jax.adapters._common import (
     explain_unscanned_pieces,
     gather_unstacked,
     is_sharded,
+    model_state_of,
     normalize_prefixes,
     params_of,
     scan_stacked,
+    stateful_signature,
     under,
 )
 
@@ -79,6 +104,7 @@ def from_linen(
     *,
     trainable: str | Sequence[str] = "params",
     stacked: str | Sequence[str] = (),
+    mutable: str | Sequence[str] = (),
 ) -> Adapted:
     """Adapt a Flax Linen module: ``loss(variables, batch) -> loss`` (or
     ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
@@ -93,11 +119,18 @@ def from_linen(
       stacked: key-path prefixes inside the trained collection (``"layers"``,
         ``"decoder/ScanBlock_0"``) of stacks made with ``nn.scan`` or
         :class:`ScanLayers` (the name given to it).
+      mutable: the collections the loss updates (``"batch_stats"``): they are
+        ``adapted.model_state``, carried from step to step, and the loss
+        returns ``(out, updates)``, ``updates`` being the updated collections
+        ``module.apply(..., mutable=...)`` returned. Train with
+        ``adapted.init_state`` / ``adapted.make_train_step`` (or pass
+        ``model_state=`` / ``stateful=True`` yourself).
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``params`` is the trained
       collection (``{"params": ...}`` is unwrapped when it is the only one);
-      ``to_model`` returns the variables dict.
+      ``to_model`` returns the variables dict (with a TrainState's updated
+      ``mutable`` collections).
     """
     if not isinstance(module, nn.Module):
         from flax import nnx  # Linen's package: installed
@@ -134,6 +167,15 @@ def from_linen(
             f"{_WHERE}: the variables of {type(module).__name__} have no {missing[0]!r} collection (they have "
             f"{found}).{hint}"
         )
+    mutables = (mutable,) if isinstance(mutable, str) else tuple(mutable)
+    for c in mutables:
+        if c in collections:
+            raise ValueError(f"{_WHERE}: collection {c!r} is both trainable and mutable=; it can be only one.")
+        if c not in variables:
+            raise ValueError(
+                f"{_WHERE}: mutable collection {c!r} is not in the variables of {type(module).__name__} (they have "
+                f"{sorted(variables)}). Name collections that module.init created."
+            )
     trained = {c: variables[c] for c in collections}
     rest = {c: v for c, v in variables.items() if c not in collections}
     for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]:
@@ -156,10 +198,41 @@ def from_linen(
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
             return loss(as_variables(_box(params, prefixes)), batch)
 
-    def to_model(state_or_params: Any) -> dict[str, Any]:
-        return as_variables(params_of(state_or_params))
+    if not mutables:
 
-    return Adapted(params, loss_fn, prefixes, rest, to_model)
+        def to_model(state_or_params: Any) -> dict[str, Any]:
+            return as_variables(params_of(state_or_params))
+
+        return Adapted(params, loss_fn, prefixes, rest, to_model)
+
+    initial = {c: unfreeze(variables[c]) for c in mutables}
+
+    def stateful_loss_fn(params: PyTree, model_state: PyTree, batch: PyTree) -> Any:
+        params = gather_unstacked(params, prefixes, _WHERE)
+        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
+            result = loss({**as_variables(_box(params, prefixes)), **model_state}, batch)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+            raise TypeError(
+                f"{_WHERE}: with mutable={list(mutables)} the loss must return (out, updates), updates being the "
+                "dict of updated collections that module.apply(variables, x, mutable=[...]) returns besides its "
+                f"output; got {type(result).__name__}."
+            )
+        out, updates = result
+        extra = sorted(set(updates) - set(mutables))
+        if extra:
+            raise ValueError(
+                f"{_WHERE}: the loss returned updated collection {extra[0]!r}, which is not in mutable="
+                f"{list(mutables)}: add it to mutable= to carry it, or leave it out of what the loss returns."
+            )
+        return out, {c: unfreeze(updates[c]) if c in updates else model_state[c] for c in mutables}
+
+    def to_stateful_model(state_or_params: Any, model_state: PyTree = None) -> dict[str, Any]:
+        ms = model_state_of(state_or_params, model_state, initial)
+        return {**as_variables(params_of(state_or_params)), **ms}
+
+    return Adapted(
+        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True
+    )
 
 
 class _Pieces:

@@ -7,14 +7,20 @@ else (``nnx.BatchStat``, RNG keys and counts, any other ``nnx.Variable``) is
 ``non_trainable``. ``loss_fn(params, batch)`` merges a fresh model from both
 (``nnx.merge``) and calls ``loss(model, batch)``.
 
-Non-trainable state is a constant of the step: every device holds it whole,
-the optimizer never sees it, and training does not change it. A loss that
-*updates* it (batch norm in training mode, ``nnx.Dropout`` drawing from the
-model's RNG streams) would have those updates silently lost, so by default
-that is an error naming the variable; ``state_updates="discard"`` says the
-loss of the updates is intended (e.g. statistics you recompute after
-training; note a discarded RNG count replays the same dropout mask every
-step).
+Non-trainable state is never trained and never partitioned: every device
+holds it whole. A loss that *updates* it (batch norm in training mode
+updating its running statistics, ``nnx.Dropout`` advancing the model's RNG
+counts) has its updates carried from step to step (``state_updates="carry"``,
+the default): the non-trainable arrays (every one but RNG keys, which NNX
+never changes) are the adapter's ``model_state``, held in
+``TrainState.model_state``, and ``loss_fn`` has the stateful signature
+(``adapted.stateful``). Each device updates them from its own slice of the
+batch and the step averages float values over the devices (data-parallel
+batch norm, as PyTorch DDP; RNG counts agree). A variable the loss leaves
+alone keeps its value bitwise. ``state_updates="discard"`` drops the updates
+on purpose (the model's state is then a constant; a discarded RNG count
+replays the same dropout mask every step) and ``"error"`` raises naming the
+variable the loss updated.
 
 Layer-wise ZeRO-3: stacked layers (made with ``nnx.vmap`` over a layer axis)
 are declared with ``stacked=`` so the policy never cuts that axis. Running
@@ -39,6 +45,18 @@ scan, so one model runs everywhere.
 >>> trained = adapted.to_model(state)  # an nnx.Linear again
 >>> type(trained).__name__, trained(jnp.ones((1, 4))).shape
 ('Linear', (1, 2))
+
+With batch norm in training mode the running statistics are model state:
+
+>>> model = nnx.Sequential(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+>>> adapted = zj.adapters.from_nnx(model, loss)
+>>> adapted.stateful, jax.tree.map(jnp.shape, adapted.model_state)
+(True, {'layers': {1: {'mean': (2,), 'var': (2,)}}})
+>>> state = adapted.init_state(tx, policy)  # zj.init_state(..., model_state=adapted.model_state)
+>>> step = adapted.make_train_step(tx, policy)  # zj.make_train_step(..., stateful=True)
+>>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
+>>> adapted.to_model(state).layers[1].mean[...].shape  # the updated statistics
+(2,)
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import numpy as np
 from flax import nnx
 
 from zero_jax._policy import PyTree, path_str
@@ -57,9 +76,11 @@ from zero_jax.adapters._common import (
     explain_unscanned_pieces,
     gather_unstacked,
     is_sharded,
+    model_state_of,
     normalize_prefixes,
     params_of,
     scan_stacked,
+    stateful_signature,
 )
 
 __all__ = ["from_nnx", "scan_layers"]
@@ -69,7 +90,7 @@ _DEPTH_FIX = (
     "Build the whole stack with one nnx.vmap over the layer axis (e.g. nnx.split_rngs(splits=depth) + "
     "nnx.vmap(make_layer, in_axes=0)), and keep unstacked modules out of the stacked= subtree."
 )
-_StateUpdates = Literal["error", "discard"]
+_StateUpdates = Literal["carry", "discard", "error"]
 # The update mode of the adapted loss being traced (read by scan_layers).
 _MODES: list[str] = []
 
@@ -91,6 +112,12 @@ class _Rebuild:
         pairs, self.treedef = jax.tree_util.tree_flatten_with_path(state)
         self.paths = [jax.tree_util.keystr(_strip(p)) for p, _ in pairs]
         self.leaves = [x for _, x in pairs]
+
+    def with_values(self, values: dict[str, Any]) -> nnx.State:
+        """The template's values, those named in ``values`` (by key string) replaced."""
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [values.get(p, x) for p, x in zip(self.paths, self.leaves, strict=True)]
+        )
 
     def __call__(self, pure: PyTree | None = None) -> nnx.State:
         if pure is None:
@@ -116,9 +143,13 @@ def _snapshot(model: nnx.Module) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def _check_unchanged(before: dict[str, tuple[Any, Any]], model: nnx.Module, where: str) -> None:
+def _check_unchanged(
+    before: dict[str, tuple[Any, Any]], model: nnx.Module, where: str, carried: frozenset[str] = frozenset()
+) -> None:
     after = _snapshot(model)
     for path, (kind, value) in before.items():
+        if path in carried:
+            continue
         new = after.get(path, (kind, value))[1]
         # Compare the arrays, not their containers: NNX may re-wrap a partitioned
         # (Sharded) value in a new node holding the same pieces.
@@ -129,8 +160,35 @@ def _check_unchanged(before: dict[str, tuple[Any, Any]], model: nnx.Module, wher
                 "only the trainable parameters: the update would be lost every step. Make the forward pass "
                 "leave it alone (e.g. nnx.BatchNorm(use_running_average=True), deterministic dropout, or "
                 "RNG keys passed in the batch), or pass state_updates='discard' to from_nnx to drop such "
-                "updates on purpose."
+                "updates on purpose." + _SCAN_NOTE.get(where, "")
             )
+
+
+_SCAN_NOTE = {
+    "zj.adapters.nnx.scan_layers": " (Updates made inside zj.adapters.nnx.scan_layers cannot be carried out of the "
+    "layer scan; state_updates='carry' keeps only updates made outside it.)"
+}
+
+
+def _carried(x: Any) -> bool:
+    """A non-trainable value carried as model state: an array, but not an RNG key (NNX never changes keys)."""
+    return isinstance(x, (jax.Array, np.ndarray)) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[Any, Any]:
+    """Pure-dict (key path, value) pairs -> the nested dict."""
+    out: dict[Any, Any] = {}
+    for path, x in pairs:
+        node = out
+        keys = [k.key for k in path]
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = x
+    return out
+
+
+def _flat(pure: PyTree) -> dict[str, Any]:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
 
 
 def from_nnx(
@@ -139,7 +197,7 @@ def from_nnx(
     *,
     trainable: Any = nnx.Param,
     stacked: str | tuple[str, ...] = (),
-    state_updates: _StateUpdates = "error",
+    state_updates: _StateUpdates = "carry",
 ) -> Adapted:
     """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``)
     becomes ``loss_fn(params, batch)`` for ``zj.make_train_step``.
@@ -153,13 +211,19 @@ def from_nnx(
         subtrees made with ``nnx.vmap``; every variable under one must share
         the leading layer axis. Pass ``adapted.stacked`` to the policy (or use
         ``adapted.policy(...)``).
-      state_updates: ``"error"`` (default) raises when the loss updates a
-        variable; ``"discard"`` drops such updates.
+      state_updates: ``"carry"`` (default): the non-trainable arrays (all
+        but RNG keys) are ``adapted.model_state`` and updates to them are
+        carried from step to step (``adapted.stateful`` is True when the model
+        has any; train with ``adapted.init_state`` / ``adapted.make_train_step``
+        or pass ``model_state=`` / ``stateful=True`` yourself).
+        ``"discard"`` drops updates (the state is a constant of the loss);
+        ``"error"`` raises when the loss updates a variable.
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns a new
-      ``nnx.Module`` (use ``nnx.update(model, nnx.state(new))`` to write the
-      trained values into the original object).
+      ``nnx.Module`` with the state's updated model state (use
+      ``nnx.update(model, nnx.state(new))`` to write the trained values into
+      the original object).
     """
     if not isinstance(model, nnx.Module):
         hint = ""
@@ -171,8 +235,8 @@ def from_nnx(
         raise TypeError(f"{_WHERE}: model must be a flax.nnx.Module, got {type(model).__name__}.{hint}")
     if not callable(loss):
         raise TypeError(f"{_WHERE}: loss must be callable as loss(model, batch), got {type(loss).__name__}.")
-    if state_updates not in ("error", "discard"):
-        raise ValueError(f"{_WHERE}: state_updates must be 'error' or 'discard', got {state_updates!r}.")
+    if state_updates not in ("carry", "discard", "error"):
+        raise ValueError(f"{_WHERE}: state_updates must be 'carry', 'discard' or 'error', got {state_updates!r}.")
     prefixes = normalize_prefixes(stacked, _WHERE)
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
@@ -185,25 +249,59 @@ def from_nnx(
             )
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
     rebuild_params, rebuild_rest = _Rebuild(param_state), _Rebuild(rest)
+    carried_pairs = (
+        [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0] if _carried(x)]
+        if state_updates == "carry"
+        else []
+    )
+    model_state = _nest(carried_pairs) if carried_pairs else None
+    carried_keys = [jax.tree_util.keystr(p) for p, _ in carried_pairs]
+    carried_paths = frozenset(path_str(p) for p, _ in carried_pairs)
+    not_trainable = nnx.Not(trainable)
 
-    def loss_fn(params: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
-        m = nnx.merge(graphdef, rebuild_params(params), rebuild_rest())
-        before = _snapshot(m)
+    def run(m: nnx.Module, params: PyTree, batch: PyTree) -> Any:
         _MODES.append(state_updates)
         try:
             with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.nnx.scan_layers"):
-                out = loss(m, batch)
+                return loss(m, batch)
         finally:
             _MODES.pop()
+
+    def plain_loss_fn(params: PyTree, batch: PyTree) -> Any:
+        params = gather_unstacked(params, prefixes, _WHERE)
+        m = nnx.merge(graphdef, rebuild_params(params), rebuild_rest())
+        before = _snapshot(m)
+        out = run(m, params, batch)
         if state_updates == "error":
             _check_unchanged(before, m, _WHERE)
         return out
 
-    def to_model(state_or_params: Any) -> nnx.Module:
-        return nnx.merge(graphdef, rebuild_params(params_of(state_or_params)), rebuild_rest())
+    def stateful_loss_fn(params: PyTree, model_state: PyTree, batch: PyTree) -> Any:
+        params = gather_unstacked(params, prefixes, _WHERE)
+        m = nnx.merge(graphdef, rebuild_params(params), rebuild_rest.with_values(_flat(model_state)))
+        before = _snapshot(m)
+        out = run(m, params, batch)
+        _check_unchanged(before, m, _WHERE, carried_paths)  # keys and other constants
+        after = _flat(nnx.to_pure_dict(nnx.state(m, not_trainable)))
+        new = _nest([(p, after[k]) for (p, _), k in zip(carried_pairs, carried_keys, strict=True)])
+        return out, new
 
-    return Adapted(params, loss_fn, prefixes, rest, to_model)
+    def to_model(state_or_params: Any, model_state: PyTree = None) -> nnx.Module:
+        ms = model_state_of(state_or_params, model_state, adapted_state)
+        rest_state = rebuild_rest() if ms is None else rebuild_rest.with_values(_flat(ms))
+        return nnx.merge(graphdef, rebuild_params(params_of(state_or_params)), rest_state)
+
+    adapted_state = model_state
+    stateful = model_state is not None
+    return Adapted(
+        params,
+        stateful_signature(stateful_loss_fn, _WHERE) if stateful else plain_loss_fn,
+        prefixes,
+        rest,
+        to_model,
+        model_state,
+        stateful,
+    )
 
 
 def scan_layers(
@@ -224,9 +322,9 @@ def scan_layers(
     never holds more than a layer or two). Anywhere else it is a
     per-layer-checkpointed ``lax.scan``.
 
-    ``fn`` must not update the layer's variables (there is nowhere to keep the
-    update): that raises unless the model was adapted with
-    ``state_updates="discard"``.
+    ``fn`` must not update the layer's variables (the layer scan has nowhere
+    to keep the update, even with ``state_updates="carry"``): that raises
+    unless the model was adapted with ``state_updates="discard"``.
 
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
