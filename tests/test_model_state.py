@@ -196,15 +196,21 @@ def test_manual_gather_and_mixed_precision_carry_the_state() -> None:
     tx = zj.shard_optimizer(optax.adam(1e-2), bf16)
     state = zj.init_state(_params(), tx, bf16, model_state=_model_state())
 
-    def cast_loss(p, ms, b):
-        out, new = bn_loss(p, ms, {k: v.astype(jnp.bfloat16) for k, v in b.items()})
-        return out, jax.tree.map(lambda n, o: n.astype(o.dtype), new, ms)
-
-    step = zj.make_train_step(cast_loss, tx, bf16, stateful=True)
+    step = zj.make_train_step(_bn_loss_in(jnp.bfloat16), tx, bf16, stateful=True)
     for b in _batches()[:2]:
         state, _ = step(state, b)
     assert state.model_state["mean"].dtype == jnp.float32
     np.testing.assert_allclose(state.model_state["mean"], ref_ms["mean"], rtol=0.05, atol=0.02)
+
+
+def _bn_loss_in(dtype):
+    """bn_loss on a batch cast to ``dtype``; the new model state cast back to the old dtypes."""
+
+    def loss(p, ms, b):
+        out, new = bn_loss(p, ms, {k: v.astype(dtype) for k, v in b.items()})
+        return out, jax.tree.map(lambda n, o: n.astype(o.dtype), new, ms)
+
+    return loss
 
 
 def test_fp16_overflow_keeps_the_old_model_state() -> None:
@@ -213,11 +219,7 @@ def test_fp16_overflow_keeps_the_old_model_state() -> None:
     tx = zj.shard_optimizer(optax.adam(1e-2), policy)
     state = zj.init_state(_params(), tx, policy, model_state=_model_state())
 
-    def loss16(p, ms, b):
-        out, new = bn_loss(p, ms, {k: v.astype(jnp.float16) for k, v in b.items()})
-        return out, jax.tree.map(lambda n, o: n.astype(o.dtype), new, ms)
-
-    step = zj.make_train_step(loss16, tx, policy, stateful=True)
+    step = zj.make_train_step(_bn_loss_in(jnp.float16), tx, policy, stateful=True)
     state, m = step(state, _batches()[0])
     assert int(m["skipped"]) == 0 and int(state.model_state["count"]) == 1
     before = _np(state.model_state)
