@@ -196,6 +196,8 @@ def test_hybrid_policy_errors_say_what_to_do() -> None:
         zj.ZeroPolicy(2, mesh, ("replica", "data"), replica_axis="data")
     with pytest.raises(ValueError, match="optimizer_over_replicas=True .* pass replica_axis"):
         zj.ZeroPolicy(2, mesh, "data", optimizer_over_replicas=True)
+    with pytest.raises(ValueError, match="optimizer_over_replicas=True needs stage >= 1"):
+        zj.ZeroPolicy(0, mesh, "data", replica_axis="replica", optimizer_over_replicas=True)
     with pytest.raises(ValueError, match=r"axis 'model' is not an axis of the mesh"):
         zj.ZeroPolicy(2, mesh, "model", replica_axis="replica")
     policy = _policy("hsdp", 2)

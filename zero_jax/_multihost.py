@@ -46,6 +46,24 @@ def _client() -> Any:
     return client
 
 
+def _exchange(tag: str, text: str, what: str, timeout_s: float) -> dict[int, str]:
+    """Publish this process's ``text`` and read every process's, in process
+    order, through the coordinator's key-value store (no collective). Calls
+    are matched by order: every process must make them at the same points."""
+    me, call, client = jax.process_index(), next(_calls), _client()
+    client.key_value_set(f"zero_jax/{tag}/{call}/{me}", text)
+    seen = {}
+    for p in range(jax.process_count()):
+        try:
+            seen[p] = client.blocking_key_value_get(f"zero_jax/{tag}/{call}/{p}", int(timeout_s * 1000))
+        except Exception as e:  # the runtime raises its own error type on timeout
+            raise TimeoutError(
+                f"{what}: process {p} did not reach this point within {timeout_s:.0f} s (process {me} did). "
+                "Every process must run the same program: check that it did not fail or take another branch."
+            ) from e
+    return seen
+
+
 def check_same_on_all_processes(what: str, value: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Raise the same ``ValueError`` on every process unless all processes
     pass an equal ``value`` (anything ``json``-serializable via ``repr``).
@@ -54,23 +72,10 @@ def check_same_on_all_processes(what: str, value: Any, *, timeout_s: float = DEF
     matched by order). A process that does not arrive within ``timeout_s``
     makes the others raise a ``TimeoutError`` naming it.
     """
-    count = jax.process_count()
-    if count == 1:
+    if jax.process_count() == 1:
         return
-    me = jax.process_index()
-    call = next(_calls)
-    client = _client()
     text = json.dumps(value if isinstance(value, (str, int, float, list, dict)) else repr(value))
-    client.key_value_set(f"zero_jax/check/{call}/{me}", text)
-    seen = {}
-    for p in range(count):
-        try:
-            seen[p] = client.blocking_key_value_get(f"zero_jax/check/{call}/{p}", int(timeout_s * 1000))
-        except Exception as e:  # the runtime raises its own error type on timeout
-            raise TimeoutError(
-                f"{what}: process {p} did not reach this point within {timeout_s:.0f} s (process {me} did). "
-                "Every process must run the same program: check that it did not fail or take another branch."
-            ) from e
+    seen = _exchange("check", text, what, timeout_s)
     if len(set(seen.values())) > 1:
         listing = "\n".join(f"  process {p}: {json.loads(v)}" for p, v in seen.items())
         raise ValueError(
@@ -142,21 +147,10 @@ def shard_batch(local_batch: PyTree, policy: ZeroPolicy) -> PyTree:
 
 def _check_local_shapes(shapes: list[list[Any]]) -> None:
     """Compare every process's batch-slice shapes; name the first difference."""
-    count, me = jax.process_count(), jax.process_index()
-    call = next(_calls)
-    client = _client()
-    client.key_value_set(f"zero_jax/batch/{call}/{me}", json.dumps(shapes))
-    theirs = {}
-    for p in range(count):
-        try:
-            theirs[p] = json.loads(
-                client.blocking_key_value_get(f"zero_jax/batch/{call}/{p}", DEFAULT_TIMEOUT_S * 1000)
-            )
-        except Exception as e:
-            raise TimeoutError(
-                f"shard_batch: process {p} did not pass its batch slice within {DEFAULT_TIMEOUT_S} s."
-            ) from e
-    for p, other in theirs.items():
+    me = jax.process_index()
+    theirs = _exchange("batch", json.dumps(shapes), "shard_batch", DEFAULT_TIMEOUT_S)
+    for p, text in theirs.items():
+        other = json.loads(text)
         if other == shapes:
             continue
         for mine, yours in itertools.zip_longest(shapes, other, fillvalue=None):

@@ -163,6 +163,11 @@ class ZeroPolicy:
                 f"ZeroPolicy: {sorted(set(replicas) & set(axes))} is both a partition axis (axis={axis!r}) and a "
                 f"replica axis (replica_axis={replica_axis!r}); an axis either partitions state or replicates it."
             )
+        if optimizer_over_replicas and int(stage) == 0:
+            raise ValueError(
+                "ZeroPolicy: optimizer_over_replicas=True needs stage >= 1: stage 0 partitions no optimizer state. "
+                "Use stage=1 or higher, or drop optimizer_over_replicas."
+            )
         if optimizer_over_replicas and not replicas:
             raise ValueError(
                 "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "

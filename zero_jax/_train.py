@@ -782,15 +782,11 @@ class TrainStep:
         if policy.offload_optimizer or policy.offload_params:
             new_master = _offload.for_compute(new_master, _state_shardings(state).params, prec.compute_dtype)
         compute = cast_floats(new_master, prec.compute_dtype)
-        if policy.stage in (1, 2):
-            # All-gather only what changed: frozen leaves keep their whole copy.
-            trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=_is_layout)
-            trained = jax.tree.map(lambda c, fz: None if fz else c, compute, frozen)
-            gathered = self._gather_updated(trained, trained_layouts)
-            params = jax.tree.map(lambda old, new: old if new is None else new, state.params, gathered)
-        elif policy.optimizer_over_replicas:
-            # Stage 3, optimizer cut R times finer than the parameters: gather
-            # the updated pieces across the replicas into parameter pieces.
+        if policy.stage in (1, 2) or policy.optimizer_over_replicas:
+            # The updated pieces, cut over the optimizer's axes, are all-gathered:
+            # into whole parameters (stages 1-2), or across the replicas into
+            # parameter pieces (stage 3 with the optimizer cut R times finer).
+            # Only what changed: frozen leaves keep their copy.
             compute = store(compute, layouts, policy, True, axes=policy.state_axes)
             trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=_is_layout)
             trained = jax.tree.map(lambda c, fz: None if fz else c, compute, frozen)
