@@ -82,7 +82,9 @@ def test_check_names_a_full_gradient_all_reduce_under_stage_2() -> None:
             grads = jax.grad(mlp_loss)(jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params), b)
             return jax.tree.map(lambda g: jax.lax.psum(g, "data") / 8, grads)
 
-        grads = jax.shard_map(local, mesh=policy._mesh, in_specs=(P(), P("data")), out_specs=P())(state.params, batch)
+        grads = jax.shard_map(local, mesh=policy.auto_mesh, in_specs=(P(), P("data")), out_specs=P())(
+            state.params, batch
+        )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state), jnp.zeros(())
 

@@ -325,9 +325,9 @@ def test_export_equals_full_params_and_loads_partitioned(tmp_path, stage):
     file = zj.export_params(tmp_path / "m.safetensors", state)
     full = jax.tree_util.tree_flatten_with_path(zj.full_params(state))[0]
     tensors = load_file(file)
-    assert sorted(tensors) == sorted(".".join(zj._policy.key_name(k) for k in p) for p, _ in full)
+    assert sorted(tensors) == sorted(".".join(zj._tree.key_name(k) for k in p) for p, _ in full)
     for p, x in full:
-        np.testing.assert_array_equal(tensors[".".join(zj._policy.key_name(k) for k in p)], np.asarray(x), strict=True)
+        np.testing.assert_array_equal(tensors[".".join(zj._tree.key_name(k) for k in p)], np.asarray(x), strict=True)
     pol3, _ = _setup(3, 4, stacked="layers")
     back = zj.load_params(file, pol3)
     fresh = zj.init_state(init_params(cfg, jax.random.key(0)), zj.shard_optimizer(optax.sgd(0.1), pol3), pol3)

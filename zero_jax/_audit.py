@@ -28,9 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax import _measure
-from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
+from zero_jax._partition import (
+    DEFAULT_MIN_SHARD_SIZE,
+    REASON_NO_DIMENSION,
+    LeafLayout,
+    is_layout,
+    leaf_layout,
+    shard_shape,
+)
 from zero_jax._planner import model_state_bytes
-from zero_jax._policy import PyTree, ZeroPolicy, key_name, path_str
+from zero_jax._policy import ZeroPolicy
+from zero_jax._tree import PyTree, key_name, path_str
 
 #: The state categories of a report, in ZeRO's order, and the ``TrainState``
 #: fields that fall in each: the fp32 master copy (mixed precision) is
@@ -49,7 +57,6 @@ REPLICATED_LEAF = "partitionable leaf replicated"
 COMM_OVER_THEORY = "communication over theory"
 REDUCE_IN_ACCUM_LOOP = "collective inside the accumulation loop"
 
-_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +338,7 @@ def _frozen(train_step: Any, layout_tree: PyTree, count: int) -> list[bool]:
         return [False] * count
     from zero_jax._optimizer import frozen_leaves
 
-    logical = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), layout_tree, is_leaf=_is_layout)
+    logical = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), layout_tree, is_leaf=is_layout)
     try:
         flags = [bool(f) for f in jax.tree.leaves(frozen_leaves(tx, logical))]
     except Exception:  # an optimizer the analysis cannot trace: assume nothing is frozen
@@ -462,7 +469,7 @@ def audit(
     params = _field(state, "params")
     record = _field(state, "layouts")
     layout_tree = record.tree() if hasattr(record, "tree") else policy.layouts(params)
-    layout_pairs = jax.tree_util.tree_flatten_with_path(layout_tree, is_leaf=_is_layout)[0]
+    layout_pairs = jax.tree_util.tree_flatten_with_path(layout_tree, is_leaf=is_layout)[0]
     param_leaves = jax.tree.leaves(params)
     if len(param_leaves) != len(layout_pairs):
         raise ValueError("audit: the state's params do not match its layouts; build the state with zj.init_state.")

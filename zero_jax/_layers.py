@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from zero_jax import _collectives as coll
 from zero_jax._offload import to_device
 from zero_jax._partition import LeafLayout
-from zero_jax._policy import PyTree, ZeroPolicy, path_str
+from zero_jax._policy import ZeroPolicy
+from zero_jax._tree import PyTree, path_str
 
 _ACTIVE: list[tuple[ZeroPolicy, bool]] = []
 
@@ -151,7 +152,7 @@ def _check_is_parameter_piece(tree: PyTree, policy: ZeroPolicy, where: str) -> N
                 )
             continue
         shape = tuple(getattr(leaf, "shape", ()))
-        if policy._layout(leaf, stacked=False).partitioned:
+        if policy.leaf_layout(leaf, stacked=False).partitioned:
             raise ValueError(
                 f"{where}: leaf '{path_str(path)}' (shape {shape}) is not a piece of the policy's "
                 "parameters. Pass the parameters loss_fn received (or a subtree of them), not "

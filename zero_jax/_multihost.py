@@ -26,7 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from zero_jax._policy import PyTree, ZeroPolicy, path_str
+from zero_jax._policy import ZeroPolicy
+from zero_jax._tree import PyTree, path_str
 
 #: How long a process waits for the others to publish a fingerprint.
 DEFAULT_TIMEOUT_S = 120

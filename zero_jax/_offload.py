@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PyTree = Any
+from zero_jax._partition import is_layout
+from zero_jax._tree import PyTree, path_str
 
 #: The memory kind offloaded state lives in.
 HOST = "pinned_host"
@@ -165,12 +166,11 @@ def offload_plan(state: Any) -> OffloadPlan:
     >>> state.opt_state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
     """
-    from zero_jax._policy import path_str  # a cycle at import time otherwise
 
     policy = state.policy
     n = policy.num_shards
-    opt_pairs = jax.tree_util.tree_flatten_with_path(state.opt_state.layouts.tree(), is_leaf=_is_layout)[0]
-    param_pairs = jax.tree_util.tree_flatten_with_path(state.layouts.tree(), is_leaf=_is_layout)[0]
+    opt_pairs = jax.tree_util.tree_flatten_with_path(state.opt_state.layouts.tree(), is_leaf=is_layout)[0]
+    param_pairs = jax.tree_util.tree_flatten_with_path(state.layouts.tree(), is_leaf=is_layout)[0]
     master_pairs = param_pairs if state.master is not None else []
     cands = []  # (bytes, order, field, index)
     for field, pairs in (("opt_state", opt_pairs), ("master", master_pairs)):
@@ -206,12 +206,6 @@ def offload_plan(state: Any) -> OffloadPlan:
         master=tuple(("master", i) in chosen for i in range(len(master_pairs))),
         params=params_host,
     )
-
-
-def _is_layout(x: Any) -> bool:
-    from zero_jax._partition import LeafLayout
-
-    return isinstance(x, LeafLayout)
 
 
 def _host(sharding: Any, host: bool) -> Any:

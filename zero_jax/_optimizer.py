@@ -17,10 +17,9 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from zero_jax._partition import LeafLayout, pad, unpad
-from zero_jax._policy import PyTree, ZeroPolicy, path_str
-
-_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+from zero_jax._partition import LeafLayout, is_layout, pad, unpad
+from zero_jax._policy import ZeroPolicy
+from zero_jax._tree import PyTree, path_str
 
 
 class TreeLayouts(NamedTuple):
@@ -31,7 +30,7 @@ class TreeLayouts(NamedTuple):
 
     @classmethod
     def of(cls, layout_tree: PyTree) -> TreeLayouts:
-        leaves, treedef = jax.tree_util.tree_flatten(layout_tree, is_leaf=_is_layout)
+        leaves, treedef = jax.tree_util.tree_flatten(layout_tree, is_leaf=is_layout)
         return cls(treedef, tuple(leaves))
 
     def tree(self) -> PyTree:
@@ -84,7 +83,7 @@ class ShardedTransformation(optax.GradientTransformationExtraArgs):
 def _constrain(
     x: jax.Array, policy: ZeroPolicy, layout: LeafLayout, partitioned: bool, axes: tuple[str, ...] | None
 ) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, policy._named(layout, partitioned, axes))
+    return jax.lax.with_sharding_constraint(x, policy.named_sharding(layout, partitioned, axes))
 
 
 def store(

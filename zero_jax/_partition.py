@@ -157,3 +157,8 @@ def shard_shape(layout: LeafLayout, num_shards: int) -> tuple[int, ...]:
     s = list(layout.shape)
     s[layout.dim] = layout.padded_size // num_shards
     return tuple(s)
+
+
+def is_layout(x: Any) -> bool:
+    """Whether ``x`` is a :class:`LeafLayout` (the ``is_leaf`` of layout trees)."""
+    return isinstance(x, LeafLayout)

@@ -12,24 +12,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import _offload, _partition
+from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout
 from zero_jax._precision import Precision
-
-PyTree = Any
-KeyPath = tuple[Any, ...]
-
-
-def key_name(key: Any) -> str:
-    """The plain name of one key-path entry (``'w'``, ``'0'``, ``'mu'``)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_str(path: KeyPath) -> str:
-    """A key path as users write it: ``layers/mlp/w``."""
-    return "/".join(key_name(k) for k in path) or "<root>"
+from zero_jax._tree import KeyPath, PyTree, key_name, path_str, split_prefix, under_any
 
 
 def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
@@ -191,12 +177,13 @@ class ZeroPolicy:
         self.min_shard_size = int(min_shard_size)
         self.precision = precision
         self.stacked: tuple[tuple[str, ...], ...] = tuple(
-            tuple(p for p in prefix.replace(".", "/").split("/") if p) for prefix in prefixes
+            split_prefix(prefix) for prefix in prefixes
         )
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
-        self._mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+        #: The mesh with every axis Auto: what the step runs on.
+        self.auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
     # -- identity -----------------------------------------------------------------
 
@@ -240,8 +227,6 @@ class ZeroPolicy:
     @property
     def comm(self) -> Any:
         """The axes the step's collectives run over (a ``_collectives.Axes``)."""
-        from zero_jax._collectives import Axes  # the collectives module imports this one
-
         return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas)
 
     @property
@@ -298,10 +283,9 @@ class ZeroPolicy:
     # -- layouts -------------------------------------------------------------------
 
     def _is_stacked(self, path: KeyPath) -> bool:
-        names = tuple(key_name(k) for k in path)
-        return any(names[: len(p)] == p for p in self.stacked)
+        return under_any(path, self.stacked)
 
-    def _layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
+    def leaf_layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
         shape, dtype = _shape_dtype(leaf)
         # Pad to a multiple of the optimizer's piece count: with
         # optimizer_over_replicas it is a multiple of the parameters' N too,
@@ -330,7 +314,7 @@ class ZeroPolicy:
                     f"parameter. Top-level entries are {paths}; pass one of those."
                 )
         return jax.tree_util.tree_unflatten(
-            treedef, [self._layout(leaf, stacked=self._is_stacked(p)) for p, leaf in pairs]
+            treedef, [self.leaf_layout(leaf, stacked=self._is_stacked(p)) for p, leaf in pairs]
         )
 
     def state_layouts(self, state: PyTree, params: PyTree | None = None) -> PyTree:
@@ -361,12 +345,14 @@ class ZeroPolicy:
                     if not jax.numpy.issubdtype(chosen.dtype, jax.numpy.inexact):
                         chosen = None
                     break
-            out.append(chosen if chosen is not None else self._layout(leaf, stacked=False))
+            out.append(chosen if chosen is not None else self.leaf_layout(leaf, stacked=False))
         return jax.tree_util.tree_unflatten(treedef, out)
 
     # -- shardings -----------------------------------------------------------------
 
-    def _named(self, layout: LeafLayout, partitioned: bool, axes: tuple[str, ...] | None = None) -> NamedSharding:
+    def named_sharding(
+        self, layout: LeafLayout, partitioned: bool, axes: tuple[str, ...] | None = None
+    ) -> NamedSharding:
         """The sharding of one stored leaf cut over ``axes`` (default: the
         parameters' partition axes; ``self.state_axes`` for optimizer state)."""
         # Mesh axes of size 1 cut nothing; leaving them out keeps the spec in the
@@ -374,11 +360,11 @@ class ZeroPolicy:
         # its input's shardings (no second compilation).
         axes = tuple(a for a in (self.axes if axes is None else axes) if self.mesh.shape[a] > 1)
         spec = layout.spec(axes) if partitioned and axes else PartitionSpec()
-        return NamedSharding(self._mesh, spec)
+        return NamedSharding(self.auto_mesh, spec)
 
     def _shardings(self, layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
         return jax.tree.map(
-            lambda lay: self._named(lay, partitioned, axes),
+            lambda lay: self.named_sharding(lay, partitioned, axes),
             layouts,
             is_leaf=lambda x: isinstance(x, LeafLayout),
         )
@@ -406,7 +392,7 @@ class ZeroPolicy:
         """Every batch leaf is split along its leading dimension over
         ``replica_axis`` and ``axis``."""
         axes = self.batch_axes
-        return NamedSharding(self._mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes))
+        return NamedSharding(self.auto_mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes))
 
     def check_batch(self, batch: PyTree, *, where: str, microbatches: int = 1) -> None:
         """Raise a ValueError naming the first batch leaf whose leading (batch)
@@ -428,7 +414,7 @@ class ZeroPolicy:
                 )
 
     def replicated(self) -> NamedSharding:
-        return NamedSharding(self._mesh, PartitionSpec())
+        return NamedSharding(self.auto_mesh, PartitionSpec())
 
     def replicated_leaves(self, tree: PyTree) -> list[ReplicatedLeaf]:
         """The leaves of ``tree`` (a parameter tree) that this policy's

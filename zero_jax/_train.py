@@ -46,11 +46,10 @@ from zero_jax._optimizer import (
     store,
     to_logical,
 )
-from zero_jax._partition import LeafLayout
-from zero_jax._policy import PyTree, ZeroPolicy, path_str
+from zero_jax._partition import LeafLayout, is_layout
+from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import LossScaleState, cast_floats
-
-_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
+from zero_jax._tree import PyTree, path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +117,7 @@ def _with_dtype(layouts: PyTree, dtype: Any) -> PyTree:
     return jax.tree.map(
         lambda lay: dataclasses.replace(lay, dtype=dtype) if jnp.issubdtype(lay.dtype, jnp.floating) else lay,
         layouts,
-        is_leaf=_is_layout,
+        is_leaf=is_layout,
     )
 
 
@@ -127,7 +126,7 @@ def _state_shardings(state: TrainState) -> TrainState:
     policy = state.policy
 
     def shardings(layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
-        return jax.tree.map(lambda lay: policy._named(lay, partitioned, axes), layouts, is_leaf=_is_layout)
+        return jax.tree.map(lambda lay: policy.named_sharding(lay, partitioned, axes), layouts, is_leaf=is_layout)
 
     layouts = state.layouts.tree()
     placed = state.replace(
@@ -656,7 +655,7 @@ class TrainStep:
                 return g / scale if scale_loss else g
 
             part, whole = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-            layout_leaves = jax.tree.leaves(layouts, is_leaf=_is_layout)
+            layout_leaves = jax.tree.leaves(layouts, is_leaf=is_layout)
             for g, lay in zip(_leaves(grads), layout_leaves, strict=True):
                 if g is None:
                     continue
@@ -690,15 +689,15 @@ class TrainStep:
             return lay.spec(axes) if partitioned else PartitionSpec()
 
         param_specs = jax.tree.map(
-            lambda lay: spec(lay, policy.partitions_params, policy.axes), layouts, is_leaf=_is_layout
+            lambda lay: spec(lay, policy.partitions_params, policy.axes), layouts, is_leaf=is_layout
         )
         grad_specs = jax.tree.map(
-            lambda lay, fz: None if fz else spec(lay, cut(lay), policy.state_axes), layouts, frozen, is_leaf=_is_layout
+            lambda lay, fz: None if fz else spec(lay, cut(lay), policy.state_axes), layouts, frozen, is_leaf=is_layout
         )
         scale = state.loss_scale.scale if scale_loss else jnp.ones((), jnp.float32)
         return jax.shard_map(
             body,
-            mesh=policy._mesh,
+            mesh=policy.auto_mesh,
             in_specs=(param_specs, policy.batch_sharding().spec, PartitionSpec(), PartitionSpec()),
             out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
             # JAX 0.10 cannot type a collective over a vmap axis (a batch norm's
@@ -713,16 +712,16 @@ class TrainStep:
         back. Stage 3 with ``optimizer_over_replicas``: all-gather across the
         replica axes only, into the parameters' 1/N pieces (still padded)."""
         policy = self.policy
-        specs = jax.tree.map(lambda lay: lay.spec(policy.state_axes), layouts, is_leaf=_is_layout)
+        specs = jax.tree.map(lambda lay: lay.spec(policy.state_axes), layouts, is_leaf=is_layout)
         if policy.partitions_params:
-            out_specs = jax.tree.map(lambda lay: lay.spec(policy.axes), layouts, is_leaf=_is_layout)
+            out_specs = jax.tree.map(lambda lay: lay.spec(policy.axes), layouts, is_leaf=is_layout)
             gather = lambda x, lay: coll.gather_replicated(x, lay, policy.replica_axes, unpadded=False)  # noqa: E731
         else:
             out_specs = PartitionSpec()
             gather = lambda x, lay: coll.gather_replicated(x, lay, policy.state_axes)  # noqa: E731
         return jax.shard_map(
             lambda p: jax.tree.map(gather, p, layouts),
-            mesh=policy._mesh,
+            mesh=policy.auto_mesh,
             in_specs=(specs,),
             out_specs=out_specs,
         )(pieces)
@@ -788,7 +787,7 @@ class TrainStep:
             # parameter pieces (stage 3 with the optimizer cut R times finer).
             # Only what changed: frozen leaves keep their copy.
             compute = store(compute, layouts, policy, True, axes=policy.state_axes)
-            trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=_is_layout)
+            trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=is_layout)
             trained = jax.tree.map(lambda c, fz: None if fz else c, compute, frozen)
             gathered = self._gather_updated(trained, trained_layouts)
             params = jax.tree.map(lambda old, new: old if new is None else new, state.params, gathered)
@@ -821,7 +820,7 @@ def _leaves(tree: PyTree) -> list[Any]:
 
 def full_shapes(layouts: TreeLayouts) -> PyTree:
     """Zeros of the logical parameter shapes (for ``eval_shape`` only)."""
-    return jax.tree.map(lambda lay: jnp.zeros(lay.shape, lay.dtype), layouts.tree(), is_leaf=_is_layout)
+    return jax.tree.map(lambda lay: jnp.zeros(lay.shape, lay.dtype), layouts.tree(), is_leaf=is_layout)
 
 
 def make_train_step(

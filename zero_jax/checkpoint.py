@@ -68,10 +68,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax._optimizer import ShardedTransformation
-from zero_jax._partition import LeafLayout
-from zero_jax._policy import PyTree, ZeroPolicy, key_name
+from zero_jax._partition import LeafLayout, is_layout
+from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import LossScaleState
 from zero_jax._train import TrainState, init_state
+from zero_jax._tree import PyTree, key_name
 
 if TYPE_CHECKING:
     from etils import epath
@@ -92,7 +93,6 @@ _META_ITEM = "zero_jax"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 _SECTIONS = ("step", "params", "opt_state", "master", "loss_scale", "model_state")
 
-_is_layout = lambda x: isinstance(x, LeafLayout)  # noqa: E731
 
 
 def _version() -> str:
@@ -382,7 +382,7 @@ class CheckpointManager:
 def _metadata(state: TrainState, entries: list[_Entry], step: int, sums: list[list[int]]) -> dict[str, Any]:
     policy = state.policy
     prec = policy.precision
-    param_paths = jax.tree_util.tree_flatten_with_path(state.layouts.tree(), is_leaf=_is_layout)[0]
+    param_paths = jax.tree_util.tree_flatten_with_path(state.layouts.tree(), is_leaf=is_layout)[0]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -547,7 +547,7 @@ def _abstract_params(like: Any, meta: dict[str, Any], where: str) -> PyTree:
         return _params_from_metadata(meta, where)
     if isinstance(like, TrainState):
         return jax.tree.map(
-            lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), like.layouts.tree(), is_leaf=_is_layout
+            lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), like.layouts.tree(), is_leaf=is_layout
         )
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), getattr(x, "dtype", np.asarray(x).dtype)), like
@@ -1122,12 +1122,12 @@ def load_params(
                 want = _np_dtype(dtype)
             abstract.append(jax.ShapeDtypeStruct(shape, want))
         abstract_tree = jax.tree.unflatten(treedef, abstract)
-        layouts = jax.tree.leaves(policy.layouts(abstract_tree), is_leaf=_is_layout)
+        layouts = jax.tree.leaves(policy.layouts(abstract_tree), is_leaf=is_layout)
         out = []
         for name, spec, lay in zip(order, abstract, layouts, strict=True):
             part = policy.partitions_params and lay.dim is not None
             shape = lay.stored_shape if part else lay.shape
-            sharding = policy._named(lay, part)
+            sharding = policy.named_sharding(lay, part)
             try:
                 out.append(
                     jax.make_array_from_callback(shape, sharding, _piece_reader(f, name, shape, lay, spec.dtype))

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 
 from zero_jax import _layers
 from zero_jax._layers import Sharded
-from zero_jax._policy import PyTree, ZeroPolicy, key_name, path_str
+from zero_jax._policy import ZeroPolicy
 from zero_jax._train import TrainState, full_params, init_state, make_train_step
+from zero_jax._tree import PyTree, key_name, path_str
 
 
 class Adapted(NamedTuple):

@@ -74,7 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._policy import PyTree, path_str
+from zero_jax._tree import PyTree, path_str
 from zero_jax.adapters._common import (
     Adapted,
     check_stacked,

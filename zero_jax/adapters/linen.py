@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import unfreeze
 
-from zero_jax._policy import PyTree, path_str
+from zero_jax._tree import PyTree, path_str
 from zero_jax.adapters._common import (
     Adapted,
     check_stacked,

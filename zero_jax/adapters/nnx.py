@@ -68,7 +68,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zero_jax._policy import PyTree, path_str
+from zero_jax._tree import PyTree, path_str
 from zero_jax.adapters._common import (
     Adapted,
     check_stacked,
