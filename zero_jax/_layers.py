@@ -27,6 +27,7 @@ loop carry is saved for the backward pass: every layer would stay alive.)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,47 @@ from zero_jax._partition import LeafLayout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._tree import PyTree, path_str
 
-_ACTIVE: list[tuple[ZeroPolicy, bool]] = []
+
+@dataclasses.dataclass(frozen=True)
+class TraceScope:
+    """What the loss function being traced runs under: the house's one piece
+    of trace-time context (one ``ContextVar``, so nested and concurrent
+    traces in other threads each see their own).
+
+    Attributes:
+      policy: the manual-gather step's policy; None outside such a step.
+      pieces: False when the step hands ``loss_fn`` whole parameters even in
+        stages 2–3 (local accumulation gathers once per step), so ``gather``
+        and ``scan_layers`` pass them through.
+      state_updates: the NNX adapter's mode for model-state updates.
+      adapter_scans: a one-element counter of the adapters' ``scan_layers``
+        calls in this trace (None outside an adapted loss).
+    """
+
+    policy: ZeroPolicy | None = None
+    pieces: bool = True
+    state_updates: str | None = None
+    adapter_scans: list[int] | None = None
+
+
+_EMPTY_SCOPE = TraceScope()
+_SCOPE: contextvars.ContextVar[TraceScope | None] = contextvars.ContextVar("zero_jax_trace_scope", default=None)
+
+
+def current_scope() -> TraceScope:
+    """The :class:`TraceScope` of the trace in progress (empty outside one)."""
+    return _SCOPE.get() or _EMPTY_SCOPE
+
+
+@contextlib.contextmanager
+def trace_scope(**changes: Any) -> Iterator[TraceScope]:
+    """Run a block with the current :class:`TraceScope`'s fields replaced."""
+    scope = dataclasses.replace(current_scope(), **changes)
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
 
 
 @contextlib.contextmanager
@@ -51,11 +92,8 @@ def manual_gather_scope(policy: ZeroPolicy, *, pieces: bool = True) -> Iterator[
     stages 2–3 (local gradient accumulation gathers once per step), so
     ``gather`` and ``scan_layers`` pass them through.
     """
-    _ACTIVE.append((policy, pieces))
-    try:
+    with trace_scope(policy=policy, pieces=pieces):
         yield
-    finally:
-        _ACTIVE.pop()
 
 
 @jax.tree_util.register_pytree_node_class
@@ -128,16 +166,16 @@ def _active(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
         return None
     if not isinstance(policy, ZeroPolicy):
         raise TypeError(f"{where}: policy must be a ZeroPolicy or None, got {type(policy).__name__}.")
-    if not _ACTIVE:
+    scope = current_scope()
+    if scope.policy is None:
         raise RuntimeError(
             f"{where} was called outside a train step. It gathers parameter pieces inside "
             "make_train_step(loss_fn, tx, policy, gather='manual'); to run the model on ordinary "
             f"parameters (evaluation, zj.full_params(state)), pass policy=None to {where}."
         )
-    active, pieces = _ACTIVE[-1]
-    if active != policy:
-        raise ValueError(f"{where}: called with {policy!r}, but the step runs {active!r}.")
-    return policy if pieces else None
+    if scope.policy != policy:
+        raise ValueError(f"{where}: called with {policy!r}, but the step runs {scope.policy!r}.")
+    return policy if scope.pieces else None
 
 
 def _check_is_parameter_piece(tree: PyTree, policy: ZeroPolicy, where: str) -> None:

@@ -169,7 +169,7 @@ def check_stacked(
 def active_policy() -> ZeroPolicy | None:
     """The policy of the manual-gather step being traced, or None (outside a
     step, or a step that hands ``loss_fn`` whole parameters)."""
-    return _layers._ACTIVE[-1][0] if _layers._ACTIVE else None
+    return _layers.current_scope().policy
 
 
 def gather_unstacked(params: PyTree, prefixes: tuple[str, ...], where: str) -> PyTree:
@@ -190,10 +190,6 @@ def gather_unstacked(params: PyTree, prefixes: tuple[str, ...], where: str) -> P
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
 
 
-# One entry per adapted loss being traced: how many adapter scan_layers calls it made.
-_SCANS: list[list[int]] = []
-
-
 @contextlib.contextmanager
 def explain_unscanned_pieces(params: PyTree, prefixes: tuple[str, ...], where: str, drop_in: str) -> Iterator[None]:
     """In a manual-gather step, stacked leaves reach the model as pieces that
@@ -205,20 +201,18 @@ def explain_unscanned_pieces(params: PyTree, prefixes: tuple[str, ...], where: s
         for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
         if is_sharded(x) and any(under(p, q) for q in prefixes)
     ]
-    _SCANS.append([0])
-    try:
-        yield
-    except Exception as e:
-        if pieces and not _SCANS[-1][0]:
-            raise TypeError(
-                f"{where}: under make_train_step(..., gather='manual') the stacked layers reach the model as "
-                f"partitioned pieces (e.g. '{pieces[0]}'), which only {drop_in} can run, and the model did not "
-                f"call it. Run the stack with {drop_in}(fn, self.layers, x) (a drop-in for the scan), or train "
-                f"with gather='all'. The error was: {type(e).__name__}: {e}"
-            ) from e
-        raise
-    finally:
-        _SCANS.pop()
+    with _layers.trace_scope(adapter_scans=[0]) as scope:
+        try:
+            yield
+        except Exception as e:
+            if pieces and not scope.adapter_scans[0]:
+                raise TypeError(
+                    f"{where}: under make_train_step(..., gather='manual') the stacked layers reach the model as "
+                    f"partitioned pieces (e.g. '{pieces[0]}'), which only {drop_in} can run, and the model did not "
+                    f"call it. Run the stack with {drop_in}(fn, self.layers, x) (a drop-in for the scan), or train "
+                    f"with gather='all'. The error was: {type(e).__name__}: {e}"
+                ) from e
+            raise
 
 
 def scan_stacked(
@@ -239,8 +233,9 @@ def scan_stacked(
     carried beside ``carry`` (a float, so the custom VJP of ``scan_layers``
     sees only float carries).
     """
-    if _SCANS:
-        _SCANS[-1][0] += 1
+    counter = _layers.current_scope().adapter_scans
+    if counter is not None:
+        counter[0] += 1
     policy = active_policy()
     if not jax.tree.leaves(indexed):
         return _layers.scan_layers(lambda p, c: layer_fn(p, None, c), scanned, carry, policy, prefetch=prefetch,

@@ -68,6 +68,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from zero_jax._layers import current_scope, trace_scope
 from zero_jax._tree import PyTree, path_str
 from zero_jax.adapters._common import (
     Adapted,
@@ -91,8 +92,6 @@ _DEPTH_FIX = (
     "nnx.vmap(make_layer, in_axes=0)), and keep unstacked modules out of the stacked= subtree."
 )
 _StateUpdates = Literal["carry", "discard", "error"]
-# The update mode of the adapted loss being traced (read by scan_layers).
-_MODES: list[str] = []
 
 
 def _is_value_key(k: Any) -> bool:
@@ -260,12 +259,9 @@ def from_nnx(
     not_trainable = nnx.Not(trainable)
 
     def run(m: nnx.Module, params: PyTree, batch: PyTree) -> Any:
-        _MODES.append(state_updates)
-        try:
+        with trace_scope(state_updates=state_updates):
             with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.nnx.scan_layers"):
                 return loss(m, batch)
-        finally:
-            _MODES.pop()
 
     def plain_loss_fn(params: PyTree, batch: PyTree) -> Any:
         params = gather_unstacked(params, prefixes, _WHERE)
@@ -338,7 +334,7 @@ def scan_layers(
         raise TypeError(f"zj.adapters.nnx.scan_layers: layers must be an nnx.Module, got {type(layers).__name__}.")
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     rest_vars = jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    discard = bool(_MODES) and _MODES[-1] == "discard"
+    discard = current_scope().state_updates == "discard"
 
     def layer_fn(p: nnx.State, r: nnx.State | None, c: Any) -> Any:
         layer = nnx.merge(graphdef, p, r if r is not None else rest)
