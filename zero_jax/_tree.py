@@ -66,11 +66,12 @@ DONATED_STATE = (
 
 def check_live(tree: PyTree, *, where: str) -> None:
     """Raise one ``ValueError`` naming every array of ``tree`` whose buffers
-    were donated (deleted), instead of letting XLA read freed memory."""
+    were donated (deleted), instead of letting XLA read freed memory. Traced
+    values (inside ``jax.jit`` or ``eval_shape``) are never deleted."""
     dead = [
         path_str(path)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if isinstance(leaf, jax.Array) and leaf.is_deleted()
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted()
     ]
     if dead:
         shown = ", ".join(dead[:5]) + (", ..." if len(dead) > 5 else "")
