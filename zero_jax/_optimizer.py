@@ -352,8 +352,9 @@ def shard_optimizer(
     inside ``jax.jit`` (``make_train_step`` does).
 
     Non-float parameter leaves (int counters, bool masks) are hidden from the
-    wrapped optimizer: they get no state, and their update is zeros (so
-    ``optax.apply_updates`` leaves them bitwise unchanged).
+    wrapped optimizer: they get no state, and their update is zeros of their
+    own dtype whatever their gradient (an int array or ``float0``), so
+    ``optax.apply_updates`` leaves them bitwise unchanged.
 
     The result is a plain ``(init, update)`` pair: ``jax.tree.map`` and
     ``tree_unflatten`` rebuild it intact (:func:`sharded_parts` reads what it
@@ -433,8 +434,8 @@ def _updates_back(
     leaves, treedef = jax.tree.flatten(grads)
     out = []
     for g, lay, k in zip(leaves, layouts, keep, strict=True):
-        if not k:
-            out.append(jnp.zeros_like(g))
+        if not k:  # in the parameter's dtype: apply_updates leaves it bitwise unchanged
+            out.append(_constrain(jnp.zeros(jnp.shape(g), lay.dtype), policy, lay, False, axes))
             continue
         u = next(fresh)
         stored = tuple(g.shape) == lay.stored_shape and lay.padding > 0

@@ -14,64 +14,47 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import _offload, _partition
 from zero_jax._collectives import Axes
-from zero_jax._partition import LeafLayout
+from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
 from zero_jax._precision import Precision
 from zero_jax._tree import KeyPath, PyTree, path_str, split_prefix, under, under_any
-
-
-def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-        leaf = np.asarray(leaf)
-    return tuple(leaf.shape), np.dtype(leaf.dtype)
-
 
 #: ``setattr`` / ``delattr`` on a policy.
 FROZEN = (
     "ZeroPolicy is immutable: cannot {what} {name!r}. A policy is hashed as static pytree metadata of every "
     "state and compiled step made with it, so changing it in place would silently mismatch them. Build a new "
-    "policy instead: policy.replace({name}=...) (or zj.ZeroPolicy(...))."
-)
+    "policy instead: policy.replace({name}=...) (or zj.ZeroPolicy(...)).")
 BAD_STAGE = (
     "ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain data parallelism; 1 partitions "
-    "optimizer state, 2 also gradients, 3 also parameters."
-)
+    "optimizer state, 2 also gradients, 3 also parameters.")
 BAD_MESH = (
     "ZeroPolicy: mesh must be a jax.sharding.Mesh, got {kind}. "
-    "Make one with jax.make_mesh((jax.device_count(),), ('data',))."
-)
+    "Make one with jax.make_mesh((jax.device_count(),), ('data',)).")
 BAD_AXIS = (
     "ZeroPolicy: axis {axis!r} is not an axis of the mesh, whose axes are {names}. "
-    "Pass axis= one of those names (or a tuple of them)."
-)
+    "Pass axis= one of those names (or a tuple of them).")
 BAD_REPLICA_AXIS = (
     "ZeroPolicy: replica_axis {replica_axis!r} is not a set of axes of the mesh, whose axes are {names}. Pass the "
     "mesh axis that holds the replicas (e.g. 'replica'), or build the mesh with it: "
-    "jax.make_mesh((R, N), ('replica', 'data'))."
-)
+    "jax.make_mesh((R, N), ('replica', 'data')).")
 AXIS_TWICE = (
     "ZeroPolicy: {both} is both a partition axis (axis={axis!r}) and a replica axis "
-    "(replica_axis={replica_axis!r}); an axis either partitions state or replicates it."
-)
+    "(replica_axis={replica_axis!r}); an axis either partitions state or replicates it.")
 OVER_REPLICAS_STAGE_0 = (
     "ZeroPolicy: optimizer_over_replicas=True needs stage >= 1: stage 0 partitions no optimizer state. "
-    "Use stage=1 or higher, or drop optimizer_over_replicas."
-)
+    "Use stage=1 or higher, or drop optimizer_over_replicas.")
 OVER_REPLICAS_WITHOUT_REPLICAS = (
     "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
-    "well; pass replica_axis=... (the mesh axis holding the replicas)."
-)
+    "well; pass replica_axis=... (the mesh axis holding the replicas).")
+BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
 STACKED_MATCHES_NOTHING = (
     "ZeroPolicy(stacked=...): the prefix{s} {which} matches no parameter. Top-level entries are {entries}; "
-    "pass one of those."
-)
+    "pass one of those.")
 BATCH_NOT_DIVISIBLE = (
     "{where}: {leaves}; the leading (batch) dimension must divide by the {n} devices of the batch "
-    "axes {axes}. Use a global batch size that is a multiple of {n}."
-)
+    "axes {axes}. Use a global batch size that is a multiple of {n}.")
 BATCH_NOT_MICROBATCHED = (
     "{where}: {leaves}: accum_steps={k} microbatches on each of {n} devices need a global batch that "
-    "is a multiple of {nk}. Change the batch size or accum_steps."
-)
+    "is a multiple of {nk}. Change the batch size or accum_steps.")
 
 
 def _listing(leaves: list[str]) -> str:
@@ -87,14 +70,8 @@ def _names(value: Any) -> tuple[Any, ...]:
 
 
 def _argument_problems(
-    stage: Any,
-    mesh: Any,
-    axis: Any,
-    replica_axis: Any,
-    optimizer_over_replicas: Any,
-    min_shard_size: Any,
-    stacked: Any,
-    precision: Any,
+    stage: Any, mesh: Any, axis: Any, replica_axis: Any, optimizer_over_replicas: Any, min_shard_size: Any,
+    stacked: Any, precision: Any, **_offload_arguments: Any,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
     checked by ``check_options``), each with its exception type."""
@@ -123,19 +100,11 @@ def _argument_problems(
     if precision is not None and not isinstance(precision, Precision):
         problems.append((TypeError, f"ZeroPolicy: precision must be a zj.Precision, got {type(precision).__name__}."))
     if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)):
-        problems.append(
-            (TypeError, f"ZeroPolicy: min_shard_size must be an int (elements), got {type(min_shard_size).__name__}.")
-        )
+        problems.append((TypeError, f"ZeroPolicy: min_shard_size must be an int, got {type(min_shard_size).__name__}."))
     elif min_shard_size < 0:
         problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))
     if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
-        problems.append(
-            (
-                TypeError,
-                f"ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, "
-                f"got {stacked!r}.",
-            )
-        )
+        problems.append((TypeError, BAD_STACKED.format(stacked)))
     return problems
 
 
@@ -150,17 +119,6 @@ def _raise_problems(problems: list[Problem]) -> None:
         raise kind(message)
     kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
     raise kind(SEVERAL_PROBLEMS.format(count=len(problems)) + "\n".join(f"  - {m}" for _, m in problems))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicatedLeaf:
-    """A leaf that stays whole on every device, and why."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    nbytes: int
-    reason: str
 
 
 class ZeroPolicy:
@@ -244,27 +202,13 @@ class ZeroPolicy:
         offload_optimizer: bool | float = False,
         offload_params: bool = False,
     ) -> None:
-        args = (stage, mesh, axis, replica_axis, optimizer_over_replicas, min_shard_size, stacked, precision)
-        _raise_problems(_argument_problems(*args))
+        #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
+        self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
+        _raise_problems(_argument_problems(**self.arguments))
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
         replicas = (replica_axis,) if isinstance(replica_axis, str) else tuple(replica_axis or ())
         if precision is None:
             precision = Precision()
-        #: The arguments as given: what :meth:`replace` starts from.
-        self.arguments: Mapping[str, Any] = types.MappingProxyType(
-            {
-                "stage": stage,
-                "mesh": mesh,
-                "axis": axis,
-                "replica_axis": replica_axis,
-                "optimizer_over_replicas": optimizer_over_replicas,
-                "min_shard_size": min_shard_size,
-                "stacked": stacked,
-                "precision": precision,
-                "offload_optimizer": offload_optimizer,
-                "offload_params": offload_params,
-            }
-        )
         prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
         self.offload_optimizer, self.offload_params = _offload.check_options(
             offload_optimizer, offload_params, int(stage), mesh
@@ -276,9 +220,7 @@ class ZeroPolicy:
         self.optimizer_over_replicas = bool(optimizer_over_replicas)
         self.min_shard_size = int(min_shard_size)
         self.precision = precision
-        self.stacked: tuple[tuple[str, ...], ...] = tuple(
-            split_prefix(prefix) for prefix in prefixes
-        )
+        self.stacked: tuple[tuple[str, ...], ...] = tuple(split_prefix(prefix) for prefix in prefixes)
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
@@ -358,20 +300,10 @@ class ZeroPolicy:
     @property
     def key(self) -> tuple[Any, ...]:
         """A hashable fingerprint: two policies with equal keys lay state out alike."""
-        return (
-            self.stage,
-            self.axes,
-            self.replica_axes,
-            self.optimizer_over_replicas,
-            tuple(self.mesh.axis_names),
-            tuple(self.mesh.devices.shape),
-            tuple(int(d.id) for d in self.mesh.devices.flat),
-            self.min_shard_size,
-            self.stacked,
-            self.precision,
-            self.offload_optimizer,
-            self.offload_params,
-        )
+        devices = self.mesh.devices
+        mesh = (tuple(self.mesh.axis_names), tuple(devices.shape), tuple(int(d.id) for d in devices.flat))
+        return (self.stage, self.axes, self.replica_axes, self.optimizer_over_replicas, *mesh, self.min_shard_size,
+                self.stacked, self.precision, self.offload_optimizer, self.offload_params)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ZeroPolicy) and other.key == self.key
@@ -412,16 +344,12 @@ class ZeroPolicy:
         return under_any(path, self.stacked)
 
     def leaf_layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
-        shape, dtype = _shape_dtype(leaf)
+        shape, dtype = shape_dtype(leaf)
         # Pad to a multiple of the optimizer's piece count: with
         # optimizer_over_replicas it is a multiple of the parameters' N too,
         # so both cuts share one stored shape.
         return _partition.leaf_layout(
-            shape,
-            dtype,
-            self.num_state_shards,
-            min_shard_size=self.min_shard_size,
-            skip_leading=stacked,
+            shape, dtype, self.num_state_shards, min_shard_size=self.min_shard_size, skip_leading=stacked
         )
 
     def layouts(self, params: PyTree) -> PyTree:
@@ -456,20 +384,18 @@ class ZeroPolicy:
         """
         by_path: dict[KeyPath, tuple[tuple[int, ...], LeafLayout]] = {}
         if params is not None:
-            for p, lay in jax.tree_util.tree_flatten_with_path(
-                self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout)
-            )[0]:
+            for p, lay in jax.tree_util.tree_flatten_with_path(self.layouts(params), is_leaf=is_layout)[0]:
                 by_path[tuple(p)] = (lay.shape, lay)
         pairs, treedef = jax.tree_util.tree_flatten_with_path(state)
         out = []
         for path, leaf in pairs:
-            shape, _ = _shape_dtype(leaf)
+            shape, _ = shape_dtype(leaf)
             chosen = None
             for start in range(len(path) + 1):
                 hit = by_path.get(tuple(path[start:]))
                 if hit is not None and hit[0] == shape:
                     lay = hit[1]
-                    chosen = dataclasses.replace(lay, dtype=_shape_dtype(leaf)[1])
+                    chosen = dataclasses.replace(lay, dtype=shape_dtype(leaf)[1])
                     if not jax.numpy.issubdtype(chosen.dtype, jax.numpy.inexact):
                         chosen = None
                     break
@@ -491,11 +417,7 @@ class ZeroPolicy:
         return NamedSharding(self.auto_mesh, spec)
 
     def _shardings(self, layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
-        return jax.tree.map(
-            lambda lay: self.named_sharding(lay, partitioned, axes),
-            layouts,
-            is_leaf=lambda x: isinstance(x, LeafLayout),
-        )
+        return jax.tree.map(lambda lay: self.named_sharding(lay, partitioned, axes), layouts, is_leaf=is_layout)
 
     def param_sharding(self, params: PyTree) -> PyTree:
         """``NamedSharding`` of each stored parameter (partitioned in stage 3).
@@ -538,9 +460,7 @@ class ZeroPolicy:
                 BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=self.batch_axes)
             )
         if unsplit:
-            raise ValueError(
-                BATCH_NOT_MICROBATCHED.format(where=where, leaves=_listing(unsplit), k=k, n=n, nk=n * k)
-            )
+            raise ValueError(BATCH_NOT_MICROBATCHED.format(where=where, leaves=_listing(unsplit), k=k, n=n, nk=n * k))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.auto_mesh, PartitionSpec())
@@ -555,7 +475,7 @@ class ZeroPolicy:
         >>> [r.path for r in pol.replicated_leaves({"b": np.zeros(16), "w": np.zeros((64, 64))})]
         ['b']
         """
-        pairs = jax.tree_util.tree_flatten_with_path(self.layouts(tree), is_leaf=lambda x: isinstance(x, LeafLayout))[0]
+        pairs = jax.tree_util.tree_flatten_with_path(self.layouts(tree), is_leaf=is_layout)[0]
         return [
             ReplicatedLeaf(path_str(p), lay.shape, lay.dtype, lay.nbytes, lay.reason)
             for p, lay in pairs
