@@ -11,7 +11,9 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
 
 import zero_jax as zj
+from zero_jax import _jaxpr
 from zero_jax._optimizer import TreeLayouts, sharded_parts
+from zero_jax._partition import REASON_NOT_FLOAT
 
 # -- ZeroPolicy is immutable --------------------------------------------------------------
 
@@ -175,7 +177,7 @@ def test_non_float_leaves_get_no_state_and_no_update(stage: int, float0: bool) -
     params = _mixed_params()
     # Whole on every device, whatever their size.
     whole = {r.path: r.reason for r in policy.replicated_leaves(params)}
-    assert {k: whole.get(k) for k in NON_FLOAT} == dict.fromkeys(NON_FLOAT, zj._partition.REASON_NOT_FLOAT)
+    assert {k: whole.get(k) for k in NON_FLOAT} == dict.fromkeys(NON_FLOAT, REASON_NOT_FLOAT)
     assert all(policy.param_sharding(params)[k].spec == jax.sharding.PartitionSpec() for k in NON_FLOAT)
     assert zj.frozen_leaves(optax.adam(1e-2), params) == {k: k in NON_FLOAT for k in params}
 
@@ -239,3 +241,30 @@ def test_train_step_with_non_float_leaves_equals_optax_on_the_float_ones(stage: 
     ref, _ = reference_run(optax.adam(1e-2), mlp_params(), batches)
     errors = relative_update_error(_float_part(out), ref, mlp_params())
     assert max(errors.values()) < 1e-4, errors
+
+
+# -- the one data-dependence walk ------------------------------------------------------------
+
+
+def test_dependence_walk_sees_through_calls_and_is_conservative_in_loops() -> None:
+    @jax.custom_jvp
+    def double(x):
+        return 2 * x
+
+    double.defjvp(lambda primals, tangents: (double(primals[0]), 2 * tangents[0]))
+
+    def fn(a, b, c):
+        inside_jit = jax.jit(lambda a, b: (a * 2, b + 1))(a, b)
+        (p, q), _ = jax.lax.scan(lambda carry, _: ((carry[1], carry[0]), None), (a, c), None, length=2)
+        return inside_jit, jax.checkpoint(lambda z: z * 3)(c), double(b), p, q, jnp.ones(3)
+
+    x = jnp.zeros(3)
+    # a=1, b=2, c=4: calls keep their outputs apart; a loop's carry may mix (after 2 swaps p is a again).
+    assert _jaxpr.output_dependencies(fn, x, x, x) == [1, 2, 4, 2, 5, 5, 0]
+
+
+def test_frozen_leaves_see_through_a_jitted_update() -> None:
+    params = {"w": jnp.zeros((4,)), "b": jnp.zeros((4,))}
+    frozen = optax.multi_transform({"a": optax.adam(1e-3), "f": optax.set_to_zero()}, {"w": "a", "b": "f"})
+    jitted = optax.GradientTransformation(frozen.init, jax.jit(frozen.update))
+    assert zj.frozen_leaves(jitted, params) == {"b": True, "w": False}

@@ -293,7 +293,7 @@ class ZeroPolicy:
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
     @property
-    def comm(self) -> Any:
+    def comm(self) -> Axes:
         """The axes the step's collectives run over (a ``_collectives.Axes``)."""
         return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas)
 
@@ -340,7 +340,8 @@ class ZeroPolicy:
 
     # -- layouts -------------------------------------------------------------------
 
-    def _is_stacked(self, path: KeyPath) -> bool:
+    def is_stacked(self, path: KeyPath | str) -> bool:
+        """Whether ``path`` lies under one of the ``stacked`` prefixes (its leading axis is a layer axis)."""
         return under_any(path, self.stacked)
 
     def leaf_layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
@@ -370,7 +371,7 @@ class ZeroPolicy:
                 )
             )
         return jax.tree_util.tree_unflatten(
-            treedef, [self.leaf_layout(leaf, stacked=self._is_stacked(p)) for p, leaf in pairs]
+            treedef, [self.leaf_layout(leaf, stacked=self.is_stacked(p)) for p, leaf in pairs]
         )
 
     def state_layouts(self, state: PyTree, params: PyTree | None = None) -> PyTree:
