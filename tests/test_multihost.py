@@ -154,6 +154,11 @@ def test_shard_batch_in_one_process_places_the_batch() -> None:
         zj.shard_batch({"x": np.ones((12, 2), np.float32)}, policy)
     with pytest.raises(ValueError, match="is a scalar"):
         zj.shard_batch({"x": np.float32(1)}, policy)
+    # Every bad leaf at once.
+    with pytest.raises(ValueError, match=r"'x' has 12 local rows, batch leaf 'z' has 4 local rows on process 0"):
+        zj.shard_batch({"x": np.ones((12, 2)), "y": np.ones((16,)), "z": np.ones((4, 2))}, policy)
+    with pytest.raises(ValueError, match=r"'a' is a scalar, batch leaf 'b' is a scalar; every leaf"):
+        zj.shard_batch({"a": np.float32(1), "b": np.float32(2), "c": np.ones((8,))}, policy)
 
 
 def test_launch_reports_a_failing_process() -> None:

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 
 def _importable_name(fn: Callable[..., Any]) -> tuple[str, str]:
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -95,7 +97,7 @@ def launch(
         child_env.update(env or {})
         procs = []
         for pid in range(processes):
-            entry = "import sys; from zero_jax._launch import _child; _child(sys.argv[1:])"
+            entry = "import sys; from zero_jax._launch import child_main; child_main(sys.argv[1:])"
             cmd = [sys.executable, "-c", entry, str(work), str(pid), str(processes), str(port), str(local_devices)]
             with open(work / f"{pid}.log", "w") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env))
@@ -125,14 +127,13 @@ def launch(
         return [pickle.loads((work / f"{pid}.out").read_bytes()) for pid in range(processes)]
 
 
-def _child(argv: Sequence[str]) -> None:
+def child_main(argv: Sequence[str]) -> None:
+    """What each launched process runs: join the pod, call the function, write its result."""
     work, pid, count, port, local = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3], int(argv[4])
     job = pickle.loads((work / "job.pkl").read_bytes())
     for p in reversed(job["sys_path"]):
         if p not in sys.path:
             sys.path.insert(0, p)
-    import jax
-
     jax.config.update("jax_num_cpu_devices", local)
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid, initialization_timeout=120

@@ -14,6 +14,12 @@ drives only its local devices. Two things then need care, and live here:
   timeout that names it.
 
 With one process everything here is a cheap local check.
+
+The key-value store is ``jax._src.distributed.global_state.client``: JAX has
+no public API for it (``jax.distributed`` exposes only ``initialize``,
+``shutdown`` and ``is_initialized``; ``jax.experimental.multihost_utils``
+offers collectives, which are what a mismatch would hang in). It is the one
+private JAX name the library reads, here only.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import distributed  # the coordinator's key-value store; see the module docstring
 
 from zero_jax._policy import ZeroPolicy
 from zero_jax._tree import PyTree, path_str
@@ -32,12 +39,23 @@ from zero_jax._tree import PyTree, path_str
 #: How long a process waits for the others to publish a fingerprint.
 DEFAULT_TIMEOUT_S = 120
 
+#: ``shard_batch``: leaves with no leading (batch) dimension.
+SCALAR_BATCH_LEAVES = "shard_batch: {leaves}; every leaf needs a leading batch dimension."
+#: ``shard_batch``: leaves whose local rows do not split over this process's devices.
+UNEVEN_LOCAL_ROWS = (
+    "shard_batch: {leaves} on process {me}, which do not split over its {k} batch shards (axes {axes}). "
+    "Use a local batch that is a multiple of {k}."
+)
+#: ``shard_batch``: processes passed slices of different shapes.
+SLICES_DIFFER = (
+    "shard_batch: the processes' batch slices differ: {differences}. Every process must pass the same number "
+    "of rows (global batch / process count) with the same trailing shape and dtype."
+)
+
 _calls = itertools.count()  # every process calls the checks in the same order
 
 
 def _client() -> Any:
-    from jax._src import distributed  # the coordinator's key-value store; no public API exposes it
-
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError(
@@ -116,28 +134,25 @@ def shard_batch(local_batch: PyTree, policy: ZeroPolicy) -> PyTree:
         raise TypeError(f"shard_batch: policy must be a zj.ZeroPolicy, got {type(policy).__name__}.")
     sharding = policy.batch_sharding()
     pairs, treedef = jax.tree_util.tree_flatten_with_path(local_batch)
-    shapes = []
-    for path, leaf in pairs:
-        shape = tuple(getattr(leaf, "shape", ()))
-        if not shape:
-            raise ValueError(
-                f"shard_batch: batch leaf '{path_str(path)}' is a scalar; every leaf needs a leading batch dimension."
-            )
-        shapes.append([path_str(path), list(shape), str(np.dtype(getattr(leaf, "dtype", np.float32)))])
+    shapes = [[path_str(p), list(np.shape(x)), str(np.dtype(getattr(x, "dtype", np.float32)))] for p, x in pairs]
+    scalars = [f"batch leaf '{path}' is a scalar" for path, shape, _ in shapes if not shape]
+    if scalars:
+        raise ValueError(SCALAR_BATCH_LEAVES.format(leaves=", ".join(scalars)))
     count = jax.process_count()
     if count > 1:
         _check_local_shapes(shapes)
     # The rows this process's devices hold: its share of the batch axes.
     index_map = sharding.addressable_devices_indices_map((policy.num_batch_shards,))
     local_shards = len({idx[0].start for idx in index_map.values()})
-    out = []
-    for (path, leaf), (_, shape, _) in zip(pairs, shapes, strict=True):
-        if shape[0] % local_shards:
-            raise ValueError(
-                f"shard_batch: batch leaf '{path_str(path)}' has {shape[0]} local rows on process "
-                f"{jax.process_index()}, which do not split over its {local_shards} batch shards "
-                f"(axes {policy.batch_axes}). Use a local batch that is a multiple of {local_shards}."
+    uneven = [f"batch leaf '{path}' has {shape[0]} local rows" for path, shape, _ in shapes if shape[0] % local_shards]
+    if uneven:
+        raise ValueError(
+            UNEVEN_LOCAL_ROWS.format(
+                leaves=", ".join(uneven), me=jax.process_index(), k=local_shards, axes=policy.batch_axes
             )
+        )
+    out = []
+    for (_, leaf), (_, shape, _) in zip(pairs, shapes, strict=True):
         global_shape = (shape[0] * count, *shape[1:])
         if count == 1:
             out.append(jax.device_put(leaf, sharding))
@@ -147,20 +162,17 @@ def shard_batch(local_batch: PyTree, policy: ZeroPolicy) -> PyTree:
 
 
 def _check_local_shapes(shapes: list[list[Any]]) -> None:
-    """Compare every process's batch-slice shapes; name the first difference."""
+    """Compare every process's batch-slice shapes; name every difference."""
     me = jax.process_index()
     theirs = _exchange("batch", json.dumps(shapes), "shard_batch", DEFAULT_TIMEOUT_S)
-    for p, text in theirs.items():
-        other = json.loads(text)
-        if other == shapes:
-            continue
-        for mine, yours in itertools.zip_longest(shapes, other, fillvalue=None):
-            if mine != yours:
-                raise ValueError(
-                    f"shard_batch: the processes' batch slices differ: process {me} has "
-                    f"{_describe(mine)}, process {p} has {_describe(yours)}. Every process must pass the same "
-                    "number of rows (global batch / process count) with the same trailing shape and dtype."
-                )
+    differences = [
+        f"process {me} has {_describe(mine)}, process {p} has {_describe(yours)}"
+        for p, text in theirs.items()
+        for mine, yours in itertools.zip_longest(shapes, json.loads(text), fillvalue=None)
+        if mine != yours
+    ]
+    if differences:
+        raise ValueError(SLICES_DIFFER.format(differences="; ".join(differences)))
 
 
 def _describe(entry: list[Any] | None) -> str:

@@ -88,6 +88,24 @@ class LeafLayout:
         return PartitionSpec(*entries)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicatedLeaf:
+    """A leaf that stays whole on every device, and why."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    reason: str
+
+
+def shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """A leaf's shape and dtype (an array, a ``ShapeDtypeStruct``, or a Python / NumPy scalar)."""
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        leaf = np.asarray(leaf)
+    return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
 def leaf_layout(
     shape: tuple[int, ...],
     dtype: Any,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -13,26 +14,111 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import _offload, _partition
 from zero_jax._collectives import Axes
-from zero_jax._partition import LeafLayout
+from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
 from zero_jax._precision import Precision
-from zero_jax._tree import KeyPath, PyTree, key_name, path_str, split_prefix, under_any
+from zero_jax._tree import KeyPath, PyTree, path_str, split_prefix, under, under_any
+
+#: ``setattr`` / ``delattr`` on a policy.
+FROZEN = (
+    "ZeroPolicy is immutable: cannot {what} {name!r}. A policy is hashed as static pytree metadata of every "
+    "state and compiled step made with it, so changing it in place would silently mismatch them. Build a new "
+    "policy instead: policy.replace({name}=...) (or zj.ZeroPolicy(...)).")
+BAD_STAGE = (
+    "ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain data parallelism; 1 partitions "
+    "optimizer state, 2 also gradients, 3 also parameters.")
+BAD_MESH = (
+    "ZeroPolicy: mesh must be a jax.sharding.Mesh, got {kind}. "
+    "Make one with jax.make_mesh((jax.device_count(),), ('data',)).")
+BAD_AXIS = (
+    "ZeroPolicy: axis {axis!r} is not an axis of the mesh, whose axes are {names}. "
+    "Pass axis= one of those names (or a tuple of them).")
+BAD_REPLICA_AXIS = (
+    "ZeroPolicy: replica_axis {replica_axis!r} is not a set of axes of the mesh, whose axes are {names}. Pass the "
+    "mesh axis that holds the replicas (e.g. 'replica'), or build the mesh with it: "
+    "jax.make_mesh((R, N), ('replica', 'data')).")
+AXIS_TWICE = (
+    "ZeroPolicy: {both} is both a partition axis (axis={axis!r}) and a replica axis "
+    "(replica_axis={replica_axis!r}); an axis either partitions state or replicates it.")
+OVER_REPLICAS_STAGE_0 = (
+    "ZeroPolicy: optimizer_over_replicas=True needs stage >= 1: stage 0 partitions no optimizer state. "
+    "Use stage=1 or higher, or drop optimizer_over_replicas.")
+OVER_REPLICAS_WITHOUT_REPLICAS = (
+    "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
+    "well; pass replica_axis=... (the mesh axis holding the replicas).")
+BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
+STACKED_MATCHES_NOTHING = (
+    "ZeroPolicy(stacked=...): the prefix{s} {which} matches no parameter. Top-level entries are {entries}; "
+    "pass one of those.")
+BATCH_NOT_DIVISIBLE = (
+    "{where}: {leaves}; the leading (batch) dimension must divide by the {n} devices of the batch "
+    "axes {axes}. Use a global batch size that is a multiple of {n}.")
+BATCH_NOT_MICROBATCHED = (
+    "{where}: {leaves}: accum_steps={k} microbatches on each of {n} devices need a global batch that "
+    "is a multiple of {nk}. Change the batch size or accum_steps.")
 
 
-def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-        leaf = np.asarray(leaf)
-    return tuple(leaf.shape), np.dtype(leaf.dtype)
+def _listing(leaves: list[str]) -> str:
+    return ", ".join(f"batch leaf {leaf}" for leaf in leaves)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplicatedLeaf:
-    """A leaf that stays whole on every device, and why."""
+SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
+Problem = tuple[type[Exception], str]
 
-    path: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    nbytes: int
-    reason: str
+
+def _names(value: Any) -> tuple[Any, ...]:
+    return (value,) if isinstance(value, str) else tuple(value or ())
+
+
+def _argument_problems(
+    stage: Any, mesh: Any, axis: Any, replica_axis: Any, optimizer_over_replicas: Any, min_shard_size: Any,
+    stacked: Any, precision: Any, **_offload_arguments: Any,
+) -> list[Problem]:
+    """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
+    checked by ``check_options``), each with its exception type."""
+    problems: list[Problem] = []
+    stage_ok = not isinstance(stage, bool) and isinstance(stage, (int, np.integer)) and 0 <= stage <= 3
+    if not stage_ok:
+        problems.append((ValueError, BAD_STAGE.format(stage=stage)))
+    if not isinstance(mesh, Mesh):
+        problems.append((TypeError, BAD_MESH.format(kind=type(mesh).__name__)))
+    else:
+        names = tuple(mesh.axis_names)
+        axes, replicas = _names(axis), _names(replica_axis)
+        if not axes or any(a not in names for a in axes):
+            problems.append((ValueError, BAD_AXIS.format(axis=axis, names=names)))
+        elif len(set(axes)) != len(axes):
+            problems.append((ValueError, f"ZeroPolicy: axis {axis!r} names an axis twice; name each axis once."))
+        if any(a not in names for a in replicas) or len(set(replicas)) != len(replicas):
+            problems.append((ValueError, BAD_REPLICA_AXIS.format(replica_axis=replica_axis, names=names)))
+        both = sorted(set(replicas) & set(axes))
+        if both:
+            problems.append((ValueError, AXIS_TWICE.format(both=both, axis=axis, replica_axis=replica_axis)))
+        if optimizer_over_replicas and not replicas:
+            problems.append((ValueError, OVER_REPLICAS_WITHOUT_REPLICAS))
+    if optimizer_over_replicas and stage_ok and int(stage) == 0:
+        problems.append((ValueError, OVER_REPLICAS_STAGE_0))
+    if precision is not None and not isinstance(precision, Precision):
+        problems.append((TypeError, f"ZeroPolicy: precision must be a zj.Precision, got {type(precision).__name__}."))
+    if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)):
+        problems.append((TypeError, f"ZeroPolicy: min_shard_size must be an int, got {type(min_shard_size).__name__}."))
+    elif min_shard_size < 0:
+        problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))
+    if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
+        problems.append((TypeError, BAD_STACKED.format(stacked)))
+    return problems
+
+
+def _raise_problems(problems: list[Problem]) -> None:
+    """Raise one error for all ``problems``: the single problem's own, or a
+    ``ValueError`` listing them (a ``TypeError`` when every one is a type
+    problem)."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        kind, message = problems[0]
+        raise kind(message)
+    kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
+    raise kind(SEVERAL_PROBLEMS.format(count=len(problems)) + "\n".join(f"  - {m}" for _, m in problems))
 
 
 class ZeroPolicy:
@@ -116,55 +202,13 @@ class ZeroPolicy:
         offload_optimizer: bool | float = False,
         offload_params: bool = False,
     ) -> None:
-        if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage <= 3:
-            raise ValueError(
-                f"ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain "
-                "data parallelism; 1 partitions optimizer state, 2 also gradients, 3 also "
-                "parameters."
-            )
-        if not isinstance(mesh, Mesh):
-            raise TypeError(
-                f"ZeroPolicy: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. "
-                "Make one with jax.make_mesh((jax.device_count(),), ('data',))."
-            )
+        #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
+        self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
+        _raise_problems(_argument_problems(**self.arguments))
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
-        missing = [a for a in axes if a not in mesh.axis_names]
-        if not axes or missing:
-            raise ValueError(
-                f"ZeroPolicy: axis {axis!r} is not an axis of the mesh, whose axes are "
-                f"{tuple(mesh.axis_names)}. Pass axis= one of those names (or a tuple of them)."
-            )
-        if len(set(axes)) != len(axes):
-            raise ValueError(f"ZeroPolicy: axis {axis!r} names an axis twice.")
         replicas = (replica_axis,) if isinstance(replica_axis, str) else tuple(replica_axis or ())
-        missing = [a for a in replicas if a not in mesh.axis_names]
-        if missing or len(set(replicas)) != len(replicas):
-            raise ValueError(
-                f"ZeroPolicy: replica_axis {replica_axis!r} is not a set of axes of the mesh, whose axes are "
-                f"{tuple(mesh.axis_names)}. Pass the mesh axis that holds the replicas (e.g. 'replica'), "
-                "or build the mesh with it: jax.make_mesh((R, N), ('replica', 'data'))."
-            )
-        if set(replicas) & set(axes):
-            raise ValueError(
-                f"ZeroPolicy: {sorted(set(replicas) & set(axes))} is both a partition axis (axis={axis!r}) and a "
-                f"replica axis (replica_axis={replica_axis!r}); an axis either partitions state or replicates it."
-            )
-        if optimizer_over_replicas and int(stage) == 0:
-            raise ValueError(
-                "ZeroPolicy: optimizer_over_replicas=True needs stage >= 1: stage 0 partitions no optimizer state. "
-                "Use stage=1 or higher, or drop optimizer_over_replicas."
-            )
-        if optimizer_over_replicas and not replicas:
-            raise ValueError(
-                "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
-                "well; pass replica_axis=... (the mesh axis holding the replicas)."
-            )
         if precision is None:
             precision = Precision()
-        if not isinstance(precision, Precision):
-            raise TypeError(f"ZeroPolicy: precision must be a zj.Precision, got {type(precision).__name__}.")
-        if min_shard_size < 0:
-            raise ValueError(f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}.")
         prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
         self.offload_optimizer, self.offload_params = _offload.check_options(
             offload_optimizer, offload_params, int(stage), mesh
@@ -176,14 +220,38 @@ class ZeroPolicy:
         self.optimizer_over_replicas = bool(optimizer_over_replicas)
         self.min_shard_size = int(min_shard_size)
         self.precision = precision
-        self.stacked: tuple[tuple[str, ...], ...] = tuple(
-            split_prefix(prefix) for prefix in prefixes
-        )
+        self.stacked: tuple[tuple[str, ...], ...] = tuple(split_prefix(prefix) for prefix in prefixes)
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
         #: The mesh with every axis Auto: what the step runs on.
         self.auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+        self._frozen = True  # keep last: from here on the policy is a value
+
+    # -- a value: frozen, replaced whole ------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(FROZEN.format(what="set", name=name))
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(FROZEN.format(what="delete", name=name))
+
+    def replace(self, **changes: Any) -> ZeroPolicy:
+        """A new policy: this one's constructor arguments with ``changes``.
+
+        >>> import jax, zero_jax as zj
+        >>> p3 = zj.ZeroPolicy(stage=3, mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+        >>> p3.replace(stage=1).stage, p3.stage
+        (1, 3)
+        """
+        unknown = sorted(set(changes) - set(self.arguments))
+        if unknown:
+            raise TypeError(
+                f"ZeroPolicy.replace: {unknown} are not ZeroPolicy arguments; the arguments are {list(self.arguments)}."
+            )
+        return ZeroPolicy(**{**self.arguments, **changes})
 
     # -- identity -----------------------------------------------------------------
 
@@ -225,27 +293,17 @@ class ZeroPolicy:
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
     @property
-    def comm(self) -> Any:
+    def comm(self) -> Axes:
         """The axes the step's collectives run over (a ``_collectives.Axes``)."""
         return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas)
 
     @property
     def key(self) -> tuple[Any, ...]:
         """A hashable fingerprint: two policies with equal keys lay state out alike."""
-        return (
-            self.stage,
-            self.axes,
-            self.replica_axes,
-            self.optimizer_over_replicas,
-            tuple(self.mesh.axis_names),
-            tuple(self.mesh.devices.shape),
-            tuple(int(d.id) for d in self.mesh.devices.flat),
-            self.min_shard_size,
-            self.stacked,
-            self.precision,
-            self.offload_optimizer,
-            self.offload_params,
-        )
+        devices = self.mesh.devices
+        mesh = (tuple(self.mesh.axis_names), tuple(devices.shape), tuple(int(d.id) for d in devices.flat))
+        return (self.stage, self.axes, self.replica_axes, self.optimizer_over_replicas, *mesh, self.min_shard_size,
+                self.stacked, self.precision, self.offload_optimizer, self.offload_params)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ZeroPolicy) and other.key == self.key
@@ -282,20 +340,17 @@ class ZeroPolicy:
 
     # -- layouts -------------------------------------------------------------------
 
-    def _is_stacked(self, path: KeyPath) -> bool:
+    def is_stacked(self, path: KeyPath | str) -> bool:
+        """Whether ``path`` lies under one of the ``stacked`` prefixes (its leading axis is a layer axis)."""
         return under_any(path, self.stacked)
 
     def leaf_layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
-        shape, dtype = _shape_dtype(leaf)
+        shape, dtype = shape_dtype(leaf)
         # Pad to a multiple of the optimizer's piece count: with
         # optimizer_over_replicas it is a multiple of the parameters' N too,
         # so both cuts share one stored shape.
         return _partition.leaf_layout(
-            shape,
-            dtype,
-            self.num_state_shards,
-            min_shard_size=self.min_shard_size,
-            skip_leading=stacked,
+            shape, dtype, self.num_state_shards, min_shard_size=self.min_shard_size, skip_leading=stacked
         )
 
     def layouts(self, params: PyTree) -> PyTree:
@@ -306,15 +361,17 @@ class ZeroPolicy:
         Raises ``ValueError`` when a ``stacked`` prefix matches no leaf.
         """
         pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
-        for prefix in self.stacked:
-            if not any(tuple(key_name(k) for k in p)[: len(prefix)] == prefix for p, _ in pairs):
-                paths = sorted({path_str(p[:1]) for p, _ in pairs})
-                raise ValueError(
-                    f"ZeroPolicy(stacked=...): the prefix {'/'.join(prefix)!r} matches no "
-                    f"parameter. Top-level entries are {paths}; pass one of those."
+        unmatched = [prefix for prefix in self.stacked if not any(under(p, prefix) for p, _ in pairs)]
+        if unmatched:
+            raise ValueError(
+                STACKED_MATCHES_NOTHING.format(
+                    which=", ".join(repr("/".join(prefix)) for prefix in unmatched),
+                    s="" if len(unmatched) == 1 else "es",
+                    entries=sorted({path_str(p[:1]) for p, _ in pairs}),
                 )
+            )
         return jax.tree_util.tree_unflatten(
-            treedef, [self.leaf_layout(leaf, stacked=self._is_stacked(p)) for p, leaf in pairs]
+            treedef, [self.leaf_layout(leaf, stacked=self.is_stacked(p)) for p, leaf in pairs]
         )
 
     def state_layouts(self, state: PyTree, params: PyTree | None = None) -> PyTree:
@@ -328,20 +385,18 @@ class ZeroPolicy:
         """
         by_path: dict[KeyPath, tuple[tuple[int, ...], LeafLayout]] = {}
         if params is not None:
-            for p, lay in jax.tree_util.tree_flatten_with_path(
-                self.layouts(params), is_leaf=lambda x: isinstance(x, LeafLayout)
-            )[0]:
+            for p, lay in jax.tree_util.tree_flatten_with_path(self.layouts(params), is_leaf=is_layout)[0]:
                 by_path[tuple(p)] = (lay.shape, lay)
         pairs, treedef = jax.tree_util.tree_flatten_with_path(state)
         out = []
         for path, leaf in pairs:
-            shape, _ = _shape_dtype(leaf)
+            shape, _ = shape_dtype(leaf)
             chosen = None
             for start in range(len(path) + 1):
                 hit = by_path.get(tuple(path[start:]))
                 if hit is not None and hit[0] == shape:
                     lay = hit[1]
-                    chosen = dataclasses.replace(lay, dtype=_shape_dtype(leaf)[1])
+                    chosen = dataclasses.replace(lay, dtype=shape_dtype(leaf)[1])
                     if not jax.numpy.issubdtype(chosen.dtype, jax.numpy.inexact):
                         chosen = None
                     break
@@ -363,11 +418,7 @@ class ZeroPolicy:
         return NamedSharding(self.auto_mesh, spec)
 
     def _shardings(self, layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
-        return jax.tree.map(
-            lambda lay: self.named_sharding(lay, partitioned, axes),
-            layouts,
-            is_leaf=lambda x: isinstance(x, LeafLayout),
-        )
+        return jax.tree.map(lambda lay: self.named_sharding(lay, partitioned, axes), layouts, is_leaf=is_layout)
 
     def param_sharding(self, params: PyTree) -> PyTree:
         """``NamedSharding`` of each stored parameter (partitioned in stage 3).
@@ -395,23 +446,22 @@ class ZeroPolicy:
         return NamedSharding(self.auto_mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes))
 
     def check_batch(self, batch: PyTree, *, where: str, microbatches: int = 1) -> None:
-        """Raise a ValueError naming the first batch leaf whose leading (batch)
+        """Raise a ValueError naming every batch leaf whose leading (batch)
         dimension does not split over the data axis (and ``microbatches``)."""
         n, k = self.num_batch_shards, microbatches
+        uneven, unsplit = [], []
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
             shape = tuple(getattr(leaf, "shape", ()))
             if not shape or shape[0] % n:
-                raise ValueError(
-                    f"{where}: batch leaf '{path_str(path)}' has shape {shape}; its leading "
-                    f"(batch) dimension must divide by the {n} devices of the batch axes "
-                    f"{self.batch_axes}. Use a global batch size that is a multiple of {n}."
-                )
-            if shape[0] % (n * k):
-                raise ValueError(
-                    f"{where}: batch leaf '{path_str(path)}' has shape {shape}: accum_steps={k} "
-                    f"microbatches on each of {n} devices need a global batch that is a multiple of "
-                    f"{n * k}. Change the batch size or accum_steps."
-                )
+                uneven.append(f"'{path_str(path)}' has shape {shape}")
+            elif shape[0] % (n * k):
+                unsplit.append(f"'{path_str(path)}' has shape {shape}")
+        if uneven:
+            raise ValueError(
+                BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=self.batch_axes)
+            )
+        if unsplit:
+            raise ValueError(BATCH_NOT_MICROBATCHED.format(where=where, leaves=_listing(unsplit), k=k, n=n, nk=n * k))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.auto_mesh, PartitionSpec())
@@ -426,7 +476,7 @@ class ZeroPolicy:
         >>> [r.path for r in pol.replicated_leaves({"b": np.zeros(16), "w": np.zeros((64, 64))})]
         ['b']
         """
-        pairs = jax.tree_util.tree_flatten_with_path(self.layouts(tree), is_leaf=lambda x: isinstance(x, LeafLayout))[0]
+        pairs = jax.tree_util.tree_flatten_with_path(self.layouts(tree), is_leaf=is_layout)[0]
         return [
             ReplicatedLeaf(path_str(p), lay.shape, lay.dtype, lay.nbytes, lay.reason)
             for p, lay in pairs
