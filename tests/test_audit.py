@@ -10,8 +10,8 @@ from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import __main__ as cli
-from zero_jax import _audit
+from zero_jax import _cli as cli
+from zero_jax import _report
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 # The reference transformer, deep enough that its stacked per-layer vectors
@@ -94,8 +94,8 @@ def test_check_names_a_full_gradient_all_reduce_under_stage_2() -> None:
         report.check()
     # The whole-gradient all-reduces (and the all-gathers GSPMD adds to feed them to the
     # partitioned optimizer, which put communication over the theory).
-    violations = [v for v in err.value.violations if v.kind == _audit.GRADIENT_ALL_REDUCE]
-    assert {v.kind for v in err.value.violations} <= {_audit.GRADIENT_ALL_REDUCE, _audit.COMM_OVER_THEORY}
+    violations = [v for v in err.value.violations if v.kind == _report.GRADIENT_ALL_REDUCE]
+    assert {v.kind for v in err.value.violations} <= {_report.GRADIENT_ALL_REDUCE, _report.COMM_OVER_THEORY}
     message = "\n".join(v.message for v in violations)
     for text in ("f32[12,100]", "the shape of w1", "f32[100,6]", "w2", "f32[100]", "b1", "in stage 2"):
         assert text in message, message
@@ -111,12 +111,12 @@ def test_check_names_a_large_leaf_a_policy_leaves_replicated() -> None:
     report = zj.audit(step, zj.init_state(mlp_params(), tx, policy), mlp_batch())
     with pytest.raises(zj.AuditError) as err:
         report.check()
-    replicated = {v.subject for v in err.value.violations if v.kind == _audit.REPLICATED_LEAF}
+    replicated = {v.subject for v in err.value.violations if v.kind == _report.REPLICATED_LEAF}
     # w1 (12, 100) has 1200 >= 1024 elements (the default threshold); w2 (600) and b1 (100) are below it.
     assert replicated == {
         "params/w1", "grads/w1", "opt_state/inner_state/0/mu/w1", "opt_state/inner_state/0/nu/w1"
     }  # fmt: skip
-    assert any(v.kind == _audit.GRADIENT_ALL_REDUCE and "w1" in v.message for v in err.value.violations)
+    assert any(v.kind == _report.GRADIENT_ALL_REDUCE and "w1" in v.message for v in err.value.violations)
     assert "held whole on a device" in str(err.value) and "min_shard_size is 1000000000" in str(err.value)
     assert {r.path for r in report.replicated} >= replicated
     # Keeping leaves whole on purpose: judge with the policy's own threshold.
@@ -142,7 +142,7 @@ def test_local_accumulation_must_not_reduce_inside_the_accumulation_loop() -> No
     claimed = zj.audit(per_microbatch, state, batch, grads=False, accum_mode="local")
     with pytest.raises(zj.AuditError, match="inside the 4-trip accumulation loop") as err:
         claimed.check()
-    assert {v.kind for v in err.value.violations} >= {_audit.REDUCE_IN_ACCUM_LOOP, _audit.COMM_OVER_THEORY}
+    assert {v.kind for v in err.value.violations} >= {_report.REDUCE_IN_ACCUM_LOOP, _report.COMM_OVER_THEORY}
     assert any("reduce-scatter" in v.message and "f32[" in v.message for v in err.value.violations)
 
 

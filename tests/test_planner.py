@@ -11,8 +11,8 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 
 import zero_jax as zj
-from zero_jax import __main__ as cli
-from zero_jax._planner import parse_bytes, parse_count, parse_seconds
+from zero_jax import _cli as cli
+from zero_jax._units import parse_bytes, parse_count, parse_seconds
 
 GB = 1e9
 

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
 }  # fmt: skip
@@ -99,10 +99,10 @@ def _array_bytes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
     out = []
     for m in _ARRAY.finditer(text):
         dtype = m.group("dtype")
-        if dtype not in _DTYPE_BYTES:
+        if dtype not in DTYPE_BYTES:
             continue
         dims = tuple(int(d) for d in m.group("dims").split(",") if d)
-        out.append((dtype, dims, math.prod(dims) * _DTYPE_BYTES[dtype]))
+        out.append((dtype, dims, math.prod(dims) * DTYPE_BYTES[dtype]))
     return out
 
 
