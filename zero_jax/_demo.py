@@ -38,6 +38,7 @@ from zero_jax.models.transformer import TransformerConfig, init_params, make_los
 
 NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): skipping the memory figure."
 CANNOT_WRITE = "{flag}: cannot write the figure to {path!r}: {reason}."
+ALREADY_STARTED = "--devices {n}: JAX already started with {count} devices in this process; run the command anew."
 CATEGORIES = ("params", "grads", "opt")
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "opt": "#55A868"}
 FOOTNOTE = (
@@ -52,7 +53,11 @@ def simulate_cpu_devices(n: int) -> None:
     """Size the CPU backend to ``n`` devices. Must happen before JAX creates
     its first array; harmless on accelerator hosts (it only sizes the CPU
     backend, which is then not the default)."""
-    jax.config.update("jax_num_cpu_devices", n)
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backend is up (a second command in one process): fine if it has n devices
+        if jax.device_count() != n:
+            raise ValueError(ALREADY_STARTED.format(n=n, count=jax.device_count())) from None
 
 
 def pyplot() -> Any:
