@@ -5,6 +5,7 @@ CLI tests call ``zero_jax._cli.main`` in this process; only the demo smoke test 
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -213,3 +214,80 @@ def test_demo_figure_draws_measured_beside_formula(tmp_path) -> None:
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="cannot write the figure to"):
         _demo.plot_runs(plt, runs, str(tmp_path / "missing" / "f.png"), "test")
+
+
+# -- the house rules, for the analysis and CLI modules ------------------------------------------------------------
+
+MINE = (
+    "_units", "_theory", "_plan", "_child", "_report", "_violations", "_audit", "_measure", "_cli", "_demo",
+    "__main__", "models.transformer", "models.__init__",
+)  # fmt: skip
+OPTIONAL = {"matplotlib", "matplotlib.pyplot"}
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _module_imports(path: str) -> tuple[list[tuple[str, int, bool]], ast.Module]:
+    """(imported module, line, inside a function) for every import of a source file."""
+    tree = ast.parse(_read(path))
+    out = []
+    functions = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+    local = {id(n) for f in functions for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, id(node) in local) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "zero_jax" else [node.module]
+            out += [(n, node.lineno, id(node) in local) for n in names]
+    return out, tree
+
+
+def test_analysis_and_cli_modules_keep_the_house_rules() -> None:
+    root = os.path.dirname(zj.__file__)
+    files = {
+        ("zero_jax." + os.path.relpath(os.path.join(d, f), root)[:-3].replace(os.sep, ".")).replace(".__init__", ""): (
+            os.path.join(d, f)
+        )
+        for d, _, fs in os.walk(root)
+        for f in fs
+        if f.endswith(".py")
+    }
+    graph: dict[str, set[str]] = {}
+    problems = []
+    for mod, path in files.items():
+        imports, tree = _module_imports(path)
+        graph[mod] = {m for m, _, _ in imports if m in files and m != mod}
+        if not any(mod == f"zero_jax.{m}".replace(".__init__", "") for m in MINE):
+            continue
+        lines = _read(path).count("\n")
+        problems += [f"{mod}: {lines} lines"] if lines > 500 else []
+        for f in ast.walk(tree):
+            if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno + 1 > 100:
+                problems.append(f"{mod}.{f.name}: {f.end_lineno - f.lineno + 1} lines")
+        for m, line, local in imports:
+            if m == "zero_jax" or (local and m not in OPTIONAL):
+                problems.append(f"{mod}:{line}: imports {m}" + (" inside a function" if local else ""))
+        for node in ast.walk(tree):  # no x._private across modules
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_"):
+                if node.value.id in {"_measure", "_demo", "_cli", "_audit", "_plan", "_theory", "_units", "_report"}:
+                    problems.append(f"{mod}:{node.lineno}: {node.value.id}.{node.attr}")
+
+    def cycle_through(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    return [*trail, start]
+                if nxt not in trail:
+                    stack.append((nxt, [*trail, nxt]))
+        return None
+
+    for m in MINE:
+        mod = f"zero_jax.{m}".replace(".__init__", "")
+        if mod in graph and (cycle := cycle_through(mod)):
+            problems.append("cycle: " + " -> ".join(cycle))
+    assert not problems, "\n".join(problems)

@@ -16,6 +16,20 @@ the audit reads them there:
 ``report.check()`` raises :class:`AuditError` listing every violation. The
 report types live in :mod:`zero_jax._report`.
 
+Example (stage 2 on 8 simulated devices):
+
+>>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+>>> policy = zj.ZeroPolicy(stage=2, mesh=mesh)
+>>> tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+>>> state = zj.init_state({"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}, tx, policy)
+>>> step = zj.make_train_step(lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, policy)
+>>> report = zj.audit(step, state, jnp.ones((16, 256))).check()
+>>> report.state_bytes["grads"], report.state_bytes["optimizer"]  # w cut 8 ways, b kept whole
+(8448, 16900)
+>>> round(report.comm.ratio, 3)
+1.0
+
 Floor 6: imports the measurement, the theory, the policy and the optimizer.
 """
 
@@ -29,6 +43,7 @@ import jax
 import numpy as np
 
 from zero_jax import _measure
+from zero_jax._measure import Collective
 from zero_jax._optimizer import frozen_leaves
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, is_layout
 from zero_jax._policy import ZeroPolicy
@@ -264,38 +279,18 @@ def audit(
 
     Returns:
       An :class:`AuditReport`; ``report.check()`` raises on violations.
-
-    Example (stage 2 on 8 simulated devices):
-
-    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    >>> policy = zj.ZeroPolicy(stage=2, mesh=mesh)
-    >>> tx = zj.shard_optimizer(optax.adam(1e-3), policy)
-    >>> state = zj.init_state({"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}, tx, policy)
-    >>> step = zj.make_train_step(lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, policy)
-    >>> report = zj.audit(step, state, jnp.ones((16, 256))).check()
-    >>> report.state_bytes["grads"], report.state_bytes["optimizer"]  # w cut 8 ways, b kept whole
-    (8448, 16900)
-    >>> round(report.comm.ratio, 3)
-    1.0
+    See the module docstring for an example.
     """
     check_live(state, where="zj.audit")
     policy = _resolve_policy(train_step, state, policy)
     if not 0 <= tolerance < 1:
         raise ValueError(f"audit: tolerance must be in [0, 1), got {tolerance!r}.")
     policy.check_batch(batch, where="audit")
-    accum_mode = accum_mode if accum_mode is not None else getattr(train_step, "accum_mode", None)
-    steps = accum_steps if accum_steps is not None else getattr(train_step, "accum_steps", 1)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"audit: accum_steps must be a positive integer, got {steps!r}.")
+    accum_mode, steps = _accumulation(train_step, accum_mode, accum_steps)
 
     abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
     options = dict(_measure.FAST_COMPILE) if fast_compile else {}
-    compiled, hlo = _measure.compile_with_hlo(train_step.lower(state, batch), options)
-    memory = _measure.memory(compiled)
-    del compiled
-    colls = tuple(_measure.parse_collectives(hlo, policy.mesh.size))
-    loops = _measure.loop_nesting(hlo)
+    memory, colls, loops = _program(train_step, state, batch, policy, options)
     leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options)
     params = _param_infos(train_step, state, policy)
     phi = sum(math.prod(p.layout.shape) for p in params)
@@ -305,26 +300,19 @@ def audit(
     per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
 
     cats = partitioned_categories(policy)
-    replicated = tuple(leaf for leaf in leaves if leaf.category in cats and is_float(leaf.dtype) and leaf.replicated)
     violations = replicated_violations(leaves, policy, min_shard_size, stacked_paths(params))
     violations += all_reduce_violations(colls, loops, params, min_shard_size, policy)
     violations += comm_violation(comm, policy.stage, tolerance)
-    if accum_mode == "local" and steps > 1:
-        violations += accum_violations(colls, loops, steps)
-
-    measured_cats = [c for c in CATEGORIES if c in totals and (totals[c] or c != "other")]
-    host = {c: sum(x.per_device for x in leaves if x.category == c and x.memory_kind != "device") for c in CATEGORIES}
+    violations += accum_violations(colls, loops, steps) if accum_mode == "local" and steps > 1 else []
     return AuditReport(
         stage=policy.stage,
         num_devices=policy.num_shards,
         num_params=phi,
-        state_bytes={c: max(totals[c].values(), default=0) for c in measured_cats},
-        host_bytes={c: b for c, b in host.items() if b},
-        state_bytes_min={c: min(totals[c].values(), default=0) for c in measured_cats},
+        **_state_bytes(leaves, totals),
         formula=_formula(phi, policy, per_param),
         bytes_per_param=per_param,
         leaves=tuple(leaves),
-        replicated=replicated,
+        replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
         memory=memory,
         collectives=colls,
         loops=loops,
@@ -337,6 +325,36 @@ def audit(
         accum_steps=steps,
         abstract=abstract,
     )
+
+
+def _program(
+    train_step: Any, state: Any, batch: Any, policy: ZeroPolicy, options: dict[str, Any]
+) -> tuple[dict[str, int], tuple[Collective, ...], dict[str, tuple[int, ...]]]:
+    """Compile once: ``memory_analysis()``, the post-SPMD collectives and their loop nesting."""
+    compiled, hlo = _measure.compile_with_hlo(train_step.lower(state, batch), options)
+    memory = _measure.memory(compiled)
+    del compiled
+    return memory, tuple(_measure.parse_collectives(hlo, policy.mesh.size)), _measure.loop_nesting(hlo)
+
+
+def _state_bytes(leaves: list[LeafBytes], totals: Totals) -> dict[str, dict[str, int]]:
+    """The report's ``state_bytes`` (most on a device), ``state_bytes_min`` and ``host_bytes``."""
+    measured = [c for c in CATEGORIES if c in totals and (totals[c] or c != "other")]
+    host = {c: sum(x.per_device for x in leaves if x.category == c and x.memory_kind != "device") for c in CATEGORIES}
+    return {
+        "state_bytes": {c: max(totals[c].values(), default=0) for c in measured},
+        "state_bytes_min": {c: min(totals[c].values(), default=0) for c in measured},
+        "host_bytes": {c: b for c, b in host.items() if b},
+    }
+
+
+def _accumulation(train_step: Any, accum_mode: str | None, accum_steps: int | None) -> tuple[str | None, int]:
+    """The accumulation mode and steps to judge by: given, else the step's."""
+    accum_mode = accum_mode if accum_mode is not None else getattr(train_step, "accum_mode", None)
+    steps = accum_steps if accum_steps is not None else getattr(train_step, "accum_steps", 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"audit: accum_steps must be a positive integer, got {steps!r}.")
+    return accum_mode, steps
 
 
 def _resolve_policy(train_step: Any, state: Any, policy: ZeroPolicy | None) -> ZeroPolicy:
