@@ -36,6 +36,7 @@ def reference_reports() -> dict[tuple[int, int], zj.AuditReport]:
     return reports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_reference_model_bytes_and_communication_match_the_formulas(reference_reports, n: int, stage: int) -> None:
@@ -58,6 +59,7 @@ def test_reference_model_bytes_and_communication_match_the_formulas(reference_re
         assert max(c.bytes for c in report.collectives if c.kind == "all-reduce") == 64 * 4
 
 
+@pytest.mark.slow
 def test_stage_3_explains_the_re_gathers_the_backward_pass_skips(reference_reports) -> None:
     report = reference_reports[8, 3]
     assert report.comm.ratio < 1.0  # the embeddings' backward needs no re-gather
@@ -175,6 +177,7 @@ def test_audit_refuses_what_it_cannot_judge() -> None:
         zj.audit(step, state, mlp_batch(), accum_steps=0)
 
 
+@pytest.mark.slow
 def test_audit_cli_prints_every_stage(capsys) -> None:
     argv = ["audit", "--stages", "3", "--depth", "2", "--dim", "64", "--vocab", "64", "--seq", "16"]
     assert cli.main([*argv, "--heads", "2", "--batch-per-device", "1", "--verbose"]) == 0
@@ -183,6 +186,7 @@ def test_audit_cli_prints_every_stage(capsys) -> None:
     assert out.count("zj.audit: stage 3") == 1 and "compiled memory per device" in out and "skipped re-gather" in out
 
 
+@pytest.mark.slow
 def test_audit_cli_on_an_hsdp_mesh_reports_the_replica_axis(capsys) -> None:
     argv = ["audit", "--stages", "2", "--depth", "2", "--dim", "64", "--vocab", "64", "--seq", "16", "--heads", "2"]
     assert cli.main([*argv, "--batch-per-device", "1", "--replicas", "2", "--verbose"]) == 0
