@@ -193,3 +193,16 @@ def test_audit_cli_on_an_hsdp_mesh_reports_the_replica_axis(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())
     assert "HSDP R = 2 x N = 4" in out and "All checks passed" in out
     assert "by mesh axes:" in out and "replica " in out  # the report's per-axis line
+
+
+def test_stacked_means_a_prefix_from_the_root_as_in_the_policy() -> None:
+    # stacked=("layers",) names the root subtree "layers" only: "head/layers" is an ordinary 1-D leaf,
+    # which the partition rule cuts, so keeping it whole is a violation (it was once read as stacked).
+    params = {"layers": {"w": jnp.ones((4, 64))}, "head": {"layers": jnp.ones((4096,))}}
+    policy = zj.ZeroPolicy(3, make_mesh(8), stacked="layers", min_shard_size=10**9)  # keeps everything whole
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    loss = lambda p, b: jnp.mean(b @ p["layers"]["w"].T) + jnp.mean(p["head"]["layers"] ** 2)  # noqa: E731
+    step = zj.make_train_step(loss, tx, policy)
+    report = zj.audit(step, zj.init_state(params, tx, policy), jnp.ones((16, 64)), min_shard_size=0, grads=False)
+    replicated = {v.subject for v in report.violations if v.kind == _report.REPLICATED_LEAF}
+    assert replicated == {"params/layers/w", "params/head/layers"}, replicated
