@@ -159,32 +159,23 @@ def sized_config(base: TransformerConfig, num_params: float) -> TransformerConfi
     return TransformerConfig(vocab=base.vocab, dim=dim, depth=depth, heads=base.heads, seq=base.seq)
 
 
-def _compile_model(args: argparse.Namespace, out: Console) -> dict[str, Any]:
-    """The model ``--compile`` compiles, said plainly: sized to ``--params``
-    unless ``--depth`` was given."""
+def _compile_model(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The model ``--compile`` compiles, and a sentence saying plainly which:
+    sized to ``--params`` unless ``--depth`` was given."""
+    note = ""
     if args.params is None:
         cfg = _config(args, depth=args.depth or 20)
     elif args.depth is None:
         cfg = sized_config(_config(args, depth=1), parse_count(args.params, "--params"))
         ratio = cfg.num_params() / parse_count(args.params, "--params")
-        out.print(
-            COMPILED_SIZED.format(
-                params=args.params,
-                dim=cfg.dim,
-                depth=cfg.depth,
-                vocab=cfg.vocab,
-                seq=cfg.seq,
-                phi=cfg.num_params(),
-                ratio=ratio,
-            )  # fmt: skip
-        )
+        sizes = dict(dim=cfg.dim, depth=cfg.depth, vocab=cfg.vocab, seq=cfg.seq, phi=cfg.num_params())
+        note = COMPILED_SIZED.format(params=args.params, ratio=ratio, **sizes)
     else:
         cfg = _config(args)
-        out.print(COMPILED_AS_GIVEN.format(depth=cfg.depth, dim=cfg.dim, phi=cfg.num_params(), params=args.params))
-    return dict(
-        vocab=cfg.vocab, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq=cfg.seq,
-        batch_per_device=args.batch_per_device, compute_dtype="bfloat16" if args.bf16 else None,
-    )  # fmt: skip
+        note = COMPILED_AS_GIVEN.format(depth=cfg.depth, dim=cfg.dim, phi=cfg.num_params(), params=args.params)
+    model = dict(vocab=cfg.vocab, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq=cfg.seq)
+    model.update(batch_per_device=args.batch_per_device, compute_dtype="bfloat16" if args.bf16 else None)
+    return model, note
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -200,7 +191,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth, "--bandwidth")
     per = dict(param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, optimizer_bytes=args.optimizer_bytes)
     choice = choose_stage(num_params, args.devices, args.device_memory, args.activations, **per)
-    model = _compile_model(args, out) if args.compile else None  # bad model sizes fail before printing
+    model, note = _compile_model(args) if args.compile else (None, "")  # bad model sizes fail before printing
     out.print(_formula_table(choice, args, bandwidth))
     head = f"stage {choice.stage}" if choice.stage is not None else "no stage fits"
     out.print(f"[bold]Recommendation: {head}.[/bold] {choice.reason}")
@@ -217,6 +208,8 @@ def _plan_command(args: argparse.Namespace) -> int:
         plot_choice(choice, args.plot)
         out.print(f"Chart written to {args.plot}")
     if model is not None:
+        if note:
+            out.print(note)
         _compiled_table(out, n, choice.device_bytes, model, args.stages)
     return 0
 
