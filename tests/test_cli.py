@@ -122,6 +122,10 @@ def test_audit_works_on_a_one_device_mesh() -> None:
     # Everything whole on the one device: w (256 x 64) + b (64) in fp32, Adam's two moments and its count.
     assert report.state_bytes["params"] == report.state_bytes["grads"] == (256 * 64 + 64) * 4
     assert report.state_bytes["optimizer"] == 2 * (256 * 64 + 64) * 4 + 4
+    # The types of the report's fields are public names.
+    assert isinstance(report.comm, zj.Communication) and all(isinstance(x, zj.LeafBytes) for x in report.leaves)
+    assert report.collectives and all(isinstance(c, zj.Collective) for c in report.collectives)
+    assert zj.Violation("kind", "subject", "message").kind == "kind" and "Violation" in zj.__all__
 
 
 def test_audit_refuses_a_donated_state() -> None:
