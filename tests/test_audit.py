@@ -10,8 +10,8 @@ from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import __main__ as cli
-from zero_jax import _audit
+from zero_jax import _cli as cli
+from zero_jax import _report
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 # The reference transformer, deep enough that its stacked per-layer vectors
@@ -36,6 +36,7 @@ def reference_reports() -> dict[tuple[int, int], zj.AuditReport]:
     return reports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_reference_model_bytes_and_communication_match_the_formulas(reference_reports, n: int, stage: int) -> None:
@@ -58,6 +59,7 @@ def test_reference_model_bytes_and_communication_match_the_formulas(reference_re
         assert max(c.bytes for c in report.collectives if c.kind == "all-reduce") == 64 * 4
 
 
+@pytest.mark.slow
 def test_stage_3_explains_the_re_gathers_the_backward_pass_skips(reference_reports) -> None:
     report = reference_reports[8, 3]
     assert report.comm.ratio < 1.0  # the embeddings' backward needs no re-gather
@@ -94,8 +96,8 @@ def test_check_names_a_full_gradient_all_reduce_under_stage_2() -> None:
         report.check()
     # The whole-gradient all-reduces (and the all-gathers GSPMD adds to feed them to the
     # partitioned optimizer, which put communication over the theory).
-    violations = [v for v in err.value.violations if v.kind == _audit.GRADIENT_ALL_REDUCE]
-    assert {v.kind for v in err.value.violations} <= {_audit.GRADIENT_ALL_REDUCE, _audit.COMM_OVER_THEORY}
+    violations = [v for v in err.value.violations if v.kind == _report.GRADIENT_ALL_REDUCE]
+    assert {v.kind for v in err.value.violations} <= {_report.GRADIENT_ALL_REDUCE, _report.COMM_OVER_THEORY}
     message = "\n".join(v.message for v in violations)
     for text in ("f32[12,100]", "the shape of w1", "f32[100,6]", "w2", "f32[100]", "b1", "in stage 2"):
         assert text in message, message
@@ -111,12 +113,12 @@ def test_check_names_a_large_leaf_a_policy_leaves_replicated() -> None:
     report = zj.audit(step, zj.init_state(mlp_params(), tx, policy), mlp_batch())
     with pytest.raises(zj.AuditError) as err:
         report.check()
-    replicated = {v.subject for v in err.value.violations if v.kind == _audit.REPLICATED_LEAF}
+    replicated = {v.subject for v in err.value.violations if v.kind == _report.REPLICATED_LEAF}
     # w1 (12, 100) has 1200 >= 1024 elements (the default threshold); w2 (600) and b1 (100) are below it.
     assert replicated == {
         "params/w1", "grads/w1", "opt_state/inner_state/0/mu/w1", "opt_state/inner_state/0/nu/w1"
     }  # fmt: skip
-    assert any(v.kind == _audit.GRADIENT_ALL_REDUCE and "w1" in v.message for v in err.value.violations)
+    assert any(v.kind == _report.GRADIENT_ALL_REDUCE and "w1" in v.message for v in err.value.violations)
     assert "held whole on a device" in str(err.value) and "min_shard_size is 1000000000" in str(err.value)
     assert {r.path for r in report.replicated} >= replicated
     # Keeping leaves whole on purpose: judge with the policy's own threshold.
@@ -142,7 +144,7 @@ def test_local_accumulation_must_not_reduce_inside_the_accumulation_loop() -> No
     claimed = zj.audit(per_microbatch, state, batch, grads=False, accum_mode="local")
     with pytest.raises(zj.AuditError, match="inside the 4-trip accumulation loop") as err:
         claimed.check()
-    assert {v.kind for v in err.value.violations} >= {_audit.REDUCE_IN_ACCUM_LOOP, _audit.COMM_OVER_THEORY}
+    assert {v.kind for v in err.value.violations} >= {_report.REDUCE_IN_ACCUM_LOOP, _report.COMM_OVER_THEORY}
     assert any("reduce-scatter" in v.message and "f32[" in v.message for v in err.value.violations)
 
 
@@ -175,6 +177,7 @@ def test_audit_refuses_what_it_cannot_judge() -> None:
         zj.audit(step, state, mlp_batch(), accum_steps=0)
 
 
+@pytest.mark.slow
 def test_audit_cli_prints_every_stage(capsys) -> None:
     argv = ["audit", "--stages", "3", "--depth", "2", "--dim", "64", "--vocab", "64", "--seq", "16"]
     assert cli.main([*argv, "--heads", "2", "--batch-per-device", "1", "--verbose"]) == 0
@@ -183,9 +186,23 @@ def test_audit_cli_prints_every_stage(capsys) -> None:
     assert out.count("zj.audit: stage 3") == 1 and "compiled memory per device" in out and "skipped re-gather" in out
 
 
+@pytest.mark.slow
 def test_audit_cli_on_an_hsdp_mesh_reports_the_replica_axis(capsys) -> None:
     argv = ["audit", "--stages", "2", "--depth", "2", "--dim", "64", "--vocab", "64", "--seq", "16", "--heads", "2"]
     assert cli.main([*argv, "--batch-per-device", "1", "--replicas", "2", "--verbose"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "HSDP R = 2 x N = 4" in out and "All checks passed" in out
     assert "by mesh axes:" in out and "replica " in out  # the report's per-axis line
+
+
+def test_stacked_means_a_prefix_from_the_root_as_in_the_policy() -> None:
+    # stacked=("layers",) names the root subtree "layers" only: "head/layers" is an ordinary 1-D leaf,
+    # which the partition rule cuts, so keeping it whole is a violation (it was once read as stacked).
+    params = {"layers": {"w": jnp.ones((4, 64))}, "head": {"layers": jnp.ones((4096,))}}
+    policy = zj.ZeroPolicy(3, make_mesh(8), stacked="layers", min_shard_size=10**9)  # keeps everything whole
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    loss = lambda p, b: jnp.mean(b @ p["layers"]["w"].T) + jnp.mean(p["head"]["layers"] ** 2)  # noqa: E731
+    step = zj.make_train_step(loss, tx, policy)
+    report = zj.audit(step, zj.init_state(params, tx, policy), jnp.ones((16, 64)), min_shard_size=0, grads=False)
+    replicated = {v.subject for v in report.violations if v.kind == _report.REPLICATED_LEAF}
+    assert replicated == {"params/layers/w", "params/head/layers"}, replicated

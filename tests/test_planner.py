@@ -11,8 +11,8 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 
 import zero_jax as zj
-from zero_jax import __main__ as cli
-from zero_jax._planner import parse_bytes, parse_count, parse_seconds
+from zero_jax import _cli as cli
+from zero_jax._units import fmt_bytes, parse_bandwidth, parse_bytes, parse_count, parse_seconds
 
 GB = 1e9
 
@@ -226,3 +226,11 @@ def test_no_stage_fits_is_said_plainly(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert "no stage fits" in out and "10 devices" in out
     assert math.isclose(zj.model_state_bytes(7.5e9, 8, 3).total, 15e9)
+
+
+def test_a_bandwidth_needs_a_unit_and_sizes_print_one_way() -> None:
+    with pytest.raises(ValueError, match=r"'300' has no unit.*KB, MB, GB.*KiB.*'300GB/s' or '200Gb/s'"):
+        parse_bandwidth("300", "--bandwidth")
+    assert parse_bandwidth("300GB/s") == 300e9 and parse_bandwidth(1e9) == 1e9  # a number is bytes per second
+    assert fmt_bytes(1536) == "1.50 KiB" and fmt_bytes(120e9, decimal=True) == "120.0 GB"
+    assert fmt_bytes(5 * 2**40) == "5.00 TiB" and fmt_bytes(12) == "12 B"

@@ -7,27 +7,28 @@
 """
 
 from zero_jax import adapters, checkpoint
-from zero_jax._audit import AuditError, AuditReport, audit
+from zero_jax._audit import audit
 from zero_jax._launch import launch
 from zero_jax._layers import Sharded, gather, scan_layers
+from zero_jax._measure import Collective
 from zero_jax._multihost import shard_batch
 from zero_jax._offload import OffloadedLeaf, OffloadPlan, offload_plan
 from zero_jax._optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
-from zero_jax._planner import (
+from zero_jax._plan import Plan, plan
+from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
+from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
+from zero_jax._report import AuditError, AuditReport, Communication, LeafBytes, Violation
+from zero_jax._theory import (
     ModelStateBytes,
-    Plan,
     StageChoice,
     choose_stage,
     comm_bytes,
     comm_bytes_per_axis,
     efficiency,
     model_state_bytes,
-    plan,
     required_bandwidth,
 )
-from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
-from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
 from zero_jax._train import TrainState, TrainStep, full_params, init_state, make_train_step
 from zero_jax.checkpoint import CheckpointManager, export_params, load_params, restore, save
 
@@ -37,8 +38,11 @@ __all__ = [
     "AuditError",
     "AuditReport",
     "CheckpointManager",
+    "Collective",
+    "Communication",
     "DEFAULT_MIN_SHARD_SIZE",
     "DynamicLossScale",
+    "LeafBytes",
     "LeafLayout",
     "LossScaleState",
     "ModelStateBytes",
@@ -53,6 +57,7 @@ __all__ = [
     "StageChoice",
     "TrainState",
     "TrainStep",
+    "Violation",
     "ZeroPolicy",
     "adapters",
     "audit",

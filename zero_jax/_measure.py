@@ -25,10 +25,11 @@ import jax
 import numpy as np
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
 }  # fmt: skip
+NO_SPMD_DUMP = "XLA wrote no post-SPMD-partitioning dump of a program on several devices; is this a sharded program?"
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+"
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\((?P<args>.*)$"
@@ -99,10 +100,10 @@ def _array_bytes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
     out = []
     for m in _ARRAY.finditer(text):
         dtype = m.group("dtype")
-        if dtype not in _DTYPE_BYTES:
+        if dtype not in DTYPE_BYTES:
             continue
         dims = tuple(int(d) for d in m.group("dims").split(",") if d)
-        out.append((dtype, dims, math.prod(dims) * _DTYPE_BYTES[dtype]))
+        out.append((dtype, dims, math.prod(dims) * DTYPE_BYTES[dtype]))
     return out
 
 
@@ -206,13 +207,7 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
 
 def partitioned_hlo(jitted: Any, *args: Any) -> str:
     """The HLO text right after SPMD partitioning of ``jitted(*args)``."""
-    with tempfile.TemporaryDirectory() as d:
-        jitted.lower(*args).compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*")))
-        if not files:
-            raise RuntimeError("XLA wrote no post-SPMD-partitioning dump; is this a sharded program?")
-        with open(files[-1]) as f:
-            return f.read()
+    return compile_with_hlo(jitted.lower(*args))[1]
 
 
 def collectives(jitted: Any, *args: Any) -> list[Collective]:
@@ -276,10 +271,18 @@ def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = Non
         options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
         compiled = lowered.compile(compiler_options=options)
         files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*")))
-        if not files:
-            raise RuntimeError("XLA wrote no post-SPMD-partitioning dump; is this a sharded program?")
-        with open(files[-1]) as f:
-            return compiled, f.read()
+        if files:
+            with open(files[-1]) as f:
+                return compiled, f.read()
+        if len(_devices(compiled)) <= 1:  # one device: nothing to partition, no collectives
+            return compiled, compiled.as_text()
+        raise RuntimeError(NO_SPMD_DUMP)
+
+
+def _devices(compiled: Any) -> set[Any]:
+    """The devices a compiled program runs on (from its input and output shardings)."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    return {d for s in shardings for d in s.device_set}
 
 
 def loop_nesting(hlo: str) -> dict[str, tuple[int, ...]]:

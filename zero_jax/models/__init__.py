@@ -2,10 +2,9 @@
 
 from zero_jax.models.transformer import (
     TransformerConfig,
-    add_model_arguments,
     init_params,
     make_loss_fn,
     synthetic_batch,
 )
 
-__all__ = ["TransformerConfig", "add_model_arguments", "init_params", "make_loss_fn", "synthetic_batch"]
+__all__ = ["TransformerConfig", "init_params", "make_loss_fn", "synthetic_batch"]

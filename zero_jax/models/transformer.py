@@ -23,7 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import zero_jax as zj
+from zero_jax._layers import gather, scan_layers
+from zero_jax._policy import ZeroPolicy
 
 Params = dict[str, Any]
 
@@ -43,36 +44,27 @@ class TransformerConfig:
     def mlp_dim(self) -> int:
         return self.mlp if self.mlp is not None else 4 * self.dim
 
+    def __post_init__(self) -> None:
+        sizes = {"vocab": self.vocab, "dim": self.dim, "depth": self.depth, "heads": self.heads, "seq": self.seq}
+        if self.mlp is not None:
+            sizes["mlp"] = self.mlp
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"TransformerConfig: {', '.join(bad)}: every size must be a positive integer.")
+        if self.dim % self.heads:
+            raise ValueError(
+                f"TransformerConfig: dim={self.dim} must divide by heads={self.heads} (each head gets dim / heads "
+                "channels); pick heads among the divisors of dim."
+            )
+
     def num_params(self) -> int:
         d, f = self.dim, self.mlp_dim
         per_layer = 4 * d + 3 * d * d + d * d + d * f + f + f * d + d
         return self.vocab * d + self.seq * d + self.depth * per_layer + 2 * d + d * self.vocab
 
 
-def add_model_arguments(
-    parser: Any,
-    *,
-    vocab: int = 256,
-    dim: int = 128,
-    depth: int = 4,
-    heads: int = 4,
-    seq: int = 64,
-    batch_per_device: int = 4,
-) -> None:
-    """The reference model's command-line options (shared by demo, audit and plan)."""
-    parser.add_argument("--vocab", type=int, default=vocab)
-    parser.add_argument("--dim", type=int, default=dim)
-    parser.add_argument("--depth", type=int, default=depth)
-    parser.add_argument("--heads", type=int, default=heads)
-    parser.add_argument("--seq", type=int, default=seq)
-    parser.add_argument("--batch-per-device", type=int, default=batch_per_device)
-    parser.add_argument("--bf16", action="store_true", help="bf16 compute copy and gradients, fp32 master copy")
-
-
 def init_params(config: TransformerConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random parameters; ``layers`` holds each block's leaves stacked on axis 0."""
-    if config.dim % config.heads:
-        raise ValueError(f"TransformerConfig: dim={config.dim} must divide by heads={config.heads}.")
     d, f, depth = config.dim, config.mlp_dim, config.depth
     k = iter(jax.random.split(key, 8))
 
@@ -127,7 +119,7 @@ def apply(
     config: TransformerConfig,
     params: Params,
     tokens: jax.Array,
-    policy: zj.ZeroPolicy | None = None,
+    policy: ZeroPolicy | None = None,
     *,
     prefetch: int = 1,
 ) -> jax.Array:
@@ -140,18 +132,18 @@ def apply(
     the same code runs on ordinary parameters.
     """
     t = tokens.shape[1]
-    embed = zj.gather(params["embed"], policy)
+    embed = gather(params["embed"], policy)
     x = embed["tokens"][tokens] + embed["positions"][:t]
-    x = zj.scan_layers(
+    x = scan_layers(
         lambda layer, h: block(layer, h, heads=config.heads), params["layers"], x, policy, prefetch=prefetch
     )
-    norm = zj.gather(params["final_norm"], policy)
+    norm = gather(params["final_norm"], policy)
     x = _layer_norm(x, norm["scale"], norm["bias"])
-    return jax.checkpoint(lambda h, head: h @ zj.gather(head, policy))(x, params["head"])
+    return jax.checkpoint(lambda h, head: h @ gather(head, policy))(x, params["head"])
 
 
 def make_loss_fn(
-    config: TransformerConfig, policy: zj.ZeroPolicy | None = None, *, prefetch: int = 1
+    config: TransformerConfig, policy: ZeroPolicy | None = None, *, prefetch: int = 1
 ) -> Callable[[Params, Any], jax.Array]:
     """``loss_fn(params, batch)``: mean next-token cross-entropy of
     ``batch["tokens"]`` (int, shape (batch, seq + 1)).

@@ -1,0 +1,234 @@
+"""What ``zj.audit`` returns: the report, its parts and the violations it can name.
+
+:class:`AuditReport` holds what a compiled step keeps on each device and
+sends per step, beside its stage's contract; :class:`Violation` is one broken
+promise and :class:`AuditError` lists them all.
+
+Floor 1 (with ``_measure``): imports only ``_measure`` and ``_units``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from zero_jax._measure import Collective
+from zero_jax._units import fmt_bytes
+
+#: The state categories of a report, in ZeRO's order, and the ``TrainState``
+#: fields that fall in each: the fp32 master copy (mixed precision) is
+#: optimizer state in ZeRO's accounting (the K = 12 of the paper); any other
+#: array field (the step counter, a loss scale) is "other".
+CATEGORIES = ("params", "grads", "optimizer", "other")
+FIELD_CATEGORY = {"params": "params", "opt_state": "optimizer", "master": "optimizer", "grads": "grads"}
+
+#: Violation kinds ``check()`` reports.
+GRADIENT_ALL_REDUCE = "gradient-sized all-reduce"
+REPLICATED_LEAF = "partitionable leaf replicated"
+COMM_OVER_THEORY = "communication over theory"
+REDUCE_IN_ACCUM_LOOP = "collective inside the accumulation loop"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafBytes:
+    """One state leaf: its whole (stored, global) bytes and the most any one
+    device holds of it."""
+
+    category: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    per_device: int
+    memory_kind: str = "device"  # "pinned_host": offloaded (counted in host_bytes, not state_bytes)
+
+    @property
+    def replicated(self) -> bool:
+        """Whole on some device."""
+        return self.per_device >= self.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """Bytes one device sends per step (ring-counted), measured and in theory.
+
+    Attributes:
+      measured: every collective of the partitioned program, times its loops'
+        trip counts.
+      theory: the stage's accounting on this model: gradients reduce-scattered
+        and (stages 1–2) updated parameters all-gathered on the padded
+        partitioned leaves, or (stage 3) gathered twice per microbatch; leaves
+        kept whole all-reduced (two passes); all in the dtypes the step moves.
+      accounted: ``theory`` less the backward re-gathers the program does not
+        need (stage 3: leaves whose gradient does not use their value, like an
+        embedding table or a first layer's weight, are gathered once).
+      skipped_regathers: which gathered shapes ran fewer times than the
+        theory's two per microbatch, and the leaves of that shape.
+    """
+
+    measured: float
+    theory: float
+    accounted: float
+    skipped_regathers: tuple[str, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        """measured / theory (at most 1 + tolerance passes ``check()``)."""
+        return self.measured / self.theory if self.theory else (1.0 if not self.measured else math.inf)
+
+    @property
+    def accounted_ratio(self) -> float:
+        return self.measured / self.accounted if self.accounted else (1.0 if not self.measured else math.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One broken promise: its kind, what it is about (a leaf path or an HLO
+    instruction), and a sentence saying what is wrong and what to do."""
+
+    kind: str
+    subject: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.message}"
+
+
+class AuditError(AssertionError):
+    """Raised by :meth:`AuditReport.check`; ``violations`` lists them all."""
+
+    def __init__(self, violations: tuple[Violation, ...], header: str) -> None:
+        self.violations = violations
+        lines = [f"{header}: {len(violations)} violation(s)"] + [f"  - {v}" for v in violations]
+        super().__init__("\n".join(lines))
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """What a compiled step holds and sends, beside its stage's contract.
+
+    Attributes:
+      stage, num_devices: the policy's stage and N (the data-parallel size).
+      num_params: Φ, the float parameter elements (logical, unpadded).
+      state_bytes: category -> the most bytes one device holds in device
+        memory (``"grads"`` is missing when gradients were not measured).
+      host_bytes: category -> bytes per device kept in ``pinned_host``
+        memory (offloaded leaves; empty without offload).
+      state_bytes_min: category -> the least (devices should be balanced).
+      formula: category -> :func:`zero_jax.model_state_bytes` for this Φ, N,
+        stage and the run's bytes per parameter (``bytes_per_param``).
+      bytes_per_param: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` as
+        this run stores them (optimizer: all float optimizer-state leaves and a
+        master copy, per parameter).
+      leaves: every state leaf with its whole and per-device bytes.
+      replicated: the float leaves kept whole on a device in a category the
+        stage partitions (small ones are expected: see ``min_shard_size``).
+      memory: ``compiled.memory_analysis()`` per device: argument, output,
+        temp, alias, and ``peak`` = argument + output + temp − alias.
+      collectives: the partitioned program's collectives (kind, dtype, shape,
+        bytes, trips), and ``loops``: instruction name -> trip counts of the
+        loops around it, outermost first.
+      comm: :class:`Communication`, measured beside the theory.
+      comm_per_axis: measured ring bytes per device per step by the mesh
+        axes each collective spans (``"data"``; on a hybrid mesh also
+        ``"replica"`` and ``"replica+data"``): what crosses the slow axis.
+      violations: what ``check()`` raises about.
+      abstract: measured on ``ShapeDtypeStruct`` inputs (bytes from shardings).
+    """
+
+    stage: int
+    num_devices: int
+    num_params: int
+    state_bytes: Mapping[str, int]
+    state_bytes_min: Mapping[str, int]
+    formula: Mapping[str, float]
+    bytes_per_param: Mapping[str, float]
+    leaves: tuple[LeafBytes, ...]
+    replicated: tuple[LeafBytes, ...]
+    memory: Mapping[str, int]
+    collectives: tuple[Collective, ...]
+    loops: Mapping[str, tuple[int, ...]]
+    comm: Communication
+    comm_per_axis: Mapping[str, float]
+    violations: tuple[Violation, ...]
+    min_shard_size: int
+    tolerance: float
+    accum_mode: str | None = None
+    accum_steps: int = 1
+    abstract: bool = False
+    host_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def check(self) -> AuditReport:
+        """Raise :class:`AuditError` listing every violation; return ``self``
+        when there is none."""
+        if self.violations:
+            raise AuditError(self.violations, f"zj.audit: stage {self.stage} at N = {self.num_devices}")
+        return self
+
+    def collective_summary(self) -> list[dict[str, Any]]:
+        """Rows of (kind, dtype, in loop, executions per step, ring bytes)."""
+        rows: dict[tuple[str, str, bool], dict[str, Any]] = {}
+        for c in self.collectives:
+            key = (c.kind, c.dtype, bool(self.loops.get(c.name)))
+            row = rows.setdefault(
+                key, {"kind": c.kind, "dtype": c.dtype, "in_loop": key[2], "count": 0, "bytes": 0, "ring_bytes": 0.0}
+            )
+            row["count"] += c.trips
+            row["bytes"] += c.bytes * c.trips
+            row["ring_bytes"] += c.total_ring_bytes
+        return sorted(rows.values(), key=lambda r: (r["kind"], r["dtype"], r["in_loop"]))
+
+    def __str__(self) -> str:
+        lines = [
+            f"zj.audit: stage {self.stage}, N = {self.num_devices}, Φ = {self.num_params:,} parameters"
+            + (" (abstract inputs: bytes from shardings)" if self.abstract else ""),
+            "state bytes per device (max over devices / ZeRO formula at "
+            + ", ".join(f"{k}={v:g}" for k, v in self.bytes_per_param.items())
+            + " B per parameter):",
+        ]
+        for cat in CATEGORIES:
+            if cat in self.state_bytes:
+                f = self.formula.get(cat)
+                ratio = f" / {fmt_bytes(f)} = {self.state_bytes[cat] / f:.4f}" if f else ""
+                lines.append(f"  {cat:<10} {fmt_bytes(self.state_bytes[cat]):>12}{ratio}")
+        if self.host_bytes:
+            lines.append(
+                "offloaded to pinned_host per device: "
+                + ", ".join(f"{cat} {fmt_bytes(b)}" for cat, b in self.host_bytes.items())
+            )
+        kept = sum(leaf.per_device for leaf in self.replicated)
+        lines.append(f"leaves kept whole in partitioned categories: {len(self.replicated)} ({fmt_bytes(kept)})")
+        m = self.memory
+        lines.append(
+            "compiled memory per device: "
+            + ", ".join(f"{k} {fmt_bytes(m[k])}" for k in ("argument", "output", "temp", "alias", "peak"))
+        )
+        lines.append("collectives (post-SPMD, per step):")
+        for r in self.collective_summary():
+            lines.append(
+                f"  {r['kind']:<19}{r['dtype']:<5} {'in loop' if r['in_loop'] else '       '} "
+                f"x{r['count']:<5} {fmt_bytes(r['bytes']):>11}  ring {fmt_bytes(r['ring_bytes'])}"
+            )
+        c = self.comm
+        lines.append(
+            f"communication: {fmt_bytes(c.measured)} per device per step; theory {fmt_bytes(c.theory)} "
+            f"(measured/theory {c.ratio:.4f}); accounted {fmt_bytes(c.accounted)} ({c.accounted_ratio:.4f})"
+        )
+        lines.extend(f"  skipped re-gather: {s}" for s in c.skipped_regathers)
+        if len(self.comm_per_axis) > 1:
+            lines.append(
+                "  by mesh axes: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(self.comm_per_axis.items()))
+            )
+        if self.violations:
+            lines.append(f"VIOLATIONS ({len(self.violations)}):")
+            lines.extend(f"  - {v}" for v in self.violations)
+        else:
+            lines.append("check: passed (no gradient-sized all-reduce, no partitionable leaf replicated, "
+                         f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
+        return "\n".join(lines)

@@ -1,0 +1,419 @@
+"""ZeRO's formulas, per device, and the stage chooser.
+
+The formulas are the ZeRO paper's (Rajbhandari et al. 2020, Figure 1 and
+Section 7), with Ψ parameters on N data-parallel devices and K bytes of
+optimizer state per parameter:
+
+====== =============================== ===============================
+stage  model-state bytes               communication per step (ring)
+====== =============================== ===============================
+0 (DP) (2 + 2 + K)Ψ                    2·(N−1)/N·2Ψ  (all-reduce)
+1      (2 + 2)Ψ + KΨ/N                 2·(N−1)/N·2Ψ  (RS + AG)
+2      2Ψ + (2 + K)Ψ/N                 2·(N−1)/N·2Ψ  (RS + AG)
+3      (2 + 2 + K)Ψ/N                  3·(N−1)/N·2Ψ  (AG, AG, RS)
+====== =============================== ===============================
+
+(with the default 2-byte parameters and gradients and K = 12: fp32 master,
+Adam's m and v). Sizes and rates are read by :mod:`zero_jax._units`.
+
+Floor 1: imports only ``_units``. With ``_policy``, the only module that
+compares stage numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, NamedTuple
+
+from zero_jax._units import fmt_bytes, number, parse_bytes, parse_count, parse_seconds
+
+#: The stages' names in the paper (P_os: optimizer state partitioned, +g gradients, +p parameters).
+STAGE_NAMES = ("DP", "P_os", "P_os+g", "P_os+g+p")
+BAD_STAGE = (
+    "{where}: stage must be 0, 1, 2 or 3, got {stage!r} (0 is plain data parallelism; 1 partitions "
+    "optimizer state, 2 also gradients, 3 also parameters)."
+)
+
+# -- checking arguments ----------------------------------------------------------------------------------------
+
+
+def check_params(num_params: Any, where: str) -> float:
+    """Ψ from a number or ``"7B"``; positive."""
+    psi = parse_count(num_params, f"{where}: num_params")
+    if psi <= 0:
+        raise ValueError(f"{where}: num_params must be positive, got {num_params!r}.")
+    return psi
+
+
+def check_devices(num_devices: Any, where: str, what: str = "num_devices") -> int:
+    """A positive integer count of devices (an integral float passes)."""
+    integral = isinstance(num_devices, numbers.Integral) or (
+        isinstance(num_devices, float) and num_devices.is_integer()
+    )
+    if isinstance(num_devices, bool) or not integral:
+        raise TypeError(f"{where}: {what} must be a positive integer, got {num_devices!r}.")
+    if num_devices < 1:
+        role = " (the data-parallel size)" if what == "num_devices" else ""
+        raise ValueError(f"{where}: {what} must be a positive integer{role}, got {num_devices}.")
+    return int(num_devices)
+
+
+def check_stage(stage: Any, where: str) -> int:
+    """A ZeRO stage, 0 to 3."""
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage <= 3:
+        raise ValueError(BAD_STAGE.format(where=where, stage=stage))
+    return int(stage)
+
+
+def check_nonneg(value: Any, what: str) -> float:
+    """A finite number >= 0."""
+    x = number(value, what)
+    if x < 0:
+        raise ValueError(f"{what} must be >= 0, got {value!r}.")
+    return x
+
+
+# -- the formulas --------------------------------------------------------------------------------------
+
+
+class ModelStateBytes(NamedTuple):
+    """Model-state bytes on one device, by category (``total`` sums them).
+
+    With offload the categories count device memory only.
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(
+    num_params: float,
+    num_devices: int,
+    stage: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+    replicas: int = 1,
+    optimizer_over_replicas: bool = False,
+    offload_optimizer: float = 0.0,
+    offload_params: bool = False,
+) -> ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state on one device.
+
+    Stage 1 divides the optimizer state by N, stage 2 also the gradients,
+    stage 3 also the parameters. The defaults are the paper's mixed-precision
+    Adam: 2-byte parameters and gradients, K = 12 (fp32 master, m, v).
+    ``offload_optimizer`` (a fraction) and ``offload_params`` (stage 3) leave
+    that share out (it lives in host memory), as ``ZeroPolicy``'s arguments of
+    the same names do; the host bytes are the difference to the figures
+    without offload. The chunk an update streams through the device is not
+    counted.
+
+    On a hybrid mesh ``num_devices`` is N, the size of the partition axis,
+    and ``replicas`` R, the size of the replica axis: HSDP
+    (``ZeroPolicy(..., replica_axis=...)``) holds the same bytes as ZeRO at N
+    (replicas add no memory); with ``optimizer_over_replicas`` the optimizer
+    state and the reduced gradients are divided by R·N instead.
+
+    The paper's Figure 1 (Ψ = 7.5B, N = 64):
+
+    >>> import zero_jax as zj
+    >>> [round(zj.model_state_bytes(7.5e9, 64, s).total / 1e9, 1) for s in range(4)]
+    [120.0, 31.4, 16.6, 1.9]
+    >>> round(zj.model_state_bytes(7.5e9, 8, 3, replicas=8, optimizer_over_replicas=True).total / 1e9, 1)
+    3.5
+
+    Half the optimizer state offloaded (1B parameters, N = 8, stage 3): on the
+    device, and in host memory:
+
+    >>> half = zj.model_state_bytes(1e9, 8, 3, offload_optimizer=0.5)
+    >>> half.optimizer / 1e9, (zj.model_state_bytes(1e9, 8, 3).total - half.total) / 1e9
+    (0.75, 0.75)
+    """
+    psi = check_params(num_params, "model_state_bytes")
+    n = check_devices(num_devices, "model_state_bytes")
+    stage = check_stage(stage, "model_state_bytes")
+    p = check_nonneg(param_bytes, "model_state_bytes: param_bytes")
+    g = check_nonneg(grad_bytes, "model_state_bytes: grad_bytes")
+    k = check_nonneg(optimizer_bytes, "model_state_bytes: optimizer_bytes")
+    r = check_devices(replicas, "model_state_bytes", "replicas")
+    finer = n * r if optimizer_over_replicas else n  # the optimizer's cut
+    f = float(offload_optimizer)
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(
+            f"model_state_bytes: offload_optimizer must be a fraction in [0, 1], got {offload_optimizer!r}."
+        )
+    if offload_params and stage < 3:
+        raise ValueError(f"model_state_bytes: offload_params needs stage 3 (got stage {stage}).")
+    params = p * psi / (n if stage >= 3 else 1)
+    optimizer = k * psi / (finer if stage >= 1 else 1)
+    return ModelStateBytes(
+        params=0.0 if offload_params else params,
+        grads=g * psi / (finer if stage >= 2 else 1),
+        optimizer=optimizer * (1 - f),
+    )
+
+
+def comm_bytes(num_params: float, num_devices: int, stage: int, *, dtype_bytes: float = 2) -> float:
+    """Bytes one device sends per step, counted as a ring moves them.
+
+    Each pass of a tensor of Ψ·``dtype_bytes`` bytes moves (N−1)/N of it per
+    device. Stages 0–2 make two passes (an all-reduce, or a reduce-scatter
+    plus an all-gather), stage 3 three (gather for the forward, again for the
+    backward, reduce-scatter the gradients): 1.5× data parallelism.
+
+    >>> import zero_jax as zj
+    >>> zj.comm_bytes(1e9, 8, 0) / 1e9, zj.comm_bytes(1e9, 8, 3) / 1e9
+    (3.5, 5.25)
+    """
+    psi = check_params(num_params, "comm_bytes")
+    n = check_devices(num_devices, "comm_bytes")
+    stage = check_stage(stage, "comm_bytes")
+    b = check_nonneg(dtype_bytes, "comm_bytes: dtype_bytes")
+    return (3 if stage == 3 else 2) * psi * b * (n - 1) / n
+
+
+def comm_bytes_per_axis(
+    num_params: float, num_devices: int, stage: int, *, replicas: int = 1, dtype_bytes: float = 2
+) -> dict[str, float]:
+    """Bytes one device sends per step on a hybrid mesh, by axis (ring-counted).
+
+    ``"shard"``: within the partition axis (N devices, the fast one) -- the
+    same as :func:`comm_bytes` at N. ``"replica"``: across the replica axis
+    (R, the slow one): only the 1/N gradient piece crosses it, 2·Ψ/N·(R−1)/R,
+    whether it is all-reduced (HSDP) or reduce-scattered and gathered back
+    (``optimizer_over_replicas``). An all-reduce or all-gather spanning both
+    axes (stage 0; stages 1–2 gathering an optimizer cut over both) moves
+    exactly the sum of the two, since (RN−1)/(RN) = (N−1)/N + (R−1)/(RN).
+
+    >>> import zero_jax as zj
+    >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2).items()}
+    {'shard': 4.5, 'replica': 0.5}
+    """
+    psi = check_params(num_params, "comm_bytes_per_axis")
+    n = check_devices(num_devices, "comm_bytes_per_axis")
+    r = check_devices(replicas, "comm_bytes_per_axis", "replicas")
+    b = check_nonneg(dtype_bytes, "comm_bytes_per_axis: dtype_bytes")
+    return {"shard": comm_bytes(psi, n, stage, dtype_bytes=b), "replica": 2 * psi / n * b * (r - 1) / r}
+
+
+def efficiency(
+    num_params: float,
+    num_devices: int,
+    stage: int,
+    *,
+    compute_time: float | str,
+    bandwidth: float | str,
+    dtype_bytes: float = 2,
+) -> float:
+    """The fraction of a step spent computing when communication does not
+    overlap compute: ``t_compute / (t_compute + comm_bytes / bandwidth)``.
+
+    ``compute_time`` is seconds per step (``"10s"`` works); ``bandwidth`` is
+    bytes per second and per device (``"300GB/s"``, ``"200Gb/s"``).
+
+    >>> import zero_jax as zj
+    >>> round(zj.efficiency(7e9, 64, 3, compute_time="10s", bandwidth="10GB/s"), 3)
+    0.707
+    """
+    t_compute = parse_seconds(compute_time, "efficiency: compute_time")
+    bw = parse_bytes(bandwidth, "efficiency: bandwidth", rate=True)
+    if t_compute <= 0 or bw <= 0:
+        raise ValueError(
+            f"efficiency: compute_time and bandwidth must be positive, got {compute_time!r}, {bandwidth!r}."
+        )
+    t_comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes) / bw
+    return t_compute / (t_compute + t_comm)
+
+
+def required_bandwidth(
+    num_params: float,
+    num_devices: int,
+    stage: int,
+    *,
+    compute_time: float | str,
+    target: float = 0.9,
+    dtype_bytes: float = 2,
+) -> float:
+    """Bytes per second and device needed for :func:`efficiency` to reach
+    ``target``: ``comm_bytes / (t_compute · (1/target − 1))``.
+
+    >>> import zero_jax as zj
+    >>> zj.required_bandwidth(1e9, 8, 0, compute_time=1.0, target=0.5) / 1e9  # comm (3.5 GB) in 1 s
+    3.5
+    """
+    t_compute = parse_seconds(compute_time, "required_bandwidth: compute_time")
+    if t_compute <= 0:
+        raise ValueError(f"required_bandwidth: compute_time must be positive, got {compute_time!r}.")
+    if not 0 < target < 1:
+        raise ValueError(f"required_bandwidth: target efficiency must be in (0, 1), got {target!r}.")
+    return comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes) / (t_compute * (1 / target - 1))
+
+
+# -- choosing a stage ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StageChoice:
+    """The answer of :func:`choose_stage`.
+
+    Attributes:
+      stage: the lowest stage whose model states plus activations fit, or
+        ``None`` when none does.
+      state: :class:`ModelStateBytes` per device for stages 0–3.
+      fits: whether each stage fits.
+      min_devices: the fewest data-parallel devices with which stage 3 fits
+        (``None`` when the activations alone exceed the device).
+      max_activation_bytes: the most activation memory stage 3 leaves room for
+        on ``num_devices`` devices (negative when its model states alone do
+        not fit).
+      offload_stage: the lowest stage that fits with the optimizer state
+        (the K bytes per parameter) offloaded to host memory, ZeRO-Offload
+        style; ``None`` when even that does not fit.
+      reason: one sentence: why this stage, or what would make one fit.
+      offload_fraction: for ``offload_stage``, the smallest share of the
+        optimizer state to offload (``ZeroPolicy(offload_optimizer=...)``,
+        rounded up to a hundredth) for it to fit.
+      offload_params: when even a fully offloaded optimizer does not fit,
+        whether stage 3 fits with the parameters offloaded too
+        (``offload_params=True``, ZeRO-Infinity style).
+    """
+
+    stage: int | None
+    state: tuple[ModelStateBytes, ...]
+    fits: tuple[bool, ...]
+    num_params: float
+    num_devices: int
+    device_bytes: float
+    activation_bytes: float
+    min_devices: int | None
+    max_activation_bytes: float
+    offload_stage: int | None
+    reason: str
+    offload_fraction: float | None = None
+    offload_params: bool = False
+
+    def total(self, stage: int) -> float:
+        """Model states plus activations on one device for ``stage``."""
+        return self.state[check_stage(stage, "StageChoice.total")].total + self.activation_bytes
+
+
+def choose_stage(
+    num_params: float,
+    num_devices: int,
+    device_bytes: float | str,
+    activation_bytes: float | str = 0,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> StageChoice:
+    """The lowest ZeRO stage whose model states plus activations fit a device.
+
+    Lower is cheaper: stages 0–2 communicate 2Ψ per step and stage 3 3Ψ
+    (:func:`comm_bytes`), and each stage adds work. ``activation_bytes`` is
+    per device (it depends on the per-device batch, not on N). When nothing
+    fits, ``reason`` says what would: the fewest devices for stage 3,
+    offloading the optimizer state, or the activation memory stage 3 leaves.
+
+    >>> import zero_jax as zj
+    >>> zj.choose_stage(7.5e9, 64, "80GB", "10GB").stage  # stage 0 needs 120 + 10 GB
+    1
+    >>> choice = zj.choose_stage(7.5e9, 8, "16GB", "4GB")
+    >>> choice.stage, choice.min_devices, choice.offload_stage, choice.offload_fraction
+    (None, 10, 3, 0.27)
+    >>> print(choice.reason)  # doctest: +NORMALIZE_WHITESPACE
+    no stage fits 16.0 GB per device: stage 3 needs 15.0 GB of model state + 4.0 GB of activations.
+    It would fit on >= 10 devices with stage 3, with the optimizer state offloaded to the host
+    (stage 3: 3.8 GB + activations; offload_optimizer=0.27 suffices), or with activations <= 1.0 GB
+    (activation checkpointing, a smaller per-device batch).
+    """
+    where = "choose_stage"
+    psi = check_params(num_params, where)
+    n = check_devices(num_devices, where)
+    mem = parse_bytes(device_bytes, f"{where}: device_bytes")
+    act = parse_bytes(activation_bytes, f"{where}: activation_bytes")
+    if mem <= 0:
+        raise ValueError(f"{where}: device_bytes must be positive, got {device_bytes!r}.")
+    if act < 0:
+        raise ValueError(f"{where}: activation_bytes must be >= 0, got {activation_bytes!r}.")
+    per = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    state = tuple(model_state_bytes(psi, n, s, **per) for s in range(4))
+    fits = tuple(s.total + act <= mem for s in state)
+    stage = next((s for s in range(4) if fits[s]), None)
+    per_param = param_bytes + grad_bytes + optimizer_bytes
+    room = mem - act
+    min_devices = max(1, math.ceil(per_param * psi / room - 1e-9)) if room > 0 and per_param > 0 else None
+    max_act = mem - state[3].total
+    offload = [s.params + s.grads for s in state]
+    offload_stage = next((s for s in range(4) if offload[s] + act <= mem), None)
+    offload_fraction = None
+    if offload_stage is not None:
+        over = state[offload_stage].total + act - mem
+        opt = state[offload_stage].optimizer
+        offload_fraction = min(1.0, math.ceil(100 * over / opt - 1e-9) / 100) if opt > 0 and over > 0 else 0.0
+    infinity = offload_stage is None and state[3].grads + act <= mem
+    if stage is not None:
+        reason = _fit_reason(stage, state, act, mem)
+    else:
+        options = []
+        if min_devices is not None:
+            options.append(f"on >= {min_devices} devices with stage 3")
+        if offload_stage is not None:
+            options.append(
+                f"with the optimizer state offloaded to the host (stage {offload_stage}: "
+                f"{_dec(offload[offload_stage])} + activations; offload_optimizer={offload_fraction:g} suffices)"
+            )
+        elif infinity:
+            options.append(
+                f"with optimizer state and parameters offloaded to the host (stage 3, offload_optimizer=True, "
+                f"offload_params=True: {_dec(state[3].grads)} of gradients + activations)"
+            )
+        if max_act > 0:
+            options.append(
+                f"with activations <= {_dec(max_act)} (activation checkpointing, a smaller per-device batch)"
+            )
+        reason = _no_fit_reason(state[3].total, act, mem, options)
+    return StageChoice(
+        stage, state, fits, psi, n, mem, act, min_devices, max_act, offload_stage, reason, offload_fraction, infinity
+    )
+
+
+def _dec(x: float) -> str:
+    return fmt_bytes(x, decimal=True)
+
+
+def _fit_reason(stage: int, state: tuple[ModelStateBytes, ...], act: float, mem: float) -> str:
+    """Why ``stage`` is the choice: what it needs, and what the cheaper stages needed."""
+    cheaper = ""
+    if stage:
+        needs = ", ".join(_dec(state[s].total + act) for s in range(stage))
+        cheaper = f"; stage 0 needs {needs}" if stage == 1 else f"; stages 0-{stage - 1} need {needs}"
+    comm = "the same communication as data parallelism (2Ψ per step)" if stage < 3 else "1.5x DP's communication"
+    with_act = f" + {_dec(act)} of activations" if act else ""
+    return (
+        f"stage {stage} fits: {_dec(state[stage].total)} of model state{with_act} <= "
+        f"{_dec(mem)} per device{cheaper}. It is the lowest stage that fits, with {comm}."
+    )
+
+
+def _no_fit_reason(stage3: float, act: float, mem: float, options: list[str]) -> str:
+    """Why nothing fits, and the ``options`` that would make it fit."""
+    alone = "The activations alone exceed the device. " if act >= mem else ""
+    if options:
+        joined = ", ".join(options[:-1]) + (", or " if len(options) > 1 else "") + options[-1]
+        fix = f"It would fit {joined}."
+    else:
+        fix = "No number of devices makes room: reduce the activations first."
+    return (
+        f"no stage fits {_dec(mem)} per device: stage 3 needs {_dec(stage3)} of model state + "
+        f"{_dec(act)} of activations. {alone}{fix}"
+    )

@@ -1,0 +1,261 @@
+"""The stage's contract on one model, and how a compiled step breaks it.
+
+:func:`communication` is the theory of what a step of this policy sends on
+this model (padding, leaves kept whole, frozen leaves, accumulation and the
+re-gathers stage 3's backward pass skips); the ``*_violations`` functions name
+each broken promise. Which state a stage partitions is asked of the policy
+(``policy.partitions_params`` and its siblings), never read off the stage
+number.
+
+Floor 6 (with ``_audit``): imports the policy, the partition rules and the report types.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from zero_jax._measure import DTYPE_BYTES, Collective, ring_bytes
+from zero_jax._partition import REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
+from zero_jax._policy import ZeroPolicy
+from zero_jax._report import (
+    COMM_OVER_THEORY,
+    GRADIENT_ALL_REDUCE,
+    REDUCE_IN_ACCUM_LOOP,
+    REPLICATED_LEAF,
+    Communication,
+    LeafBytes,
+    Violation,
+)
+from zero_jax._units import fmt_bytes
+
+_HLO_DTYPE = {
+    "float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16",
+    "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2",
+}  # fmt: skip
+_WHAT = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
+REPLICATED_MESSAGE = (
+    "'{path}' ({dtype}{shape}, {size:,} elements, {nbytes}) is held {how} on a device ({per_device}), but stage "
+    "{stage} partitions {what} and the leaf has >= {threshold} elements. The policy keeps it whole (its "
+    "min_shard_size is {policy_threshold}): lower ZeroPolicy(min_shard_size=...) or fix the sharding; pass "
+    "audit(..., min_shard_size=...) if keeping it whole is intended."
+)
+ALL_REDUCE_MESSAGE = (
+    "all-reduce '{name}' of {shape} ({nbytes}, x{trips}{where}) in stage {stage}{match}: a gradient-sized "
+    "all-reduce (>= {threshold} elements). Stages 1-3 reduce-scatter gradients; only leaves kept whole (below "
+    "min_shard_size) may be all-reduced."
+)
+ACCUM_MESSAGE = (
+    "{kind} '{name}' of {shape} runs inside the {steps}-trip accumulation loop ({trips}x per step), but "
+    "accum_mode='local' promises one gradient reduction per step: accumulate locally and reduce after the loop."
+)
+COMM_MESSAGE = (
+    "the step sends {measured} per device per step, {ratio:.3f}x the stage-{stage} theory of {theory} (tolerance "
+    "{tolerance:.0%}). See report.collective_summary() for what moves; gradients reduced once per microbatch or "
+    "whole-gradient all-reduces are the usual cause."
+)
+
+
+class ParamInfo(NamedTuple):
+    """One float parameter as the audit judges it."""
+
+    path: str
+    layout: LeafLayout
+    dtype: np.dtype
+    frozen: bool  # the optimizer never changes it: no gradient is reduced
+    stacked: bool  # under one of the policy's ``stacked`` prefixes (a leading layer axis)
+
+
+def is_float(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.inexact))
+
+
+def _hlo_dtype(dtype: np.dtype) -> str:
+    return _HLO_DTYPE.get(str(dtype), str(dtype))
+
+
+def _shapes(lay: LeafLayout) -> tuple[tuple[int, ...], ...]:
+    """The shapes a leaf's gradient may be reduced in: whole or stored, or one layer of either."""
+    return (lay.shape, lay.stored_shape, lay.shape[1:], lay.stored_shape[1:])
+
+
+def _shape(c: Collective) -> str:
+    return f"{c.dtype}[{','.join(map(str, c.shape))}]"
+
+
+def partitioned_categories(policy: ZeroPolicy) -> set[str]:
+    """The report categories ``policy`` partitions."""
+    flags = {"optimizer": policy.partitions_opt_state, "grads": policy.partitions_grads}
+    return {cat for cat, on in (flags | {"params": policy.partitions_params}).items() if on}
+
+
+def communication(
+    colls: tuple[Collective, ...],
+    params: list[ParamInfo],
+    policy: ZeroPolicy,
+    reduce_dtype: Any,
+    accum_mode: str | None,
+    steps: int,
+) -> Communication:
+    """The stage's theory on this model, and the re-gathers stage 3 skips.
+
+    Per step: gradients are reduced once, or once per microbatch unless
+    ``accum_mode == "local"``; stage 3 gathers every parameter twice per
+    microbatch (forward, backward), or once per step when accumulating
+    locally; stages 1-2 all-gather the updated parameters once. Leaves kept
+    whole are all-reduced (two passes); frozen leaves are not reduced.
+    """
+    n = policy.num_shards
+    ring = (n - 1) / n
+    local = steps > 1 and accum_mode == "local"
+    reduces = steps if steps > 1 and not local else 1
+    gathers = 1 if not policy.partitions_params else (1 if local else 2 * steps)
+    gathered: dict[tuple[str, tuple[int, ...]], int] = {}
+    for c in colls:
+        if c.kind == "all-gather":
+            gathered[(c.dtype, c.shape)] = gathered.get((c.dtype, c.shape), 0) + c.trips
+    theory = 0.0
+    units: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}
+    for p in params:
+        rb = np.dtype(reduce_dtype if reduce_dtype is not None else p.dtype).itemsize
+        theory += _leaf_theory(p, policy, rb, reduces, gathers)
+        if policy.partitions_params and p.layout.partitioned:
+            # One gather unit per use: the whole leaf, or one layer of a stacked leaf
+            # when the program gathers layer-sized pieces (``scan_layers``).
+            lay = p.layout
+            per_layer = (_hlo_dtype(p.dtype), lay.stored_shape[1:])
+            if p.stacked and gathered.get(per_layer, 0) >= lay.shape[0]:
+                units.setdefault(per_layer, []).append((p.path, lay.shape[0]))
+            else:
+                units.setdefault((_hlo_dtype(p.dtype), lay.stored_shape), []).append((p.path, 1))
+    skipped_bytes, notes = 0.0, []
+    for (dt, shape), members in sorted(units.items()):
+        expected = gathers * sum(m for _, m in members)
+        ran = gathered.get((dt, shape), 0)
+        if 0 < ran < expected:
+            skipped_bytes += (expected - ran) * math.prod(shape) * DTYPE_BYTES.get(dt, 4) * ring
+            names = ", ".join(path for path, _ in members)
+            notes.append(f"{dt}[{','.join(map(str, shape))}] gathered {ran}x, theory {expected}x ({names})")
+    return Communication(ring_bytes(colls), theory, theory - skipped_bytes, tuple(notes))
+
+
+def _leaf_theory(p: ParamInfo, policy: ZeroPolicy, rb: int, reduces: int, gathers: int) -> float:
+    """Ring bytes one device sends per step for one parameter (``rb``: bytes
+    per reduced gradient element)."""
+    n, r = policy.num_shards, policy.num_replicas
+    ring, ring_all, ring_replica = (n - 1) / n, (n * r - 1) / (n * r), (r - 1) / r
+    lay, itemsize = p.layout, p.dtype.itemsize
+    # Gradients are reduce-scattered exactly when the optimizer state is partitioned (stages 1-3).
+    if not policy.partitions_opt_state or not lay.partitioned:
+        return 0 if p.frozen else 2 * ring_all * math.prod(lay.shape) * rb * reduces  # all-reduced whole
+    stored = math.prod(lay.stored_shape)
+    out = 0.0 if p.frozen else ring * stored * rb * reduces  # reduce-scatter of the gradient
+    if r > 1 and not p.frozen:
+        # The 1/N piece crosses the replicas once per step: all-reduced (HSDP),
+        # or reduce-scattered (optimizer over replicas; gathered back below).
+        out += (1 if policy.optimizer_over_replicas else 2) * ring_replica * stored / n * rb
+    if policy.optimizer_over_replicas and not policy.partitions_params:
+        return out + ring_all * stored * itemsize  # all-gather of the update over both axes
+    out += ring * stored * itemsize * gathers  # all-gather(s) of the parameter
+    if policy.optimizer_over_replicas:
+        out += ring_replica * stored / n * itemsize  # update pieces -> parameter pieces
+    return out
+
+
+def stacked_paths(params: Iterable[ParamInfo]) -> set[tuple[str, ...]]:
+    """The stacked parameters' paths, as tuples of names."""
+    return {tuple(p.path.split("/")) for p in params if p.stacked}
+
+
+def mirrors_stacked(leaf_path: str, stacked: set[tuple[str, ...]]) -> bool:
+    """Whether a state leaf (``params/...``, ``grads/...``, ``opt_state/.../mu/...``)
+    is, or mirrors, a stacked parameter: its path past the field ends with one
+    (the rule ``ZeroPolicy.state_layouts`` lays optimizer state out by)."""
+    names = tuple(leaf_path.split("/"))[1:]
+    return any(names[i:] in stacked for i in range(len(names)))
+
+
+def replicated_violations(
+    leaves: list[LeafBytes], policy: ZeroPolicy, min_shard_size: int, stacked: set[tuple[str, ...]]
+) -> list[Violation]:
+    """Float leaves kept whole in a category the stage partitions, though the
+    partition rule at ``min_shard_size`` would cut them."""
+    n = policy.num_shards
+    if n <= 1:
+        return []
+    cats, out = partitioned_categories(policy), []
+    for leaf in leaves:
+        if leaf.category not in cats or not is_float(leaf.dtype) or leaf.per_device * n <= leaf.nbytes:
+            continue
+        size = math.prod(leaf.shape)
+        skip = mirrors_stacked(leaf.path, stacked)
+        lay = leaf_layout(leaf.shape, leaf.dtype, n, min_shard_size=min_shard_size, skip_leading=skip)
+        if not lay.partitioned and (lay.reason == REASON_NO_DIMENSION or size < min_shard_size):
+            continue  # small, or nothing to cut but a stacked layer axis
+        message = REPLICATED_MESSAGE.format(
+            path=leaf.path, dtype=leaf.dtype, shape=list(leaf.shape), size=size, nbytes=fmt_bytes(leaf.nbytes),
+            how="whole" if leaf.replicated else f"{leaf.per_device / leaf.nbytes:.0%}",
+            per_device=fmt_bytes(leaf.per_device), stage=policy.stage, what=_WHAT[leaf.category],
+            threshold=min_shard_size, policy_threshold=policy.min_shard_size,
+        )  # fmt: skip
+        out.append(Violation(REPLICATED_LEAF, leaf.path, message))
+    return out
+
+
+def all_reduce_violations(
+    colls: tuple[Collective, ...],
+    loops: Mapping[str, tuple[int, ...]],
+    params: list[ParamInfo],
+    min_shard_size: int,
+    policy: ZeroPolicy,
+) -> list[Violation]:
+    """Gradient-sized all-reduces in a stage that reduce-scatters gradients."""
+    if not policy.partitions_opt_state:  # data parallelism all-reduces by design
+        return []
+    sizes = [math.prod(p.layout.shape) for p in params if p.layout.partitioned]
+    threshold = max(1, min([min_shard_size, *sizes]))
+    # HSDP all-reduces each gradient's 1/N piece across the replica axes: expected.
+    pieces = {shard_shape(p.layout, policy.num_shards) for p in params if p.layout.partitioned}
+    replica_axes = set(policy.replica_axes)
+    out = []
+    for c in colls:
+        if c.kind != "all-reduce" or math.prod(c.shape) < threshold:
+            continue
+        if replica_axes and set(c.axes(policy.mesh)) <= replica_axes and c.shape in pieces:
+            continue
+        match = [p.path for p in params if c.shape in _shapes(p.layout)]
+        message = ALL_REDUCE_MESSAGE.format(
+            name=c.name, shape=_shape(c), nbytes=fmt_bytes(c.bytes), trips=c.trips, stage=policy.stage,
+            where=f" inside loops of {'x'.join(map(str, loops[c.name]))} trips" if loops.get(c.name) else "",
+            match=f", the shape of {', '.join(match)}" if match else "", threshold=threshold,
+        )  # fmt: skip
+        out.append(Violation(GRADIENT_ALL_REDUCE, c.name, message))
+    return out
+
+
+def accum_violations(
+    colls: tuple[Collective, ...], loops: Mapping[str, tuple[int, ...]], steps: int
+) -> list[Violation]:
+    """Gradient reductions inside the accumulation loop of a local-accumulation step."""
+    out = []
+    for c in colls:
+        nest = loops.get(c.name, ())
+        if c.kind in ("all-reduce", "reduce-scatter") and c.shape != () and nest and nest[0] == steps:
+            message = ACCUM_MESSAGE.format(kind=c.kind, name=c.name, shape=_shape(c), steps=steps, trips=c.trips)
+            out.append(Violation(REDUCE_IN_ACCUM_LOOP, c.name, message))
+    return out
+
+
+def comm_violation(comm: Communication, stage: int, tolerance: float) -> list[Violation]:
+    """Communication above the theory by more than ``tolerance``."""
+    if comm.measured <= comm.theory * (1 + tolerance):
+        return []
+    message = COMM_MESSAGE.format(
+        measured=fmt_bytes(comm.measured), ratio=comm.ratio, stage=stage, theory=fmt_bytes(comm.theory),
+        tolerance=tolerance,
+    )  # fmt: skip
+    return [Violation(COMM_OVER_THEORY, "communication", message)]
