@@ -21,7 +21,7 @@ from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 from safetensors.numpy import load_file
 
 import zero_jax as zj
-from zero_jax.checkpoint import _entries
+from zero_jax.checkpoint._record import state_entries as _entries
 from zero_jax.models import TransformerConfig, init_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +234,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, mode):
     try:
         line = proc.stdout.readline().strip()  # blocks until the save of step 2 is part-way
         assert line == "STALLED", f"the saving process ended early: {line!r}"
-        partial = zj.checkpoint._partial_saves(directory)
+        partial = zj.checkpoint.partial_saves(directory)
         assert partial and partial[0].startswith("2."), partial  # step 2 is being written ...
         os.kill(proc.pid, signal.SIGKILL)  # ... when the process dies
         proc.wait(timeout=30)
@@ -251,7 +251,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, mode):
         for i, x in enumerate(jax.tree.leaves(back)):
             np.testing.assert_array_equal(np.asarray(x), want[str(i)], strict=True)  # bitwise
     zj.save(directory, back, step=3)  # the next save removes the partial one
-    assert zj.checkpoint.steps(directory) == [1, 3] and not zj.checkpoint._partial_saves(directory)
+    assert zj.checkpoint.steps(directory) == [1, 3] and not zj.checkpoint.partial_saves(directory)
 
 
 # -- streamed export -----------------------------------------------------------------------------------
