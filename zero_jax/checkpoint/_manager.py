@@ -25,9 +25,11 @@ from zero_jax.checkpoint._orbax import (
     discard_partial,
     error_text,
     hold_quiet,
+    missing_root,
     open_writer,
     quiet,
     release_quiet,
+    settle,
     write,
 )
 from zero_jax.checkpoint._record import build_metadata, checksums, committed_steps, resolve, state_entries
@@ -76,14 +78,14 @@ class _Writer:
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self.manager: Any = None
-        self.created = False  # whether this writer's first save created the directory
+        self.created: Any = None  # the outermost directory this writer's first save created
         self.pending: int | None = None  # the step of a save still being written (holds the log filter)
 
     def commit(self, step: int, flat: dict[str, jax.Array], meta: dict[str, Any], *, where: str) -> None:
         """Write ``step`` (returns early when asynchronous)."""
         self.finish(where)  # one save in flight at a time (as orbax); raises a failed earlier one
         if self.manager is None:
-            self.created = not self.directory.exists()
+            self.created = missing_root(self.directory)
             self.manager = open_writer(self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save)
         if step in committed_steps(self.directory):
             path = self.directory / str(step)
@@ -129,6 +131,7 @@ class _Writer:
                     manager.close()
                 except Exception:  # noqa: BLE001, S110 - the save's own error is the one to report
                     pass
+                settle()
                 discard_partial(self.directory, step, created=self.created)  # type: ignore[arg-type]
         finally:
             release_quiet()

@@ -13,8 +13,11 @@ call (or an unfinished asynchronous save) is in flight.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -48,26 +51,41 @@ def error_text(e: BaseException) -> str:
 # -- orbax's log records ---------------------------------------------------------------------------------------
 
 
+def _closed_loop_noise(unraisable: Any) -> bool:
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
 class _QuietOrbax(logging.Filter):
-    """Drops absl records logged from orbax's (or tensorstore's) code while held.
+    """While held: drops absl records logged from orbax's (or tensorstore's)
+    code, and the "Event loop is closed" unraisable exceptions of a failed
+    orbax call (orbax closes its event loop when one operation fails; the
+    completion callbacks of the others then raise into the closed loop).
 
     Held by a count, not per thread: orbax logs from its own threads. Records
-    from any other code pass, so the user's own absl logging is untouched.
+    from any other code, and any other unraisable exception, pass on.
     """
 
     def __init__(self) -> None:
         super().__init__("zero_jax.checkpoint")
         self._lock = threading.Lock()
         self._holders = 0
+        self._previous_hook: Any = None
 
     def filter(self, record: logging.LogRecord) -> bool:
         path = record.pathname.replace("\\", "/")
         return not ("/orbax/" in path or "/tensorstore/" in path)
 
+    def _hook(self, unraisable: Any) -> None:
+        previous = self._previous_hook or sys.__unraisablehook__
+        if not _closed_loop_noise(unraisable):
+            previous(unraisable)
+
     def hold(self) -> None:
         with self._lock:
             if self._holders == 0:
                 logging.getLogger("absl").addFilter(self)
+                self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._hook
             self._holders += 1
 
     def release(self) -> None:
@@ -75,6 +93,9 @@ class _QuietOrbax(logging.Filter):
             self._holders -= 1
             if self._holders == 0:
                 logging.getLogger("absl").removeFilter(self)
+                if sys.unraisablehook == self._hook:  # unless someone replaced it since
+                    sys.unraisablehook = self._previous_hook
+                self._previous_hook = None
 
 
 _QUIET = _QuietOrbax()
@@ -87,6 +108,17 @@ def hold_quiet() -> None:
 
 def release_quiet() -> None:
     _QUIET.release()
+
+
+#: After a failed orbax call, how long the operations it left in flight get to land (quietly).
+SETTLE_SECONDS = 0.5
+
+
+def settle() -> None:
+    """Let the tensorstore operations a failed orbax call left in flight finish
+    while the quiet hold is still on (call it holding :func:`quiet`)."""
+    time.sleep(SETTLE_SECONDS)
+    gc.collect()
 
 
 @contextlib.contextmanager
@@ -127,16 +159,34 @@ def write(manager: Any, step: int, flat: dict[str, jax.Array], meta: dict[str, A
         manager.save(step, args=args)
 
 
-def discard_partial(directory: epath.Path, step: int, *, created: bool) -> None:
+def missing_root(directory: epath.Path) -> epath.Path | None:
+    """The outermost of ``directory`` and its parents that does not exist yet (``None``: it exists)."""
+    root = None
+    path = directory
+    while not path.exists():
+        root = path
+        if path.parent == path:
+            break
+        path = path.parent
+    return root
+
+
+def discard_partial(directory: epath.Path, step: int, *, created: epath.Path | None) -> None:
     """Remove what a failed save of ``step`` left in ``directory``: its uncommitted
-    step directory, and ``directory`` itself when the save created it and it is
-    now empty. Process 0 removes (the directory is shared); others only wait."""
-    if jax.process_index() == 0 and directory.is_dir():
-        for p in directory.iterdir():
-            if p.name.startswith(f"{step}.") and TMP_MARKER in p.name:
-                p.rmtree()
-        if created and not any(directory.iterdir()):
-            directory.rmdir()
+    step directory, and the directories the save created (``created`` and those
+    under it down to ``directory``) that are now empty. Process 0 removes (the
+    directory is shared)."""
+    if jax.process_index() != 0 or not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if p.name.startswith(f"{step}.") and TMP_MARKER in p.name:
+            p.rmtree()
+    path = directory
+    while created is not None and path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+        if path == created:
+            break
+        path = path.parent
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
@@ -169,6 +219,9 @@ def read(directory: epath.Path, step: int, passes: list[dict[str, jax.ShapeDtype
                 state_args = o.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
                 tree = manager.restore(step, args=o.args.Composite(**{STATE_ITEM: state_args}))[STATE_ITEM]
                 out.append({n: lookup(tree, n) for n in wanted})
+        except Exception:
+            settle()
+            raise
         finally:
             manager.close()
     return out
