@@ -68,6 +68,7 @@ def _run(state, step, batches):
 # -- save at N = 8, stage 3; restore at other (N, stage) -----------------------------------------------
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_restore_across_device_counts_and_stages(tmp_path):
     policy, tx = _setup(3, 8)
     step = zj.make_train_step(mlp_loss, tx, policy)
@@ -97,6 +98,7 @@ def test_restore_across_device_counts_and_stages(tmp_path):
             np.testing.assert_allclose(losses, uninterrupted, rtol=2e-6)
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_restore_stacked_transformer_and_precision_changes(tmp_path):
     cfg = TransformerConfig(vocab=64, dim=32, depth=2, heads=2, seq=8)
     params = init_params(cfg, jax.random.key(0))
@@ -295,6 +297,7 @@ _EXPORT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_export_streams_with_bounded_host_memory(tmp_path):
     """Reference model (26M parameters, 103 MB fp32), stage 3 on 8 devices."""
     script = tmp_path / "export.py"
@@ -474,6 +477,7 @@ _PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_two_processes_save_their_shards_one_restores(tmp_path):
     import socket
 
