@@ -584,6 +584,9 @@ def test_failed_save_leaves_nothing_and_prints_nothing(tmp_path, monkeypatch, ca
         zj.save(tmp_path / "new" / "run", state, step=1)
     monkeypatch.undo()
     assert not (tmp_path / "new").exists()  # the directories the failed save created are gone
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match=r"zj.save: checkpoint step 1 could not be written to .*a_file/run \("):
+        zj.save(tmp_path / "a_file" / "run", state, step=1)  # a directory that cannot be made
     assert sorted(p.name for p in directory.iterdir()) == ["1"] and zj.checkpoint.partial_saves(directory) == []
     _assert_bitwise(_logical(zj.restore(directory, policy=policy, tx=tx)), _logical(state))
     zj.save(directory, state, step=2)  # the step that failed saves now

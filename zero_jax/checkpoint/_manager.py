@@ -12,6 +12,7 @@ steps that were there before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -84,15 +85,15 @@ class _Writer:
     def commit(self, step: int, flat: dict[str, jax.Array], meta: dict[str, Any], *, where: str) -> None:
         """Write ``step`` (returns early when asynchronous)."""
         self.finish(where)  # one save in flight at a time (as orbax); raises a failed earlier one
-        if self.manager is None:
-            self.created = missing_root(self.directory)
-            self.manager = open_writer(self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save)
         if step in committed_steps(self.directory):
             path = self.directory / str(step)
             raise FileExistsError(STEP_EXISTS.format(where=where, step=step, directory=self.directory, path=path))
         hold_quiet()
         self.pending = step
         try:
+            if self.manager is None:
+                self.created = missing_root(self.directory)
+                self.manager = open_writer(self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save)
             write(self.manager, step, flat, meta)
         except Exception as e:
             self._failed(e, where)
@@ -127,10 +128,9 @@ class _Writer:
         self.pending, self.manager = None, None
         try:
             with quiet():
-                try:
-                    manager.close()
-                except Exception:  # noqa: BLE001, S110 - the save's own error is the one to report
-                    pass
+                if manager is not None:
+                    with contextlib.suppress(Exception):  # the save's own error is the one to report
+                        manager.close()
                 settle()
                 discard_partial(self.directory, step, created=self.created)  # type: ignore[arg-type]
         finally:
