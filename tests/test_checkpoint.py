@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +23,7 @@ from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 from safetensors.numpy import load_file
 
 import zero_jax as zj
+from zero_jax._tree import key_name
 from zero_jax.checkpoint._record import state_entries as _entries
 from zero_jax.models import TransformerConfig, init_params
 
@@ -328,9 +331,9 @@ def test_export_equals_full_params_and_loads_partitioned(tmp_path, stage):
     file = zj.export_params(tmp_path / "m.safetensors", state)
     full = jax.tree_util.tree_flatten_with_path(zj.full_params(state))[0]
     tensors = load_file(file)
-    assert sorted(tensors) == sorted(".".join(zj._tree.key_name(k) for k in p) for p, _ in full)
+    assert sorted(tensors) == sorted(".".join(key_name(k) for k in p) for p, _ in full)
     for p, x in full:
-        np.testing.assert_array_equal(tensors[".".join(zj._tree.key_name(k) for k in p)], np.asarray(x), strict=True)
+        np.testing.assert_array_equal(tensors[".".join(key_name(k) for k in p)], np.asarray(x), strict=True)
     pol3, _ = _setup(3, 4, stacked="layers")
     back = zj.load_params(file, pol3)
     fresh = zj.init_state(init_params(cfg, jax.random.key(0)), zj.shard_optimizer(optax.sgd(0.1), pol3), pol3)
@@ -378,8 +381,6 @@ def test_checkpoint_of_another_model_or_optimizer(saved):
 
 
 def _copy(src: Path, dst: Path) -> Path:
-    import shutil
-
     shutil.copytree(src, dst)
     return dst
 
@@ -479,8 +480,6 @@ _PROCESS = textwrap.dedent(
 
 @pytest.mark.slow  # > 3 s on 2 idle cores
 def test_two_processes_save_their_shards_one_restores(tmp_path):
-    import socket
-
     script, directory = tmp_path / "proc.py", tmp_path / "ckpt"
     script.write_text(_PROCESS)
     with socket.socket() as s:

@@ -13,6 +13,7 @@ steps that were there before.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from typing import Any
 
@@ -173,7 +174,7 @@ class CheckpointManager:
     def __init__(
         self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 3, async_save: bool = True
     ) -> None:
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+        if max_to_keep is not None and (not isinstance(max_to_keep, numbers.Integral) or max_to_keep < 1):
             raise ValueError(BAD_MAX_TO_KEEP.format(got=max_to_keep))
         self.directory = resolve(directory)
         self.max_to_keep = max_to_keep

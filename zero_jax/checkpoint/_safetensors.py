@@ -342,7 +342,7 @@ def load_params(
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(NOT_SAFETENSORS.format(where=where, file=file, error=e)) from e
     with handle as f:
-        info = {n: (tuple(f.get_slice(n).get_shape()), NP_DTYPES.get(f.get_slice(n).get_dtype())) for n in f.keys()}  # noqa: SIM118
+        info = {n: (tuple(f.get_slice(n).get_shape()), NP_DTYPES.get(f.get_slice(n).get_dtype())) for n in f.keys()}
         order, treedef = _file_tree(info, f.metadata() or {}, like, file, where)
         unknown = [n for n in order if info[n][1] is None]
         if unknown:
