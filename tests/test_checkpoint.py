@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,8 @@ from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 from safetensors.numpy import load_file
 
 import zero_jax as zj
-from zero_jax.checkpoint import _entries
+from zero_jax._tree import key_name
+from zero_jax.checkpoint._record import state_entries as _entries
 from zero_jax.models import TransformerConfig, init_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +71,7 @@ def _run(state, step, batches):
 # -- save at N = 8, stage 3; restore at other (N, stage) -----------------------------------------------
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_restore_across_device_counts_and_stages(tmp_path):
     policy, tx = _setup(3, 8)
     step = zj.make_train_step(mlp_loss, tx, policy)
@@ -97,6 +101,7 @@ def test_restore_across_device_counts_and_stages(tmp_path):
             np.testing.assert_allclose(losses, uninterrupted, rtol=2e-6)
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_restore_stacked_transformer_and_precision_changes(tmp_path):
     cfg = TransformerConfig(vocab=64, dim=32, depth=2, heads=2, seq=8)
     params = init_params(cfg, jax.random.key(0))
@@ -234,7 +239,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, mode):
     try:
         line = proc.stdout.readline().strip()  # blocks until the save of step 2 is part-way
         assert line == "STALLED", f"the saving process ended early: {line!r}"
-        partial = zj.checkpoint._partial_saves(directory)
+        partial = zj.checkpoint.partial_saves(directory)
         assert partial and partial[0].startswith("2."), partial  # step 2 is being written ...
         os.kill(proc.pid, signal.SIGKILL)  # ... when the process dies
         proc.wait(timeout=30)
@@ -251,7 +256,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, mode):
         for i, x in enumerate(jax.tree.leaves(back)):
             np.testing.assert_array_equal(np.asarray(x), want[str(i)], strict=True)  # bitwise
     zj.save(directory, back, step=3)  # the next save removes the partial one
-    assert zj.checkpoint.steps(directory) == [1, 3] and not zj.checkpoint._partial_saves(directory)
+    assert zj.checkpoint.steps(directory) == [1, 3] and not zj.checkpoint.partial_saves(directory)
 
 
 # -- streamed export -----------------------------------------------------------------------------------
@@ -295,6 +300,7 @@ _EXPORT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_export_streams_with_bounded_host_memory(tmp_path):
     """Reference model (26M parameters, 103 MB fp32), stage 3 on 8 devices."""
     script = tmp_path / "export.py"
@@ -325,9 +331,9 @@ def test_export_equals_full_params_and_loads_partitioned(tmp_path, stage):
     file = zj.export_params(tmp_path / "m.safetensors", state)
     full = jax.tree_util.tree_flatten_with_path(zj.full_params(state))[0]
     tensors = load_file(file)
-    assert sorted(tensors) == sorted(".".join(zj._tree.key_name(k) for k in p) for p, _ in full)
+    assert sorted(tensors) == sorted(".".join(key_name(k) for k in p) for p, _ in full)
     for p, x in full:
-        np.testing.assert_array_equal(tensors[".".join(zj._tree.key_name(k) for k in p)], np.asarray(x), strict=True)
+        np.testing.assert_array_equal(tensors[".".join(key_name(k) for k in p)], np.asarray(x), strict=True)
     pol3, _ = _setup(3, 4, stacked="layers")
     back = zj.load_params(file, pol3)
     fresh = zj.init_state(init_params(cfg, jax.random.key(0)), zj.shard_optimizer(optax.sgd(0.1), pol3), pol3)
@@ -375,8 +381,6 @@ def test_checkpoint_of_another_model_or_optimizer(saved):
 
 
 def _copy(src: Path, dst: Path) -> Path:
-    import shutil
-
     shutil.copytree(src, dst)
     return dst
 
@@ -474,9 +478,8 @@ _PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # > 3 s on 2 idle cores
 def test_two_processes_save_their_shards_one_restores(tmp_path):
-    import socket
-
     script, directory = tmp_path / "proc.py", tmp_path / "ckpt"
     script.write_text(_PROCESS)
     with socket.socket() as s:
@@ -525,3 +528,137 @@ def test_two_processes_save_their_shards_one_restores(tmp_path):
     exported = load_file(str(directory) + ".safetensors")
     for name, value in exported.items():
         np.testing.assert_array_equal(value, got["params/" + name], strict=True)  # the same multi-process state
+
+
+# -- issue 13: relative paths, nothing on stderr, failed saves, another optimizer, donated states ---------------
+
+
+def _printed_nothing(capfd, caplog) -> None:
+    """Nothing reached stderr, and orbax logged no absl record (pytest's log capture would hide them from stderr)."""
+    assert capfd.readouterr().err == ""
+    assert [r.getMessage()[:200] for r in caplog.records if r.name == "absl"] == []
+
+
+def test_relative_paths_resolve_against_the_current_directory(tmp_path, monkeypatch, capfd, caplog):
+    policy, tx = _setup(3, 8)
+    state = zj.init_state(mlp_params(), tx, policy)
+    want = _logical(state)
+    monkeypatch.chdir(tmp_path)
+    zj.save("runs/a", state, step=1)
+    mgr = zj.CheckpointManager("runs/b", max_to_keep=1)  # resolved now, where the caller is
+    file = zj.export_params("m.safetensors", state)
+    assert file == str(tmp_path / "m.safetensors")
+    _assert_bitwise(_logical(zj.restore("runs/a", policy=policy, tx=tx)), want)
+    monkeypatch.chdir(tmp_path / "runs")
+    mgr.save(state, step=2)  # still into <tmp>/runs/b, not <tmp>/runs/runs/b
+    mgr.close()
+    assert zj.checkpoint.steps(tmp_path / "runs" / "b") == [2] and not (tmp_path / "runs" / "runs").exists()
+    _assert_bitwise(_logical(zj.restore("b", policy=policy, tx=tx)), want)
+    loaded = zj.load_params("../m.safetensors", policy)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
+    _printed_nothing(capfd, caplog)  # no absl records from orbax
+
+
+def test_failed_save_leaves_nothing_and_prints_nothing(tmp_path, monkeypatch, capfd, caplog):
+    from orbax.checkpoint._src.serialization import serialization
+
+    policy, tx = _setup(3, 8)
+    state = zj.init_state(mlp_params(), tx, policy)
+    directory = tmp_path / "ckpt"
+    zj.save(directory, state, step=1)
+
+    async def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", full_disk)
+    held = r"could not be written to .*No space left on device.*holds the steps it held before \({}\)"
+    with pytest.raises(OSError, match="zj.save: checkpoint step 2 " + held.format(r"\[1\]")):
+        zj.save(directory, state, step=2)
+    with zj.CheckpointManager(directory, async_save=True) as mgr:  # a background failure surfaces at wait()
+        mgr.save(state, step=3)
+        with pytest.raises(OSError, match="CheckpointManager.wait: checkpoint step 3 " + held.format(r"\[1\]")):
+            mgr.wait()
+    with pytest.raises(OSError, match="step 1 " + held.format(r"\[\]")):
+        zj.save(tmp_path / "new" / "run", state, step=1)
+    monkeypatch.undo()
+    assert not (tmp_path / "new").exists()  # the directories the failed save created are gone
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match=r"zj.save: checkpoint step 1 could not be written to .*a_file/run \("):
+        zj.save(tmp_path / "a_file" / "run", state, step=1)  # a directory that cannot be made
+    assert sorted(p.name for p in directory.iterdir()) == ["1"] and zj.checkpoint.partial_saves(directory) == []
+    _assert_bitwise(_logical(zj.restore(directory, policy=policy, tx=tx)), _logical(state))
+    zj.save(directory, state, step=2)  # the step that failed saves now
+    assert zj.checkpoint.steps(directory) == [1, 2]
+    _printed_nothing(capfd, caplog)  # neither orbax's absl tracebacks nor its closed-event-loop noise
+
+
+def test_restore_with_another_optimizer_raises_unless_reinit(tmp_path, capfd, caplog):
+    policy, tx = _setup(3, 8)  # adamw
+    state, _ = _run(zj.init_state(mlp_params(), tx, policy), zj.make_train_step(mlp_loss, tx, policy), [mlp_batch(16)])
+    zj.save(tmp_path, state, step=1)
+    saved = _logical(state)
+
+    pol, sgd = _setup(2, 4, optax.sgd(0.1))  # no optimizer state at all: Adam's would be dropped silently
+    with pytest.raises(ValueError, match=r"optimizer state has leaf 'opt_state/0/count' \(\(\) int32\) that tx's") as e:
+        zj.restore(tmp_path, policy=pol, tx=sgd)
+    assert "All 11 differing optimizer-state leaves" in str(e.value) and "'opt_state/0/nu/w2'" in str(e.value)
+    assert 'optimizer_state="reinit"' in str(e.value)
+    with pytest.raises(ValueError, match="optimizer_state must be 'restore' .* or 'reinit'"):
+        zj.restore(tmp_path, policy=pol, tx=sgd, optimizer_state="fresh")
+
+    pol, momentum = _setup(2, 4, optax.sgd(0.1, momentum=0.9))
+    back = zj.restore(tmp_path, policy=pol, tx=momentum, optimizer_state="reinit")
+    fresh = zj.init_state(zj.full_params(state), momentum, pol)  # tx's initial state for those parameters
+    got = _logical(back)
+    assert sorted(n for n in got if n.startswith("opt_state/")) == [
+        f"opt_state/0/trace/{k}" for k in sorted(mlp_params())
+    ]
+    _assert_bitwise(
+        {n: v for n, v in got.items() if n != "step"}, {n: v for n, v in _logical(fresh).items() if n != "step"}
+    )
+    assert int(back.step) == int(saved["step"]) == 1
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(fresh), strict=True):  # in the target layout
+        assert a.shape == b.shape and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    step = zj.make_train_step(mlp_loss, momentum, pol)
+    _, losses = _run(back, step, [mlp_batch(16, seed=s) for s in range(2)])
+    _, expected = _run(fresh, step, [mlp_batch(16, seed=s) for s in range(2)])
+    assert losses == expected
+    _printed_nothing(capfd, caplog)
+
+
+def test_save_and_export_refuse_a_donated_state(tmp_path):
+    policy, tx = _setup(3, 8)
+    state = zj.init_state(mlp_params(), tx, policy)
+    new, _ = zj.make_train_step(mlp_loss, tx, policy)(state, mlp_batch(16))  # consumes `state`
+    assert state.params["w1"].is_deleted()
+    donated = r"donated to an earlier train step .*keep the state it returns"
+    with pytest.raises(ValueError, match="zj.save: .*" + donated):
+        zj.save(tmp_path / "a", state, step=0)
+    with zj.CheckpointManager(tmp_path / "b") as mgr, pytest.raises(ValueError, match=donated):
+        mgr.save(state, step=0)
+    with pytest.raises(ValueError, match="zj.export_params: .*" + donated):
+        zj.export_params(tmp_path / "m.safetensors", state)
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+    zj.save(tmp_path / "a", new, step=1)  # the state the step returned is live
+    assert zj.checkpoint.steps(tmp_path / "a") == [1]
+
+
+def test_bad_input_prints_nothing(tmp_path, saved, capfd, caplog):
+    directory, policy, tx = saved
+    truncated = _copy(directory, tmp_path / "truncated")
+    for f in (truncated / "5" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    cases = [
+        lambda: zj.restore(tmp_path / "nope", policy=policy, tx=tx),
+        lambda: zj.restore(directory, policy=policy, tx=tx, step=7),
+        lambda: zj.restore(directory, policy=policy, tx=tx, like=dict(mlp_params(), extra=jnp.zeros(3))),
+        lambda: zj.restore(directory, policy=policy, tx=zj.shard_optimizer(optax.sgd(0.1), policy)),
+        lambda: zj.restore(truncated, policy=policy, tx=tx),
+    ]
+    for case in cases:
+        with pytest.raises((FileNotFoundError, ValueError)):
+            case()
+    gc.collect()
+    _printed_nothing(capfd, caplog)

@@ -1,0 +1,265 @@
+"""Saving: :class:`CheckpointManager` (keep the last K steps, save in the
+background) and :func:`save` (one step, committed before it returns).
+
+Saves are atomic: orbax writes a step into a temporary sibling directory and
+renames it when every item is complete, so a process killed mid-save leaves
+the previous steps restorable (the partial directory is ignored, and removed
+by the next save). A save that *fails* (a full disk, a write error) removes
+its partial directory itself, and the directory it created when it held
+nothing else, before raising one error: the next restore finds exactly the
+steps that were there before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import os
+from typing import Any
+
+import jax
+
+from zero_jax._optimizer import ShardedTransformation
+from zero_jax._policy import ZeroPolicy
+from zero_jax._train import TrainState
+from zero_jax._tree import PyTree, check_live
+from zero_jax.checkpoint._orbax import (
+    discard_partial,
+    error_text,
+    hold_quiet,
+    missing_root,
+    open_writer,
+    quiet,
+    release_quiet,
+    settle,
+    write,
+)
+from zero_jax.checkpoint._record import build_metadata, checksums, committed_steps, resolve, state_entries
+from zero_jax.checkpoint._restore import restore
+
+NOT_A_TRAIN_STATE = (
+    "{where}: expected a zero_jax TrainState, got {got}. Save the state that zj.init_state / train_step returned."
+)
+PRNG_KEY_LEAVES = (
+    "{where}: {count} leaf/leaves of the state are typed PRNG key arrays, which a checkpoint cannot hold: leaf "
+    "'{first}' is a typed PRNG key array (all: {names}). Keep keys out of the model state (or store "
+    "jax.random.key_data(key) in it)."
+)
+LEAVES_NOT_LAYOUTS = "{where}: the state's leaves do not match its layouts; is this a zero_jax state?"
+BAD_MAX_TO_KEEP = "CheckpointManager: max_to_keep must be >= 1 or None, got {got!r}."
+STEP_EXISTS = "{where}: step {step} already exists in {directory}. Save under another step, or delete {path} first."
+SAVE_FAILED = (
+    "{where}: checkpoint step {step} could not be written to {directory} ({error}). Nothing of it was kept: the "
+    "directory holds the steps it held before ({present}). Check the disk (space, permissions) and save again."
+)
+
+
+def _prepare(state: Any, step: int | None, where: str) -> tuple[int, dict[str, jax.Array], dict[str, Any]]:
+    """Check ``state`` and name its arrays: (step, checkpoint name -> array, the JSON record)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(NOT_A_TRAIN_STATE.format(where=where, got=type(state).__name__))
+    check_live(state, where=where)
+    step = int(jax.device_get(state.step)) if step is None else int(step)
+    entries = state_entries(state)
+    arrays = jax.tree.leaves(state)
+    if len(arrays) != len(entries):
+        raise ValueError(LEAVES_NOT_LAYOUTS.format(where=where))
+    keys = [e.name for e, x in zip(entries, arrays, strict=True) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    if keys:
+        raise TypeError(PRNG_KEY_LEAVES.format(where=where, count=len(keys), first=keys[0], names=", ".join(keys)))
+    meta = build_metadata(state, entries, step, checksums(arrays, [e.shape for e in entries]))
+    return step, {e.name: x for e, x in zip(entries, arrays, strict=True)}, meta
+
+
+class _Writer:
+    """One directory's orbax writer: one save in flight at a time, and a failed
+    save cleaned up and raised as one error (see the module docstring)."""
+
+    def __init__(self, directory: Any, *, max_to_keep: int | None, async_save: bool) -> None:
+        self.directory = directory
+        self.max_to_keep = max_to_keep
+        self.async_save = async_save
+        self.manager: Any = None
+        self.created: Any = None  # the outermost directory this writer's first save created
+        self.pending: int | None = None  # the step of a save still being written (holds the log filter)
+
+    def commit(self, step: int, flat: dict[str, jax.Array], meta: dict[str, Any], *, where: str) -> None:
+        """Write ``step`` (returns early when asynchronous)."""
+        self.finish(where)  # one save in flight at a time (as orbax); raises a failed earlier one
+        if step in committed_steps(self.directory):
+            path = self.directory / str(step)
+            raise FileExistsError(STEP_EXISTS.format(where=where, step=step, directory=self.directory, path=path))
+        hold_quiet()
+        self.pending = step
+        try:
+            if self.manager is None:
+                self.created = missing_root(self.directory)
+                self.manager = open_writer(self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save)
+            write(self.manager, step, flat, meta)
+        except Exception as e:
+            self._failed(e, where)
+        if not self.async_save:
+            self.finish(where)
+
+    def finish(self, where: str) -> None:
+        """Wait for the save in flight (if any); on failure clean up and raise."""
+        if self.pending is None:
+            return
+        try:
+            with quiet():
+                self.manager.wait_until_finished()
+        except Exception as e:
+            self._failed(e, where)
+        self.pending = None
+        release_quiet()
+
+    def close(self, where: str) -> None:
+        """Finish, then release orbax's threads (also when finishing raised)."""
+        try:
+            self.finish(where)
+        finally:
+            if self.manager is not None:
+                with quiet():
+                    self.manager.close()
+                self.manager = None
+
+    def _failed(self, error: Exception, where: str) -> None:
+        """Remove what the failed save of ``self.pending`` left, drop the orbax manager, raise one error."""
+        step, manager = self.pending, self.manager
+        self.pending, self.manager = None, None
+        try:
+            with quiet():
+                if manager is not None:
+                    with contextlib.suppress(Exception):  # the save's own error is the one to report
+                        manager.close()
+                settle()
+                discard_partial(self.directory, step, created=self.created)  # type: ignore[arg-type]
+        finally:
+            release_quiet()
+        present = committed_steps(self.directory)
+        text = error_text(error)
+        message = SAVE_FAILED.format(where=where, step=step, directory=self.directory, error=text, present=present)
+        raise (OSError if isinstance(error, OSError) else RuntimeError)(message) from error
+
+
+class CheckpointManager:
+    """Saves and restores :class:`~zero_jax.TrainState` checkpoints in one directory.
+
+    Args:
+      directory: where the step directories go (created on the first save);
+        a relative path is resolved against the current directory now.
+      max_to_keep: keep the last this many steps (``None``: keep all).
+      async_save: ``save`` returns once the arrays are copied off the
+        devices and writes them in the background (call :meth:`wait`, or
+        :meth:`close`, before relying on the files; a background failure is
+        raised there, or by the next ``save``). The state may be donated to
+        the next train step as soon as ``save`` returns.
+
+    Use it as a context manager (``with zj.CheckpointManager(d) as mgr:``) or
+    call :meth:`close`. Partial saves left by a killed process are removed
+    when the manager opens the directory.
+
+    >>> import tempfile, jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> policy = zj.ZeroPolicy(stage=2, mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    >>> state = zj.init_state({"w": jnp.ones((64, 32))}, tx, policy)
+    >>> with zj.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as mgr:
+    ...     for step in range(3):
+    ...         mgr.save(state, step=step)
+    ...     mgr.wait()
+    ...     mgr.all_steps()
+    [1, 2]
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 3, async_save: bool = True
+    ) -> None:
+        if max_to_keep is not None and (not isinstance(max_to_keep, numbers.Integral) or max_to_keep < 1):
+            raise ValueError(BAD_MAX_TO_KEEP.format(got=max_to_keep))
+        self.directory = resolve(directory)
+        self.max_to_keep = max_to_keep
+        self.async_save = async_save
+        self._writer = _Writer(self.directory, max_to_keep=max_to_keep, async_save=async_save)
+
+    def save(self, state: TrainState, *, step: int | None = None) -> None:
+        """Save ``state`` as ``step`` (default: ``state.step``).
+
+        Each process writes the shards its devices hold; the step appears
+        in :meth:`all_steps` only once it is complete (atomic rename). A
+        state consumed by a train step (donated) is refused with a
+        ``ValueError``.
+        """
+        where = "CheckpointManager.save"
+        self._writer.commit(*_prepare(state, step, where), where=where)
+
+    def wait(self) -> None:
+        """Block until every pending asynchronous save is committed (raises if one failed)."""
+        self._writer.finish("CheckpointManager.wait")
+
+    def all_steps(self) -> list[int]:
+        """The committed steps, oldest first."""
+        self.wait()
+        return committed_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        present = self.all_steps()
+        return present[-1] if present else None
+
+    def restore(
+        self,
+        *,
+        policy: ZeroPolicy,
+        tx: ShardedTransformation,
+        step: int | None = None,
+        like: PyTree | TrainState | None = None,
+        verify: bool = True,
+        model_state: PyTree = None,
+        optimizer_state: str = "restore",
+    ) -> TrainState:
+        """:func:`~zero_jax.restore` from this manager's directory (waits for pending saves)."""
+        self.wait()
+        return restore(
+            self.directory,
+            policy=policy,
+            tx=tx,
+            step=step,
+            like=like,
+            verify=verify,
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+        )
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager's threads (raises if a save failed)."""
+        self._writer.close("CheckpointManager.close")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def save(
+    directory: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    step: int | None = None,
+    max_to_keep: int | None = None,
+) -> None:
+    """Save ``state`` as checkpoint ``step`` (default ``state.step``) in ``directory``; returns once committed.
+
+    Every process must call it (each writes its devices' shards). A relative
+    ``directory`` is resolved against the current directory now. With
+    ``max_to_keep`` only the newest that many steps are kept. For saves that
+    overlap training use :class:`CheckpointManager` (``async_save=True``).
+    A state consumed by a train step (donated) is refused with a
+    ``ValueError``: save the state the step returned.
+    """
+    where = "zj.save"
+    prepared = _prepare(state, step, where)
+    writer = _Writer(resolve(directory), max_to_keep=max_to_keep, async_save=False)
+    try:
+        writer.commit(*prepared, where=where)
+    finally:
+        writer.close(where)
