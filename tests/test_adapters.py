@@ -10,6 +10,7 @@ import functools
 import pathlib
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +37,11 @@ LR = 1e-2
 MIN_SHARD = 64  # small enough that every weight matrix is partitioned
 
 
-def _batches() -> list[dict[str, jax.Array]]:
+def _batches(rows: int = 16) -> list[dict[str, jax.Array]]:
     """A learnable task (a fixed random teacher), so the loss falls in 5 steps."""
     rng = np.random.default_rng(7)
     teacher = rng.normal(size=(IN, OUT)) / np.sqrt(IN)
-    xs = [rng.normal(size=(16, IN)) for _ in range(STEPS)]
+    xs = [rng.normal(size=(rows, IN)) for _ in range(STEPS)]
     return [{"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(np.tanh(x @ teacher) * 2, jnp.float32)} for x in xs]
 
 
@@ -48,13 +49,13 @@ def _mse(pred: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((pred - y) ** 2)
 
 
-def _train(adapted: zj.adapters.Adapted, stage: int, gather: str = "all"):
+def _train(adapted: zj.adapters.Adapted, stage: int, gather: str = "all", rows: int = 16):
     policy = adapted.policy(stage, make_mesh(8), min_shard_size=MIN_SHARD)
     tx = zj.shard_optimizer(optax.adam(LR), policy)
     state = adapted.init_state(tx, policy)  # with the model state, if the model has one
     step = adapted.make_train_step(tx, policy, gather=gather)
     losses = []
-    for batch in _batches():
+    for batch in _batches(rows):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, step, losses
@@ -469,6 +470,95 @@ def test_equinox_non_array_leaves_marked_trainable() -> None:
     int_leaf = r"'vocab_ids' is marked trainable but is an array of shape \(6,\) and dtype int32"
     with pytest.raises(ValueError, match=int_leaf):
         zj.adapters.from_equinox(_eqx_model(), _eqx_loss, trainable=spec)
+
+
+class EqxDefaultBatchNormNet(eqx.Module):
+    """eqx.nn.BatchNorm in its default mode ("ema" in equinox 0.13, with a bool "first time" flag in its state)."""
+
+    lin1: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    lin2: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.lin1 = eqx.nn.Linear(IN, WIDTH, use_bias=False, key=k1)
+        with warnings.catch_warnings():  # equinox warns that the unspecified mode defaults to "ema"
+            warnings.filterwarnings("ignore", message=r".*BatchNorm\(\.\.\., mode=\.\.\.\)", category=UserWarning)
+            self.bn = eqx.nn.BatchNorm(WIDTH, axis_name="batch", momentum=BN_MOMENTUM)
+        self.lin2 = eqx.nn.Linear(WIDTH, OUT, key=k2)
+
+    def __call__(self, x: jax.Array, state: eqx.nn.State) -> tuple[jax.Array, eqx.nn.State]:
+        h, state = self.bn(self.lin1(x), state)
+        return self.lin2(jnp.tanh(h)), state
+
+
+BN_MOMENTUM = 0.8
+DEVICES = 8
+BN_ROWS = 32  # 4 rows per device: per-device batch statistics of 2 rows are too ill-conditioned for 1e-5
+
+
+def _eqx_bn_loss(model: EqxDefaultBatchNormNet, state: eqx.nn.State, batch: dict[str, jax.Array]) -> Any:
+    run = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    pred, state = run(batch["x"], state)
+    return _mse(pred, batch["y"]), state
+
+
+def _combine_over_devices(x: jax.Array) -> jax.Array:
+    """What the step does with each device's model state: floats averaged, the rest (the flag) agreed (max)."""
+    return jnp.mean(x, 0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.max(x, 0)
+
+
+@functools.cache
+def _eqx_bn_reference() -> tuple[Any, Any, list[float]]:
+    """Per-device reference: the loss of each of the 8 slices (jax.vmap), gradient of their mean, state combined."""
+    net, state0 = eqx.nn.make_with_state(EqxDefaultBatchNormNet)(jax.random.key(0))
+    params, static = eqx.partition(net, eqx.is_inexact_array)
+
+    def total(p: Any, ms: Any, batch: dict[str, jax.Array]) -> Any:
+        slices = jax.tree.map(lambda x: x.reshape(DEVICES, x.shape[0] // DEVICES, *x.shape[1:]), batch)
+        per_slice = lambda sl: _eqx_bn_loss(eqx.combine(p, static), ms, sl)  # noqa: E731
+        losses, news = jax.vmap(per_slice)(slices)
+        return jnp.mean(losses), jax.tree.map(_combine_over_devices, news)
+
+    tx = optax.adam(LR)
+
+    @jax.jit
+    def step(p: Any, opt: Any, ms: Any, batch: dict[str, jax.Array]) -> Any:
+        (loss, ms), g = jax.value_and_grad(total, has_aux=True)(p, ms, batch)
+        updates, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, updates), opt, ms, loss
+
+    opt, ms, losses = tx.init(params), state0, []
+    for batch in _batches(BN_ROWS):
+        params, opt, ms, loss = step(params, opt, ms, batch)
+        losses.append(float(loss))
+    return params, ms, losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_equinox_default_batch_norm_state_with_a_bool_flag_trains(stage: int) -> None:
+    net, bn_state = eqx.nn.make_with_state(EqxDefaultBatchNormNet)(jax.random.key(0))
+    assert net.bn.mode == "ema"  # the installed equinox's default, whose state holds a bool flag
+    assert [x.dtype for x in jax.tree.leaves(bn_state)].count(jnp.bool_) == 1
+    adapted = zj.adapters.from_equinox(net, _eqx_bn_loss, state=bn_state)
+    state, _, losses = _train(adapted, stage, rows=BN_ROWS)
+    ref_params, ref_state, ref_losses = _eqx_bn_reference()
+    trained, trained_state = adapted.to_model(state)
+    assert isinstance(trained, EqxDefaultBatchNormNet) and isinstance(trained_state, eqx.nn.State)
+    errors = relative_update_error(
+        _np(jax.tree.leaves(eqx.filter(trained, eqx.is_inexact_array))),
+        _np(jax.tree.leaves(ref_params)),
+        _np(jax.tree.leaves(adapted.params)),
+    )
+    assert len(errors) == 5 and max(errors.values()) <= FP32_RTOL, errors
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert ref_losses[-1] < ref_losses[0]
+    got, want = jax.tree.leaves(trained_state), jax.tree.leaves(ref_state)
+    assert [x.dtype for x in got] == [x.dtype for x in want]
+    for g, w in zip(got, want, strict=True):  # the flag (False after the first step) and the running statistics
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    assert not bool(trained_state.get(net.bn.ema_first_time_index))
+    print(f"equinox default BatchNorm stage {stage}: max relative update error {max(errors.values()):.2e}")
 
 
 # -- packaging -----------------------------------------------------------------------------------------------------
