@@ -372,6 +372,77 @@ def test_linen_module_without_its_variables() -> None:
         zj.adapters.from_linen(_nnx_model(), {}, _linen_loss)
 
 
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(OUT)(jnp.tanh(nn.Dense(WIDTH)(x)))
+
+
+class PretrainedStandIn:
+    """The two attributes of a Hugging Face ``FlaxPreTrainedModel`` that from_linen reads (transformers is not a
+    dependency): ``.module``, the Linen module, and ``.params``, its "params" collection (a property that
+    raises when the model was made with ``_do_init=False``); called as ``model(x, params=...)``."""
+
+    def __init__(self, module: nn.Module, params: Any, init: bool = True) -> None:
+        self.module, self._params, self._init = module, params, init
+
+    @property
+    def params(self) -> Any:
+        if not self._init:
+            raise ValueError("`params` cannot be accessed from model when the model is created with `_do_init=False`")
+        return self._params
+
+    def __call__(self, x: jax.Array, params: Any = None) -> jax.Array:
+        return self.module.apply({"params": self.params if params is None else params}, x)
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_linen_takes_a_hugging_face_style_model() -> None:
+    module = LinenMLP()
+    params0 = module.init(jax.random.key(0), jnp.ones((1, IN)))["params"]
+    hf = PretrainedStandIn(module, params0)
+
+    def loss(variables: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
+        return _mse(hf(batch["x"], params=variables["params"]), batch["y"])
+
+    adapted = zj.adapters.from_linen(hf, loss)  # module = hf.module, variables = {"params": hf.params}
+    assert _same_leaves(adapted.params, params0) and adapted.non_trainable == {}
+    tx = optax.adam(LR)
+    params, opt_state, ref_losses = params0, tx.init(params0), []
+    for batch in _batches():  # the unsharded optax reference
+        value, grads = jax.value_and_grad(lambda p, b=batch: loss({"params": p}, b))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params, ref_losses = optax.apply_updates(params, updates), [*ref_losses, float(value)]
+    for stage in (3,):  # what the adapter does is the same in every stage
+        state, _, losses = _train(adapted, stage)
+        trained = adapted.to_model(state)
+        assert sorted(trained) == ["params"]
+        errors = relative_update_error(_np(trained["params"]), _np(params), _np(params0))
+        assert len(errors) == 4 and max(errors.values()) <= FP32_RTOL, errors
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        x = _batches()[0]["x"]  # the trained parameters run in the model object (hf_model.params = ...)
+        np.testing.assert_allclose(hf(x, params=trained["params"]), module.apply({"params": params}, x), atol=1e-5)
+    # Variables given explicitly win; a .params that holds collections is the variables dict itself.
+    variables = _linen_variables()
+    explicit = zj.adapters.from_linen(PretrainedStandIn(LINEN[False], {}), variables, _linen_loss)
+    with_collections = zj.adapters.from_linen(PretrainedStandIn(LINEN[False], variables), loss=_linen_loss)
+    for got in (explicit, with_collections):
+        assert _same_leaves(got.params, variables["params"]) and list(got.non_trainable) == ["batch_stats"]
+    unreadable = PretrainedStandIn(module, params0, init=False)
+    message = (
+        r"PretrainedStandIn looks like a Hugging Face Flax model \(its .module is a Linen LinenMLP\), but its "
+        r".params cannot be read \(ValueError: `params` cannot be accessed.*"
+        r"from_linen\(model.module, \{'params': params\}, loss\)"
+    )
+    with pytest.raises(TypeError, match=message):
+        zj.adapters.from_linen(unreadable, loss)
+
+
 # -- Equinox -------------------------------------------------------------------------------------------------------
 
 

@@ -68,6 +68,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.core import unfreeze
 
 from zero_jax._tree import PyTree, path_str
@@ -97,6 +98,101 @@ _DEPTH_FIX = (
 _INIT_HINT = "variables = module.init(jax.random.key(0), example_input)"
 
 
+_NOT_FLOAT = (
+    "{where}: {leaves}. Only floating-point arrays can be trained: keep non-float state in another collection "
+    "(self.variable('state', ...)), not in 'params'."
+)
+_NO_PRETRAINED_PARAMS = (
+    "{where}: {name} looks like a Hugging Face Flax model (its .module is a Linen {module}), but its .params "
+    "cannot be read ({error}). Pass the parameters yourself: from_linen(model.module, {{'params': params}}, loss)."
+)
+
+
+def _pretrained_parts(obj: Any, variables: Any, loss: Any) -> tuple[Any, Any, Any]:
+    """A Hugging Face Flax model (``FlaxPreTrainedModel``: ``.module``, a Linen
+    module, and ``.params``), recognised by those two attributes (transformers
+    is not imported): ``(obj.module, {"params": obj.params}, loss)``, the loss
+    allowed in the place of the variables. ``.params`` that already holds
+    collections (``{"params": ..., "batch_stats": ...}``, as some models keep
+    them) is the variables dict itself. Anything else is returned as given."""
+    module = getattr(obj, "module", None) if not isinstance(obj, nn.Module) else None
+    if not isinstance(module, nn.Module):
+        return obj, variables, loss
+    if loss is None and callable(variables) and not isinstance(variables, Mapping):
+        variables, loss = None, variables
+    if variables is None:
+        try:
+            params = obj.params  # transformers raises when the model was made with _do_init=False
+            problem = None if isinstance(params, Mapping) else f"it is {describe(params)}, not a dict"
+        except Exception as e:
+            params, problem = None, f"{type(e).__name__}: {e}"
+        if problem is not None:
+            name, kind = type(obj).__name__, type(module).__name__
+            raise TypeError(_NO_PRETRAINED_PARAMS.format(where=_WHERE, name=name, module=kind, error=problem))
+        has_collections = isinstance(params.get("params"), Mapping)
+        variables = unfreeze(params) if has_collections else {"params": unfreeze(params)}
+    return module, variables, loss
+
+
+def _check_inputs(module: Any, variables: Any, loss: Any) -> None:
+    if not isinstance(module, nn.Module):
+        hint = ""
+        if isinstance(module, nnx.Module):
+            hint = " It looks like a Flax NNX module: use zj.adapters.from_nnx(model, loss)."
+        raise TypeError(f"{_WHERE}: module must be a flax.linen.Module, got {type(module).__name__}.{hint}")
+    if variables is None or callable(variables) and not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{_WHERE}: the {type(module).__name__} module was passed without its variables. A Linen module "
+            f"holds no parameters itself: create them with {_INIT_HINT} and call "
+            "from_linen(module, variables, loss)."
+        )
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{_WHERE}: variables must be the dict module.init returns ({{'params': ...}}), got "
+            f"{type(variables).__name__}."
+        )
+    if loss is None or not callable(loss):
+        raise TypeError(f"{_WHERE}: loss must be callable as loss(variables, batch), got {type(loss).__name__}.")
+
+
+def _check_collections(
+    module: nn.Module, variables: Mapping[str, Any], collections: tuple[str, ...], mutables: tuple[str, ...]
+) -> None:
+    missing = [c for c in collections if c not in variables]
+    if missing:
+        found = sorted(variables)
+        looks_like_params = bool(found) and all(isinstance(variables[k], Mapping) for k in found)
+        hint = (
+            f" These look like the contents of the 'params' collection: pass {{'params': params}}, or the whole "
+            f"dict from {_INIT_HINT}."
+            if looks_like_params and "params" in collections
+            else f" Create them with {_INIT_HINT}."
+        )
+        raise ValueError(
+            f"{_WHERE}: the variables of {type(module).__name__} have no {missing[0]!r} collection (they have "
+            f"{found}).{hint}"
+        )
+    for c in mutables:
+        if c in collections:
+            raise ValueError(f"{_WHERE}: collection {c!r} is both trainable and mutable=; it can be only one.")
+        if c not in variables:
+            raise ValueError(
+                f"{_WHERE}: mutable collection {c!r} is not in the variables of {type(module).__name__} (they have "
+                f"{sorted(variables)}). Name collections that module.init created."
+            )
+
+
+def _check_trainable_floats(trained: PyTree) -> None:
+    """Every trained variable is a float array; all that are not, named in one error."""
+    bad = [
+        f"trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    if bad:
+        raise ValueError(_NOT_FLOAT.format(where=_WHERE, leaves="; ".join(bad)))
+
+
 def from_linen(
     module: nn.Module,
     variables: Mapping[str, Any] | None = None,
@@ -111,8 +207,13 @@ def from_linen(
     ``zj.make_train_step``.
 
     Args:
-      module: the ``flax.linen.Module``.
-      variables: its variables dict, as ``module.init(...)`` returns it.
+      module: the ``flax.linen.Module``, or a Hugging Face Flax model (a
+        ``FlaxPreTrainedModel``: its ``.module`` is the Linen module and its
+        ``.params`` the variables, so ``from_linen(hf_model, loss)`` works;
+        write the trained ones back with
+        ``hf_model.params = adapted.to_model(state)["params"]``).
+      variables: its variables dict, as ``module.init(...)`` returns it
+        (default for a Hugging Face model: ``{"params": hf_model.params}``).
       loss: the mean loss over the batch it is given, of the whole variables
         dict (trained ``params`` plus the constant other collections).
       trainable: the collection(s) to train (default ``"params"``).
@@ -132,58 +233,14 @@ def from_linen(
       ``to_model`` returns the variables dict (with a TrainState's updated
       ``mutable`` collections).
     """
-    if not isinstance(module, nn.Module):
-        from flax import nnx  # Linen's package: installed
-
-        hint = ""
-        if isinstance(module, nnx.Module):
-            hint = " It looks like a Flax NNX module: use zj.adapters.from_nnx(model, loss)."
-        raise TypeError(f"{_WHERE}: module must be a flax.linen.Module, got {type(module).__name__}.{hint}")
-    if variables is None or callable(variables) and not isinstance(variables, Mapping):
-        raise TypeError(
-            f"{_WHERE}: the {type(module).__name__} module was passed without its variables. A Linen module "
-            f"holds no parameters itself: create them with {_INIT_HINT} and call "
-            "from_linen(module, variables, loss)."
-        )
-    if not isinstance(variables, Mapping):
-        raise TypeError(
-            f"{_WHERE}: variables must be the dict module.init returns ({{'params': ...}}), got "
-            f"{type(variables).__name__}."
-        )
-    if loss is None or not callable(loss):
-        raise TypeError(f"{_WHERE}: loss must be callable as loss(variables, batch), got {type(loss).__name__}.")
+    module, variables, loss = _pretrained_parts(module, variables, loss)
+    _check_inputs(module, variables, loss)
     collections = (trainable,) if isinstance(trainable, str) else tuple(trainable)
-    missing = [c for c in collections if c not in variables]
-    if missing:
-        found = sorted(variables)
-        looks_like_params = bool(found) and all(isinstance(variables[k], Mapping) for k in found)
-        hint = (
-            f" These look like the contents of the 'params' collection: pass {{'params': params}}, or the whole "
-            f"dict from {_INIT_HINT}."
-            if looks_like_params and "params" in collections
-            else f" Create them with {_INIT_HINT}."
-        )
-        raise ValueError(
-            f"{_WHERE}: the variables of {type(module).__name__} have no {missing[0]!r} collection (they have "
-            f"{found}).{hint}"
-        )
     mutables = (mutable,) if isinstance(mutable, str) else tuple(mutable)
-    for c in mutables:
-        if c in collections:
-            raise ValueError(f"{_WHERE}: collection {c!r} is both trainable and mutable=; it can be only one.")
-        if c not in variables:
-            raise ValueError(
-                f"{_WHERE}: mutable collection {c!r} is not in the variables of {type(module).__name__} (they have "
-                f"{sorted(variables)}). Name collections that module.init created."
-            )
+    _check_collections(module, variables, collections, mutables)
     trained = {c: variables[c] for c in collections}
     rest = {c: v for c, v in variables.items() if c not in collections}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]:
-        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            raise ValueError(
-                f"{_WHERE}: trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array. "
-                "Keep non-float state in another collection (self.variable('state', ...)), not in 'params'."
-            )
+    _check_trainable_floats(trained)
     unwrap = len(collections) == 1
     params = trained[collections[0]] if unwrap else trained
     prefixes = normalize_prefixes(stacked, _WHERE)
