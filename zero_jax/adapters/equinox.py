@@ -178,6 +178,43 @@ def _is_float_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+_NOT_FLOAT = (
+    "{where}: {leaves}; only float arrays get gradients and optimizer state. Fix: {fixes}exclude {them} from "
+    "trainable= (the default eqx.is_inexact_array selects exactly the float arrays)."
+)
+_NOT_ARRAY_STATE = (
+    "{where}: {leaves}; the state carried between steps must be a pytree of arrays (an eqx.nn.State from "
+    "eqx.nn.make_with_state is)."
+)
+
+
+def _check_trainable(params: Any) -> None:
+    """Every leaf the filter selected is a float array; all that are not, named in one error."""
+    bad, numbers = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not _is_float_array(leaf):
+            name = path_str(path)
+            bad.append(f"leaf '{name}' is marked trainable but is {describe(leaf)}, not a floating-point array")
+            if isinstance(leaf, (float, int, complex)) and not isinstance(leaf, bool):
+                numbers.append(f"'{name}' as jnp.asarray({leaf!r}, jnp.float32)")
+    if bad:
+        verb = "it should" if len(numbers) == 1 else "they should"
+        fixes = f"store {', '.join(numbers)} if {verb} learn, or " if numbers else ""
+        them = "it" if len(bad) == 1 else "them"
+        raise ValueError(_NOT_FLOAT.format(where=_WHERE, leaves="; ".join(bad), fixes=fixes, them=them))
+
+
+def _check_state(state: Any) -> None:
+    """Every leaf of ``state=`` is an array; all that are not, named in one error."""
+    bad = [
+        f"state leaf '{path_str(path)}' is {describe(leaf)}, not an array"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        if not isinstance(leaf, (jax.Array, np.ndarray))
+    ]
+    if bad:
+        raise ValueError(_NOT_ARRAY_STATE.format(where=_WHERE, leaves="; ".join(bad)))
+
+
 def from_equinox(
     model: eqx.Module,
     loss: Callable[[eqx.Module, PyTree], Any],
@@ -213,17 +250,7 @@ def from_equinox(
         sig = "loss(model, batch)" if state is None else "loss(model, state, batch)"
         raise TypeError(f"{_WHERE}: loss must be callable as {sig}, got {type(loss).__name__}.")
     params, static = eqx.partition(model, trainable)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not _is_float_array(leaf):
-            if isinstance(leaf, (float, int, complex)) and not isinstance(leaf, bool):
-                fix = f"store it as jnp.asarray({leaf!r}, jnp.float32) if it should learn, or "
-            else:
-                fix = ""
-            raise ValueError(
-                f"{_WHERE}: leaf '{path_str(path)}' is marked trainable but is {describe(leaf)}, not a "
-                f"floating-point array; only float arrays get gradients and optimizer state. Fix: {fix}exclude it "
-                "from trainable= (the default eqx.is_inexact_array selects exactly the float arrays)."
-            )
+    _check_trainable(params)
     params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)
     prefixes = normalize_prefixes(stacked, _WHERE)
     others = eqx.filter(static, eqx.is_array)
@@ -239,12 +266,7 @@ def from_equinox(
 
     if state is None:
         return Adapted(params, loss_fn, prefixes, static, to_model)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            raise ValueError(
-                f"{_WHERE}: state leaf '{path_str(path)}' is {describe(leaf)}, not an array; the state carried "
-                "between steps must be a pytree of arrays (an eqx.nn.State from eqx.nn.make_with_state is)."
-            )
+    _check_state(state)
 
     def stateful_loss_fn(params: PyTree, model_state: Any, batch: PyTree) -> Any:
         params = gather_unstacked(params, prefixes, _WHERE)

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import unfreeze
 
-from zero_jax._tree import PyTree, path_str
+from zero_jax._tree import PyTree, path_str, split_prefix, under_any
 from zero_jax.adapters._common import (
     Adapted,
     check_stacked,
@@ -84,7 +84,6 @@ from zero_jax.adapters._common import (
     params_of,
     scan_stacked,
     stateful_signature,
-    under,
 )
 
 __all__ = ["ScanLayers", "from_linen"]
@@ -305,7 +304,7 @@ class _Pieces:
 
 def _box(params: PyTree, prefixes: tuple[str, ...]) -> PyTree:
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        return _Pieces(x) if is_sharded(x) and any(under(path, p) for p in prefixes) else x
+        return _Pieces(x) if is_sharded(x) and under_any(path, map(split_prefix, prefixes)) else x
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
 
