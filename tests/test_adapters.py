@@ -631,6 +631,43 @@ def test_equinox_default_batch_norm_state_with_a_bool_flag_trains(stage: int) ->
     print(f"equinox default BatchNorm stage {stage}: max relative update error {max(errors.values()):.2e}")
 
 
+class NNXIntParams(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones((2,)))
+        self.ids = nnx.Param(jnp.arange(3))
+        self.mask = nnx.Param(jnp.ones((2,), jnp.bool_))
+
+
+def test_checks_name_every_offending_leaf_at_once() -> None:
+    spec = jax.tree.map(lambda _: False, _eqx_model())
+    spec = eqx.tree_at(lambda m: (m.gain, m.vocab_ids, m.out), spec, (True, True, True))
+    both = r"leaf 'gain' is marked trainable but is a float \(0.5\).*; leaf 'vocab_ids' is marked trainable.*int32"
+    with pytest.raises(ValueError, match=both + r".*jnp.asarray\(0.5, jnp.float32\).*exclude them"):
+        zj.adapters.from_equinox(_eqx_model(), _eqx_loss, trainable=spec)
+    with pytest.raises(ValueError, match=r"state leaf 'a' is a float \(1.0\), not an array; state leaf 'c' is a str"):
+        zj.adapters.from_equinox(_eqx_model(), lambda m, s, b: 0.0, state={"a": 1.0, "b": jnp.ones(2), "c": "x"})
+    with pytest.raises(ValueError, match=r"'ids' is an array of shape \(3,\) and dtype int32.*'mask' .* dtype bool"):
+        zj.adapters.from_nnx(NNXIntParams(), lambda m, b: 0.0)
+    variables = {"params": {"ids": jnp.arange(3), "w": jnp.ones(2), "mask": jnp.ones(2, jnp.bool_)}}
+    linen_both = r"variable 'params/ids' is .*int32, not a float array; trainable variable 'params/mask'"
+    with pytest.raises(ValueError, match=linen_both):
+        zj.adapters.from_linen(LinenMLP(), variables, _linen_loss)
+    model = _nnx_model()
+    model.layers.extra = nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r), in_axes=0)(nnx.Rngs(1).split(DEPTH + 1))
+    two = r"prefix 'blocks' matches no trainable parameter.*under 'layers' disagree on depth.*'layers/extra/kernel'"
+    with pytest.raises(ValueError, match=two + r".*nnx.vmap"):
+        zj.adapters.from_nnx(model, _nnx_loss, stacked=("blocks", "layers"))
+    with pytest.raises(TypeError, match=r"got '', 3\."):
+        zj.adapters.from_nnx(_nnx_model(), _nnx_loss, stacked=("layers", "", 3))
+    training = _nnx_model()
+    training.bn.use_running_average = False  # updates both running statistics
+    adapted = zj.adapters.from_nnx(training, _nnx_loss, stacked="layers", state_updates="error")
+    policy = adapted.policy(0, make_mesh(8))
+    tx = zj.shard_optimizer(optax.sgd(LR), policy)
+    with pytest.raises(ValueError, match=r"updated BatchStat 'bn/mean' \(.*\), BatchStat 'bn/var' \("):
+        adapted.make_train_step(tx, policy)(adapted.init_state(tx, policy), _batches()[0])
+
+
 # -- packaging -----------------------------------------------------------------------------------------------------
 
 
