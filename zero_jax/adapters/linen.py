@@ -267,20 +267,7 @@ def from_linen(
         params = gather_unstacked(params, prefixes, _WHERE)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
             result = loss({**as_variables(_box(params, prefixes)), **model_state}, batch)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
-            raise TypeError(
-                f"{_WHERE}: with mutable={list(mutables)} the loss must return (out, updates), updates being the "
-                "dict of updated collections that module.apply(variables, x, mutable=[...]) returns besides its "
-                f"output; got {type(result).__name__}."
-            )
-        out, updates = result
-        extra = sorted(set(updates) - set(mutables))
-        if extra:
-            raise ValueError(
-                f"{_WHERE}: the loss returned updated collection {extra[0]!r}, which is not in mutable="
-                f"{list(mutables)}: add it to mutable= to carry it, or leave it out of what the loss returns."
-            )
-        return out, {c: unfreeze(updates[c]) if c in updates else model_state[c] for c in mutables}
+        return _carried_updates(result, mutables, model_state)
 
     def to_stateful_model(state_or_params: Any, model_state: PyTree = None) -> dict[str, Any]:
         ms = model_state_of(state_or_params, model_state, initial)
@@ -289,6 +276,33 @@ def from_linen(
     return Adapted(
         params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True
     )
+
+
+_NOT_OUT_UPDATES = (
+    "{where}: with mutable={mutables} the loss must return (out, updates), updates being the dict of updated "
+    "collections that module.apply(variables, x, mutable=[...]) returns besides its output; got {got}."
+)
+_EXTRA_COLLECTIONS = (
+    "{where}: the loss returned updated {extra}, which {verb} not in mutable={mutables}: add {them} to mutable= "
+    "to carry {them}, or leave {them} out of what the loss returns."
+)
+
+
+def _carried_updates(result: Any, mutables: tuple[str, ...], model_state: PyTree) -> tuple[Any, PyTree]:
+    """A stateful loss's ``(out, updates)`` -> ``(out, new model state)``: every
+    ``mutable=`` collection, updated or as it was."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+        raise TypeError(_NOT_OUT_UPDATES.format(where=_WHERE, mutables=list(mutables), got=type(result).__name__))
+    out, updates = result
+    extra = sorted(set(updates) - set(mutables))
+    if extra:
+        one = len(extra) == 1
+        shown = ("collection " if one else "collections ") + ", ".join(repr(c) for c in extra)
+        verb, them = ("is", "it") if one else ("are", "them")
+        raise ValueError(
+            _EXTRA_COLLECTIONS.format(where=_WHERE, extra=shown, verb=verb, them=them, mutables=list(mutables))
+        )
+    return out, {c: unfreeze(updates[c]) if c in updates else model_state[c] for c in mutables}
 
 
 class _Pieces:

@@ -194,6 +194,11 @@ def _carried(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _carried_pairs(rest: nnx.State) -> list[tuple[tuple[Any, ...], Any]]:
+    """The (pure-dict key path, value) of every non-trainable value carried as model state."""
+    return [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0] if _carried(x)]
+
+
 def _nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[Any, Any]:
     """Pure-dict (key path, value) pairs -> the nested dict."""
     out: dict[Any, Any] = {}
@@ -271,11 +276,7 @@ def from_nnx(
     _check_trainable_floats(params)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
     rebuild_params, rebuild_rest = _Rebuild(param_state), _Rebuild(rest)
-    carried_pairs = (
-        [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0] if _carried(x)]
-        if state_updates == "carry"
-        else []
-    )
+    carried_pairs = _carried_pairs(rest) if state_updates == "carry" else []
     model_state = _nest(carried_pairs) if carried_pairs else None
     carried_keys = [jax.tree_util.keystr(p) for p, _ in carried_pairs]
     carried_paths = frozenset(path_str(p) for p, _ in carried_pairs)
