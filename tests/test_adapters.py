@@ -10,6 +10,7 @@ import functools
 import pathlib
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,6 @@ from _models import make_mesh, relative_update_error
 from flax import nnx
 
 import zero_jax as zj
-from zero_jax import _measure
 from zero_jax.adapters import equinox as zj_eqx
 from zero_jax.adapters import linen as zj_linen
 from zero_jax.adapters import nnx as zj_nnx
@@ -36,11 +36,11 @@ LR = 1e-2
 MIN_SHARD = 64  # small enough that every weight matrix is partitioned
 
 
-def _batches() -> list[dict[str, jax.Array]]:
+def _batches(rows: int = 16) -> list[dict[str, jax.Array]]:
     """A learnable task (a fixed random teacher), so the loss falls in 5 steps."""
     rng = np.random.default_rng(7)
     teacher = rng.normal(size=(IN, OUT)) / np.sqrt(IN)
-    xs = [rng.normal(size=(16, IN)) for _ in range(STEPS)]
+    xs = [rng.normal(size=(rows, IN)) for _ in range(STEPS)]
     return [{"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(np.tanh(x @ teacher) * 2, jnp.float32)} for x in xs]
 
 
@@ -48,13 +48,13 @@ def _mse(pred: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((pred - y) ** 2)
 
 
-def _train(adapted: zj.adapters.Adapted, stage: int, gather: str = "all"):
+def _train(adapted: zj.adapters.Adapted, stage: int, gather: str = "all", rows: int = 16):
     policy = adapted.policy(stage, make_mesh(8), min_shard_size=MIN_SHARD)
     tx = zj.shard_optimizer(optax.adam(LR), policy)
     state = adapted.init_state(tx, policy)  # with the model state, if the model has one
     step = adapted.make_train_step(tx, policy, gather=gather)
     losses = []
-    for batch in _batches():
+    for batch in _batches(rows):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, step, losses
@@ -149,10 +149,10 @@ def test_nnx_matches_unsharded_training(stage: int, gather: str) -> None:
     assert adapted.stateful and "mean" in adapted.model_state["bn"]
     np.testing.assert_array_equal(trained.bn.mean[...], jnp.linspace(-0.5, 0.5, WIDTH))
     np.testing.assert_array_equal(state.model_state["layers"]["stats"]["mean"], jnp.full((DEPTH, WIDTH), 0.1))
-    assert step.jitted._cache_size() == 1
+    assert step.jitted._cache_size() == 1  # noqa: SLF001  (jax has no public accessor for the jit cache size)
 
 
-def _tally(colls: list[_measure.Collective]) -> dict[tuple[str, tuple[int, ...]], int]:
+def _tally(colls: list[Any]) -> dict[tuple[str, tuple[int, ...]], int]:
     out: dict[tuple[str, tuple[int, ...]], int] = collections.Counter()
     for c in colls:
         out[(c.kind, c.shape)] += c.trips
@@ -371,6 +371,77 @@ def test_linen_module_without_its_variables() -> None:
         zj.adapters.from_linen(_nnx_model(), {}, _linen_loss)
 
 
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(OUT)(jnp.tanh(nn.Dense(WIDTH)(x)))
+
+
+class PretrainedStandIn:
+    """The two attributes of a Hugging Face ``FlaxPreTrainedModel`` that from_linen reads (transformers is not a
+    dependency): ``.module``, the Linen module, and ``.params``, its "params" collection (a property that
+    raises when the model was made with ``_do_init=False``); called as ``model(x, params=...)``."""
+
+    def __init__(self, module: nn.Module, params: Any, init: bool = True) -> None:
+        self.module, self._params, self._init = module, params, init
+
+    @property
+    def params(self) -> Any:
+        if not self._init:
+            raise ValueError("`params` cannot be accessed from model when the model is created with `_do_init=False`")
+        return self._params
+
+    def __call__(self, x: jax.Array, params: Any = None) -> jax.Array:
+        return self.module.apply({"params": self.params if params is None else params}, x)
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_linen_takes_a_hugging_face_style_model() -> None:
+    module = LinenMLP()
+    params0 = module.init(jax.random.key(0), jnp.ones((1, IN)))["params"]
+    hf = PretrainedStandIn(module, params0)
+
+    def loss(variables: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
+        return _mse(hf(batch["x"], params=variables["params"]), batch["y"])
+
+    adapted = zj.adapters.from_linen(hf, loss)  # module = hf.module, variables = {"params": hf.params}
+    assert _same_leaves(adapted.params, params0) and adapted.non_trainable == {}
+    tx = optax.adam(LR)
+    params, opt_state, ref_losses = params0, tx.init(params0), []
+    for batch in _batches():  # the unsharded optax reference
+        value, grads = jax.value_and_grad(lambda p, b=batch: loss({"params": p}, b))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params, ref_losses = optax.apply_updates(params, updates), [*ref_losses, float(value)]
+    for stage in (3,):  # what the adapter does is the same in every stage
+        state, _, losses = _train(adapted, stage)
+        trained = adapted.to_model(state)
+        assert sorted(trained) == ["params"]
+        errors = relative_update_error(_np(trained["params"]), _np(params), _np(params0))
+        assert len(errors) == 4 and max(errors.values()) <= FP32_RTOL, errors
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        x = _batches()[0]["x"]  # the trained parameters run in the model object (hf_model.params = ...)
+        np.testing.assert_allclose(hf(x, params=trained["params"]), module.apply({"params": params}, x), atol=1e-5)
+    # Variables given explicitly win; a .params that holds collections is the variables dict itself.
+    variables = _linen_variables()
+    explicit = zj.adapters.from_linen(PretrainedStandIn(LINEN[False], {}), variables, _linen_loss)
+    with_collections = zj.adapters.from_linen(PretrainedStandIn(LINEN[False], variables), loss=_linen_loss)
+    for got in (explicit, with_collections):
+        assert _same_leaves(got.params, variables["params"]) and list(got.non_trainable) == ["batch_stats"]
+    unreadable = PretrainedStandIn(module, params0, init=False)
+    message = (
+        r"PretrainedStandIn looks like a Hugging Face Flax model \(its .module is a Linen LinenMLP\), but its "
+        r".params cannot be read \(ValueError: `params` cannot be accessed.*"
+        r"from_linen\(model.module, \{'params': params\}, loss\)"
+    )
+    with pytest.raises(TypeError, match=message):
+        zj.adapters.from_linen(unreadable, loss)
+
+
 # -- Equinox -------------------------------------------------------------------------------------------------------
 
 
@@ -469,6 +540,132 @@ def test_equinox_non_array_leaves_marked_trainable() -> None:
     int_leaf = r"'vocab_ids' is marked trainable but is an array of shape \(6,\) and dtype int32"
     with pytest.raises(ValueError, match=int_leaf):
         zj.adapters.from_equinox(_eqx_model(), _eqx_loss, trainable=spec)
+
+
+class EqxDefaultBatchNormNet(eqx.Module):
+    """eqx.nn.BatchNorm in its default mode ("ema" in equinox 0.13, with a bool "first time" flag in its state)."""
+
+    lin1: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    lin2: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.lin1 = eqx.nn.Linear(IN, WIDTH, use_bias=False, key=k1)
+        with warnings.catch_warnings():  # equinox warns that the unspecified mode defaults to "ema"
+            warnings.filterwarnings("ignore", message=r".*BatchNorm\(\.\.\., mode=\.\.\.\)", category=UserWarning)
+            self.bn = eqx.nn.BatchNorm(WIDTH, axis_name="batch", momentum=BN_MOMENTUM)
+        self.lin2 = eqx.nn.Linear(WIDTH, OUT, key=k2)
+
+    def __call__(self, x: jax.Array, state: eqx.nn.State) -> tuple[jax.Array, eqx.nn.State]:
+        h, state = self.bn(self.lin1(x), state)
+        return self.lin2(jnp.tanh(h)), state
+
+
+BN_MOMENTUM = 0.8
+DEVICES = 8
+BN_ROWS = 32  # 4 rows per device: per-device batch statistics of 2 rows are too ill-conditioned for 1e-5
+
+
+def _eqx_bn_loss(model: EqxDefaultBatchNormNet, state: eqx.nn.State, batch: dict[str, jax.Array]) -> Any:
+    run = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    pred, state = run(batch["x"], state)
+    return _mse(pred, batch["y"]), state
+
+
+def _combine_over_devices(x: jax.Array) -> jax.Array:
+    """What the step does with each device's model state: floats averaged, the rest (the flag) agreed (max)."""
+    return jnp.mean(x, 0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.max(x, 0)
+
+
+@functools.cache
+def _eqx_bn_reference() -> tuple[Any, Any, list[float]]:
+    """Per-device reference: the loss of each of the 8 slices (jax.vmap), gradient of their mean, state combined."""
+    net, state0 = eqx.nn.make_with_state(EqxDefaultBatchNormNet)(jax.random.key(0))
+    params, static = eqx.partition(net, eqx.is_inexact_array)
+
+    def total(p: Any, ms: Any, batch: dict[str, jax.Array]) -> Any:
+        slices = jax.tree.map(lambda x: x.reshape(DEVICES, x.shape[0] // DEVICES, *x.shape[1:]), batch)
+        per_slice = lambda sl: _eqx_bn_loss(eqx.combine(p, static), ms, sl)  # noqa: E731
+        losses, news = jax.vmap(per_slice)(slices)
+        return jnp.mean(losses), jax.tree.map(_combine_over_devices, news)
+
+    tx = optax.adam(LR)
+
+    @jax.jit
+    def step(p: Any, opt: Any, ms: Any, batch: dict[str, jax.Array]) -> Any:
+        (loss, ms), g = jax.value_and_grad(total, has_aux=True)(p, ms, batch)
+        updates, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, updates), opt, ms, loss
+
+    opt, ms, losses = tx.init(params), state0, []
+    for batch in _batches(BN_ROWS):
+        params, opt, ms, loss = step(params, opt, ms, batch)
+        losses.append(float(loss))
+    return params, ms, losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_equinox_default_batch_norm_state_with_a_bool_flag_trains(stage: int) -> None:
+    net, bn_state = eqx.nn.make_with_state(EqxDefaultBatchNormNet)(jax.random.key(0))
+    assert net.bn.mode == "ema"  # the installed equinox's default, whose state holds a bool flag
+    assert [x.dtype for x in jax.tree.leaves(bn_state)].count(jnp.bool_) == 1
+    adapted = zj.adapters.from_equinox(net, _eqx_bn_loss, state=bn_state)
+    state, _, losses = _train(adapted, stage, rows=BN_ROWS)
+    ref_params, ref_state, ref_losses = _eqx_bn_reference()
+    trained, trained_state = adapted.to_model(state)
+    assert isinstance(trained, EqxDefaultBatchNormNet) and isinstance(trained_state, eqx.nn.State)
+    errors = relative_update_error(
+        _np(jax.tree.leaves(eqx.filter(trained, eqx.is_inexact_array))),
+        _np(jax.tree.leaves(ref_params)),
+        _np(jax.tree.leaves(adapted.params)),
+    )
+    assert len(errors) == 5 and max(errors.values()) <= FP32_RTOL, errors
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert ref_losses[-1] < ref_losses[0]
+    got, want = jax.tree.leaves(trained_state), jax.tree.leaves(ref_state)
+    assert [x.dtype for x in got] == [x.dtype for x in want]
+    for g, w in zip(got, want, strict=True):  # the flag (False after the first step) and the running statistics
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    assert not bool(trained_state.get(net.bn.ema_first_time_index))
+    print(f"equinox default BatchNorm stage {stage}: max relative update error {max(errors.values()):.2e}")
+
+
+class NNXIntParams(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones((2,)))
+        self.ids = nnx.Param(jnp.arange(3))
+        self.mask = nnx.Param(jnp.ones((2,), jnp.bool_))
+
+
+def test_checks_name_every_offending_leaf_at_once() -> None:
+    spec = jax.tree.map(lambda _: False, _eqx_model())
+    spec = eqx.tree_at(lambda m: (m.gain, m.vocab_ids, m.out), spec, (True, True, True))
+    both = r"leaf 'gain' is marked trainable but is a float \(0.5\).*; leaf 'vocab_ids' is marked trainable.*int32"
+    with pytest.raises(ValueError, match=both + r".*jnp.asarray\(0.5, jnp.float32\).*exclude them"):
+        zj.adapters.from_equinox(_eqx_model(), _eqx_loss, trainable=spec)
+    with pytest.raises(ValueError, match=r"state leaf 'a' is a float \(1.0\), not an array; state leaf 'c' is a str"):
+        zj.adapters.from_equinox(_eqx_model(), lambda m, s, b: 0.0, state={"a": 1.0, "b": jnp.ones(2), "c": "x"})
+    with pytest.raises(ValueError, match=r"'ids' is an array of shape \(3,\) and dtype int32.*'mask' .* dtype bool"):
+        zj.adapters.from_nnx(NNXIntParams(), lambda m, b: 0.0)
+    variables = {"params": {"ids": jnp.arange(3), "w": jnp.ones(2), "mask": jnp.ones(2, jnp.bool_)}}
+    linen_both = r"variable 'params/ids' is .*int32, not a float array; trainable variable 'params/mask'"
+    with pytest.raises(ValueError, match=linen_both):
+        zj.adapters.from_linen(LinenMLP(), variables, _linen_loss)
+    model = _nnx_model()
+    model.layers.extra = nnx.vmap(lambda r: nnx.Linear(WIDTH, WIDTH, rngs=r), in_axes=0)(nnx.Rngs(1).split(DEPTH + 1))
+    two = r"prefix 'blocks' matches no trainable parameter.*under 'layers' disagree on depth.*'layers/extra/kernel'"
+    with pytest.raises(ValueError, match=two + r".*nnx.vmap"):
+        zj.adapters.from_nnx(model, _nnx_loss, stacked=("blocks", "layers"))
+    with pytest.raises(TypeError, match=r"got '', 3\."):
+        zj.adapters.from_nnx(_nnx_model(), _nnx_loss, stacked=("layers", "", 3))
+    training = _nnx_model()
+    training.bn.use_running_average = False  # updates both running statistics
+    adapted = zj.adapters.from_nnx(training, _nnx_loss, stacked="layers", state_updates="error")
+    policy = adapted.policy(0, make_mesh(8))
+    tx = zj.shard_optimizer(optax.sgd(LR), policy)
+    with pytest.raises(ValueError, match=r"updated BatchStat 'bn/mean' \(.*\), BatchStat 'bn/var' \("):
+        adapted.make_train_step(tx, policy)(adapted.init_state(tx, policy), _batches()[0])
 
 
 # -- packaging -----------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ BUDGET_S = {"quickstart.ipynb": 180, "bring_your_model.ipynb": 120}
 PROBE = "import sys, jax, zero_jax; print('PROBE', zero_jax.__file__, jax.device_count(), 'flax' in sys.modules)"
 
 
+@pytest.mark.slow  # 20-25 s each on 2 idle cores
 @pytest.mark.parametrize("name", sorted(BUDGET_S))
 def test_notebook_runs_top_to_bottom(name: str) -> None:
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)

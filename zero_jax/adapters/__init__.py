@@ -9,6 +9,7 @@ the library's object::
 
     adapted = zj.adapters.from_nnx(model, loss)                      # loss(model, batch)
     adapted = zj.adapters.from_linen(module, variables, loss)        # loss(variables, batch)
+    adapted = zj.adapters.from_linen(hf_model, loss)                 # a Hugging Face Flax model
     adapted = zj.adapters.from_equinox(model, loss)                  # loss(model, batch)
 
     policy = adapted.policy(stage=3, mesh=mesh)      # = ZeroPolicy(..., stacked=adapted.stacked)

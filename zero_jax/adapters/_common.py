@@ -17,7 +17,7 @@ from zero_jax import _layers
 from zero_jax._layers import Sharded
 from zero_jax._policy import ZeroPolicy
 from zero_jax._train import TrainState, full_params, init_state, make_train_step
-from zero_jax._tree import PyTree, key_name, path_str
+from zero_jax._tree import PyTree, path_str, split_prefix, under, under_any
 
 
 class Adapted(NamedTuple):
@@ -113,19 +113,11 @@ def stateful_signature(fn: Callable[..., Any], where: str) -> Callable[..., Any]
 
 def normalize_prefixes(stacked: str | Sequence[str], where: str) -> tuple[str, ...]:
     prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
-    for p in prefixes:
-        if not isinstance(p, str) or not p.strip("/."):
-            raise TypeError(f"{where}: stacked must be key-path prefixes like 'layers' or 'decoder/blocks', got {p!r}.")
-    return tuple(p.replace(".", "/").strip("/") for p in prefixes)
-
-
-def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(key_name(k) for k in path)
-
-
-def under(path: tuple[Any, ...], prefix: str) -> bool:
-    parts = tuple(prefix.split("/"))
-    return _names(path)[: len(parts)] == parts
+    bad = [p for p in prefixes if not isinstance(p, str) or not split_prefix(p)]
+    if bad:
+        shown = ", ".join(repr(p) for p in bad)
+        raise TypeError(f"{where}: stacked must be key-path prefixes like 'layers' or 'decoder/blocks', got {shown}.")
+    return tuple("/".join(split_prefix(p)) for p in prefixes)
 
 
 def is_sharded(x: Any) -> bool:
@@ -136,34 +128,47 @@ def _shape(leaf: Any) -> tuple[int, ...]:
     return tuple(leaf.shape) if hasattr(leaf, "shape") else ()
 
 
+_NO_MATCH = (
+    "stacked prefix {prefix!r} matches no trainable parameter; top-level entries are {tops}. Pass the path of "
+    "the subtree whose leaves carry the leading layer axis."
+)
+_DEPTHS = (
+    "the stacked layers under {prefix!r} disagree on depth: most leaves have {common} layers (e.g. {example}), "
+    "but {odd}. Every leaf of a stack needs the same leading layer axis."
+)
+
+
+def _stack_problem(prefix: str, param_leaves: list[Any], other_leaves: list[Any]) -> tuple[str, bool] | None:
+    """What is wrong with one stacked prefix (and whether it is a depth problem), or None."""
+    names = split_prefix(prefix)
+    mine = [(p, x) for p, x in param_leaves if under(p, names)]
+    if not mine:
+        tops = sorted({path_str(p[:1]) for p, _ in param_leaves})
+        return _NO_MATCH.format(prefix=prefix, tops=tops), False
+    mine += [(p, x) for p, x in other_leaves if under(p, names) and hasattr(x, "shape")]
+    depths: dict[int | None, list[str]] = {}
+    for p, x in mine:
+        shape = _shape(x)
+        depths.setdefault(shape[0] if shape else None, []).append(f"'{path_str(p)}' {shape}")
+    if len(depths) == 1 and None not in depths:
+        return None
+    (common, _), *_ = sorted(depths.items(), key=lambda kv: -len(kv[1]))
+    odd = [f"{leaf} (depth {d})" for d, leaves in depths.items() if d != common for leaf in leaves]
+    return _DEPTHS.format(prefix=prefix, common=common, example=depths[common][0], odd=", ".join(odd)), True
+
+
 def check_stacked(
     params: PyTree, others: PyTree, prefixes: tuple[str, ...], where: str, fix: str, is_leaf: Any = None
 ) -> None:
     """Every array under a stacked prefix (trainable or not) must carry the
-    same leading layer axis; a prefix must match a trainable leaf."""
+    same leading layer axis; a prefix must match a trainable leaf. Every
+    prefix's problem is named in one error."""
     param_leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
     other_leaves = jax.tree_util.tree_flatten_with_path(others, is_leaf=is_leaf)[0]
-    for prefix in prefixes:
-        mine = [(p, x) for p, x in param_leaves if under(p, prefix)]
-        if not mine:
-            tops = sorted({path_str(p[:1]) for p, _ in param_leaves})
-            raise ValueError(
-                f"{where}: stacked prefix {prefix!r} matches no trainable parameter; top-level entries are "
-                f"{tops}. Pass the path of the subtree whose leaves carry the leading layer axis."
-            )
-        mine += [(p, x) for p, x in other_leaves if under(p, prefix) and hasattr(x, "shape")]
-        depths: dict[int | None, list[str]] = {}
-        for p, x in mine:
-            shape = _shape(x)
-            depths.setdefault(shape[0] if shape else None, []).append(f"'{path_str(p)}' {shape}")
-        if len(depths) > 1 or None in depths:
-            (common, _), *_ = sorted(depths.items(), key=lambda kv: -len(kv[1]))
-            odd = [f"{leaf} (depth {d})" for d, leaves in depths.items() if d != common for leaf in leaves]
-            raise ValueError(
-                f"{where}: the stacked layers under {prefix!r} disagree on depth: most leaves have {common} "
-                f"layers (e.g. {depths[common][0]}), but {', '.join(odd)}. Every leaf of a stack needs the same "
-                f"leading layer axis. {fix}"
-            )
+    problems = [q for q in (_stack_problem(p, param_leaves, other_leaves) for p in prefixes) if q is not None]
+    if problems:
+        depth = any(is_depth for _, is_depth in problems)
+        raise ValueError(f"{where}: " + " ".join(text for text, _ in problems) + (f" {fix}" if depth else ""))
 
 
 def active_policy() -> ZeroPolicy | None:
@@ -183,7 +188,7 @@ def gather_unstacked(params: PyTree, prefixes: tuple[str, ...], where: str) -> P
         raise RuntimeError(f"{where}: got partitioned parameters outside a train step.")
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if is_sharded(x) and not any(under(path, p) for p in prefixes):
+        if is_sharded(x) and not under_any(path, map(split_prefix, prefixes)):
             return _layers.gather(x, policy)
         return x
 
@@ -199,7 +204,7 @@ def explain_unscanned_pieces(params: PyTree, prefixes: tuple[str, ...], where: s
     pieces = [
         path_str(p)
         for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
-        if is_sharded(x) and any(under(p, q) for q in prefixes)
+        if is_sharded(x) and under_any(p, map(split_prefix, prefixes))
     ]
     with _layers.trace_scope(adapter_scans=[0]) as scope:
         try:

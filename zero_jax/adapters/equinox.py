@@ -16,8 +16,10 @@ keep their state in an ``eqx.nn.State``: pass it as
 (out, new_state)`` (the usual Equinox way of threading it). It becomes the
 adapter's ``model_state`` (``TrainState.model_state``): each device updates
 it from its slice of the batch and the step averages float values over the
-devices (data-parallel batch norm); ``to_model(train_state)`` returns
-``(model, state)``.
+devices (data-parallel batch norm; integer and bool values, such as the
+``"ema"`` mode's first-step flag, must agree and are taken as their maximum);
+``to_model(train_state)`` returns ``(model, state)``. Every ``BatchNorm``
+mode works, the default one included.
 
 A filter that marks a leaf trainable which is not a float array is an error
 naming the leaf (gradients and optimizer state exist only for float arrays).
@@ -120,8 +122,97 @@ def _combine(params: Any, static: Any) -> Any:
     return jax.tree.map(lambda p, s: s if p is _HOLE else p, params, static, is_leaf=_is_hole)
 
 
+def _in_step_like(old: Any, new: Any) -> Any:
+    """``new`` typed like the carried value ``old`` it replaces. Inside the
+    step's ``shard_map`` every traced value carries the device mesh in its
+    type, but a constant the model writes (``eqx.nn.BatchNorm``'s
+    ``jnp.array(False)`` "first time" flag in its default ``"ema"`` mode)
+    does not, and ``State.set`` refuses the difference. The constant is made
+    a traced value of the same shape, dtype and value; anything that really
+    differs is left for ``State.set`` to report."""
+    new = jnp.asarray(new)
+    want, got = jax.eval_shape(lambda: old), jax.eval_shape(lambda: new)
+    if want != got and (want.shape, want.dtype) == (got.shape, got.dtype):
+        return jnp.where(True, new, old)
+    return new
+
+
+class _CarriedState(eqx.nn.State):
+    """The ``eqx.nn.State`` the loss sees inside a train step: ``set`` accepts
+    constants for traced values (:func:`_in_step_like`). ``substate`` and
+    ``update`` keep the type, so stateful layers nested in a submodule work
+    alike; the loss's returned state becomes a plain ``eqx.nn.State`` again."""
+
+    def set(self, item: Any, value: Any) -> eqx.nn.State:
+        old = self.get(item)
+        if jax.tree.structure(old) == jax.tree.structure(value):  # else State.set names the difference
+            value = jax.tree.map(_in_step_like, old, value)
+        return _as_state(super().set(item, value), _CarriedState)
+
+    def substate(self, pytree: Any) -> eqx.nn.State:
+        return _as_state(super().substate(pytree), _CarriedState)
+
+    def update(self, substate: eqx.nn.State) -> eqx.nn.State:
+        return _as_state(super().update(_as_state(substate, eqx.nn.State)), _CarriedState)
+
+
+jax.tree_util.register_pytree_node_class(_CarriedState)
+
+
+def _as_state(state: Any, cls: type) -> Any:
+    """``state`` (an ``eqx.nn.State`` of either kind) as a ``cls``, same keys and values."""
+    if not isinstance(state, eqx.nn.State) or type(state) is cls:
+        return state
+    values, keys = state.tree_flatten()
+    return cls.tree_unflatten(keys, values)
+
+
+def _states_as(tree: Any, cls: type) -> Any:
+    """Every ``eqx.nn.State`` in ``tree`` as a ``cls`` (leaves untouched, so
+    the step still sees which values the loss returned unchanged)."""
+    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
+    return jax.tree.map(lambda x: _as_state(x, cls), tree, is_leaf=is_state)
+
+
 def _is_float_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+_NOT_FLOAT = (
+    "{where}: {leaves}; only float arrays get gradients and optimizer state. Fix: {fixes}exclude {them} from "
+    "trainable= (the default eqx.is_inexact_array selects exactly the float arrays)."
+)
+_NOT_ARRAY_STATE = (
+    "{where}: {leaves}; the state carried between steps must be a pytree of arrays (an eqx.nn.State from "
+    "eqx.nn.make_with_state is)."
+)
+
+
+def _check_trainable(params: Any) -> None:
+    """Every leaf the filter selected is a float array; all that are not, named in one error."""
+    bad, numbers = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not _is_float_array(leaf):
+            name = path_str(path)
+            bad.append(f"leaf '{name}' is marked trainable but is {describe(leaf)}, not a floating-point array")
+            if isinstance(leaf, (float, int, complex)) and not isinstance(leaf, bool):
+                numbers.append(f"'{name}' as jnp.asarray({leaf!r}, jnp.float32)")
+    if bad:
+        verb = "it should" if len(numbers) == 1 else "they should"
+        fixes = f"store {', '.join(numbers)} if {verb} learn, or " if numbers else ""
+        them = "it" if len(bad) == 1 else "them"
+        raise ValueError(_NOT_FLOAT.format(where=_WHERE, leaves="; ".join(bad), fixes=fixes, them=them))
+
+
+def _check_state(state: Any) -> None:
+    """Every leaf of ``state=`` is an array; all that are not, named in one error."""
+    bad = [
+        f"state leaf '{path_str(path)}' is {describe(leaf)}, not an array"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        if not isinstance(leaf, (jax.Array, np.ndarray))
+    ]
+    if bad:
+        raise ValueError(_NOT_ARRAY_STATE.format(where=_WHERE, leaves="; ".join(bad)))
 
 
 def from_equinox(
@@ -159,17 +250,7 @@ def from_equinox(
         sig = "loss(model, batch)" if state is None else "loss(model, state, batch)"
         raise TypeError(f"{_WHERE}: loss must be callable as {sig}, got {type(loss).__name__}.")
     params, static = eqx.partition(model, trainable)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not _is_float_array(leaf):
-            if isinstance(leaf, (float, int, complex)) and not isinstance(leaf, bool):
-                fix = f"store it as jnp.asarray({leaf!r}, jnp.float32) if it should learn, or "
-            else:
-                fix = ""
-            raise ValueError(
-                f"{_WHERE}: leaf '{path_str(path)}' is marked trainable but is {describe(leaf)}, not a "
-                f"floating-point array; only float arrays get gradients and optimizer state. Fix: {fix}exclude it "
-                "from trainable= (the default eqx.is_inexact_array selects exactly the float arrays)."
-            )
+    _check_trainable(params)
     params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)
     prefixes = normalize_prefixes(stacked, _WHERE)
     others = eqx.filter(static, eqx.is_array)
@@ -185,23 +266,19 @@ def from_equinox(
 
     if state is None:
         return Adapted(params, loss_fn, prefixes, static, to_model)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            raise ValueError(
-                f"{_WHERE}: state leaf '{path_str(path)}' is {describe(leaf)}, not an array; the state carried "
-                "between steps must be a pytree of arrays (an eqx.nn.State from eqx.nn.make_with_state is)."
-            )
+    _check_state(state)
 
     def stateful_loss_fn(params: PyTree, model_state: Any, batch: PyTree) -> Any:
         params = gather_unstacked(params, prefixes, _WHERE)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
-            result = loss(_combine(params, static), model_state, batch)
+            result = loss(_combine(params, static), _states_as(model_state, _CarriedState), batch)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
                 f"{_WHERE}: with state= the loss must return (out, new_state), out being the loss (or "
                 f"(loss, aux)); got {type(result).__name__}."
             )
-        return result
+        out, new_state = result
+        return out, _states_as(new_state, eqx.nn.State)
 
     def to_stateful_model(state_or_params: Any, model_state: Any = None) -> tuple[Any, Any]:
         return to_model(state_or_params), model_state_of(state_or_params, model_state, state)

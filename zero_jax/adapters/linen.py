@@ -68,9 +68,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.core import unfreeze
 
-from zero_jax._tree import PyTree, path_str
+from zero_jax._tree import PyTree, path_str, split_prefix, under_any
 from zero_jax.adapters._common import (
     Adapted,
     check_stacked,
@@ -83,7 +84,6 @@ from zero_jax.adapters._common import (
     params_of,
     scan_stacked,
     stateful_signature,
-    under,
 )
 
 __all__ = ["ScanLayers", "from_linen"]
@@ -95,6 +95,101 @@ _DEPTH_FIX = (
     "unstacked submodules out of the stacked= subtree."
 )
 _INIT_HINT = "variables = module.init(jax.random.key(0), example_input)"
+
+
+_NOT_FLOAT = (
+    "{where}: {leaves}. Only floating-point arrays can be trained: keep non-float state in another collection "
+    "(self.variable('state', ...)), not in 'params'."
+)
+_NO_PRETRAINED_PARAMS = (
+    "{where}: {name} looks like a Hugging Face Flax model (its .module is a Linen {module}), but its .params "
+    "cannot be read ({error}). Pass the parameters yourself: from_linen(model.module, {{'params': params}}, loss)."
+)
+
+
+def _pretrained_parts(obj: Any, variables: Any, loss: Any) -> tuple[Any, Any, Any]:
+    """A Hugging Face Flax model (``FlaxPreTrainedModel``: ``.module``, a Linen
+    module, and ``.params``), recognised by those two attributes (transformers
+    is not imported): ``(obj.module, {"params": obj.params}, loss)``, the loss
+    allowed in the place of the variables. ``.params`` that already holds
+    collections (``{"params": ..., "batch_stats": ...}``, as some models keep
+    them) is the variables dict itself. Anything else is returned as given."""
+    module = getattr(obj, "module", None) if not isinstance(obj, nn.Module) else None
+    if not isinstance(module, nn.Module):
+        return obj, variables, loss
+    if loss is None and callable(variables) and not isinstance(variables, Mapping):
+        variables, loss = None, variables
+    if variables is None:
+        try:
+            params = obj.params  # transformers raises when the model was made with _do_init=False
+            problem = None if isinstance(params, Mapping) else f"it is {describe(params)}, not a dict"
+        except Exception as e:
+            params, problem = None, f"{type(e).__name__}: {e}"
+        if problem is not None:
+            name, kind = type(obj).__name__, type(module).__name__
+            raise TypeError(_NO_PRETRAINED_PARAMS.format(where=_WHERE, name=name, module=kind, error=problem))
+        has_collections = isinstance(params.get("params"), Mapping)
+        variables = unfreeze(params) if has_collections else {"params": unfreeze(params)}
+    return module, variables, loss
+
+
+def _check_inputs(module: Any, variables: Any, loss: Any) -> None:
+    if not isinstance(module, nn.Module):
+        hint = ""
+        if isinstance(module, nnx.Module):
+            hint = " It looks like a Flax NNX module: use zj.adapters.from_nnx(model, loss)."
+        raise TypeError(f"{_WHERE}: module must be a flax.linen.Module, got {type(module).__name__}.{hint}")
+    if variables is None or callable(variables) and not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{_WHERE}: the {type(module).__name__} module was passed without its variables. A Linen module "
+            f"holds no parameters itself: create them with {_INIT_HINT} and call "
+            "from_linen(module, variables, loss)."
+        )
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{_WHERE}: variables must be the dict module.init returns ({{'params': ...}}), got "
+            f"{type(variables).__name__}."
+        )
+    if loss is None or not callable(loss):
+        raise TypeError(f"{_WHERE}: loss must be callable as loss(variables, batch), got {type(loss).__name__}.")
+
+
+def _check_collections(
+    module: nn.Module, variables: Mapping[str, Any], collections: tuple[str, ...], mutables: tuple[str, ...]
+) -> None:
+    missing = [c for c in collections if c not in variables]
+    if missing:
+        found = sorted(variables)
+        looks_like_params = bool(found) and all(isinstance(variables[k], Mapping) for k in found)
+        hint = (
+            f" These look like the contents of the 'params' collection: pass {{'params': params}}, or the whole "
+            f"dict from {_INIT_HINT}."
+            if looks_like_params and "params" in collections
+            else f" Create them with {_INIT_HINT}."
+        )
+        raise ValueError(
+            f"{_WHERE}: the variables of {type(module).__name__} have no {missing[0]!r} collection (they have "
+            f"{found}).{hint}"
+        )
+    for c in mutables:
+        if c in collections:
+            raise ValueError(f"{_WHERE}: collection {c!r} is both trainable and mutable=; it can be only one.")
+        if c not in variables:
+            raise ValueError(
+                f"{_WHERE}: mutable collection {c!r} is not in the variables of {type(module).__name__} (they have "
+                f"{sorted(variables)}). Name collections that module.init created."
+            )
+
+
+def _check_trainable_floats(trained: PyTree) -> None:
+    """Every trained variable is a float array; all that are not, named in one error."""
+    bad = [
+        f"trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    if bad:
+        raise ValueError(_NOT_FLOAT.format(where=_WHERE, leaves="; ".join(bad)))
 
 
 def from_linen(
@@ -111,8 +206,13 @@ def from_linen(
     ``zj.make_train_step``.
 
     Args:
-      module: the ``flax.linen.Module``.
-      variables: its variables dict, as ``module.init(...)`` returns it.
+      module: the ``flax.linen.Module``, or a Hugging Face Flax model (a
+        ``FlaxPreTrainedModel``: its ``.module`` is the Linen module and its
+        ``.params`` the variables, so ``from_linen(hf_model, loss)`` works;
+        write the trained ones back with
+        ``hf_model.params = adapted.to_model(state)["params"]``).
+      variables: its variables dict, as ``module.init(...)`` returns it
+        (default for a Hugging Face model: ``{"params": hf_model.params}``).
       loss: the mean loss over the batch it is given, of the whole variables
         dict (trained ``params`` plus the constant other collections).
       trainable: the collection(s) to train (default ``"params"``).
@@ -132,58 +232,14 @@ def from_linen(
       ``to_model`` returns the variables dict (with a TrainState's updated
       ``mutable`` collections).
     """
-    if not isinstance(module, nn.Module):
-        from flax import nnx  # Linen's package: installed
-
-        hint = ""
-        if isinstance(module, nnx.Module):
-            hint = " It looks like a Flax NNX module: use zj.adapters.from_nnx(model, loss)."
-        raise TypeError(f"{_WHERE}: module must be a flax.linen.Module, got {type(module).__name__}.{hint}")
-    if variables is None or callable(variables) and not isinstance(variables, Mapping):
-        raise TypeError(
-            f"{_WHERE}: the {type(module).__name__} module was passed without its variables. A Linen module "
-            f"holds no parameters itself: create them with {_INIT_HINT} and call "
-            "from_linen(module, variables, loss)."
-        )
-    if not isinstance(variables, Mapping):
-        raise TypeError(
-            f"{_WHERE}: variables must be the dict module.init returns ({{'params': ...}}), got "
-            f"{type(variables).__name__}."
-        )
-    if loss is None or not callable(loss):
-        raise TypeError(f"{_WHERE}: loss must be callable as loss(variables, batch), got {type(loss).__name__}.")
+    module, variables, loss = _pretrained_parts(module, variables, loss)
+    _check_inputs(module, variables, loss)
     collections = (trainable,) if isinstance(trainable, str) else tuple(trainable)
-    missing = [c for c in collections if c not in variables]
-    if missing:
-        found = sorted(variables)
-        looks_like_params = bool(found) and all(isinstance(variables[k], Mapping) for k in found)
-        hint = (
-            f" These look like the contents of the 'params' collection: pass {{'params': params}}, or the whole "
-            f"dict from {_INIT_HINT}."
-            if looks_like_params and "params" in collections
-            else f" Create them with {_INIT_HINT}."
-        )
-        raise ValueError(
-            f"{_WHERE}: the variables of {type(module).__name__} have no {missing[0]!r} collection (they have "
-            f"{found}).{hint}"
-        )
     mutables = (mutable,) if isinstance(mutable, str) else tuple(mutable)
-    for c in mutables:
-        if c in collections:
-            raise ValueError(f"{_WHERE}: collection {c!r} is both trainable and mutable=; it can be only one.")
-        if c not in variables:
-            raise ValueError(
-                f"{_WHERE}: mutable collection {c!r} is not in the variables of {type(module).__name__} (they have "
-                f"{sorted(variables)}). Name collections that module.init created."
-            )
+    _check_collections(module, variables, collections, mutables)
     trained = {c: variables[c] for c in collections}
     rest = {c: v for c, v in variables.items() if c not in collections}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]:
-        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            raise ValueError(
-                f"{_WHERE}: trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array. "
-                "Keep non-float state in another collection (self.variable('state', ...)), not in 'params'."
-            )
+    _check_trainable_floats(trained)
     unwrap = len(collections) == 1
     params = trained[collections[0]] if unwrap else trained
     prefixes = normalize_prefixes(stacked, _WHERE)
@@ -211,20 +267,7 @@ def from_linen(
         params = gather_unstacked(params, prefixes, _WHERE)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
             result = loss({**as_variables(_box(params, prefixes)), **model_state}, batch)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
-            raise TypeError(
-                f"{_WHERE}: with mutable={list(mutables)} the loss must return (out, updates), updates being the "
-                "dict of updated collections that module.apply(variables, x, mutable=[...]) returns besides its "
-                f"output; got {type(result).__name__}."
-            )
-        out, updates = result
-        extra = sorted(set(updates) - set(mutables))
-        if extra:
-            raise ValueError(
-                f"{_WHERE}: the loss returned updated collection {extra[0]!r}, which is not in mutable="
-                f"{list(mutables)}: add it to mutable= to carry it, or leave it out of what the loss returns."
-            )
-        return out, {c: unfreeze(updates[c]) if c in updates else model_state[c] for c in mutables}
+        return _carried_updates(result, mutables, model_state)
 
     def to_stateful_model(state_or_params: Any, model_state: PyTree = None) -> dict[str, Any]:
         ms = model_state_of(state_or_params, model_state, initial)
@@ -233,6 +276,33 @@ def from_linen(
     return Adapted(
         params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True
     )
+
+
+_NOT_OUT_UPDATES = (
+    "{where}: with mutable={mutables} the loss must return (out, updates), updates being the dict of updated "
+    "collections that module.apply(variables, x, mutable=[...]) returns besides its output; got {got}."
+)
+_EXTRA_COLLECTIONS = (
+    "{where}: the loss returned updated {extra}, which {verb} not in mutable={mutables}: add {them} to mutable= "
+    "to carry {them}, or leave {them} out of what the loss returns."
+)
+
+
+def _carried_updates(result: Any, mutables: tuple[str, ...], model_state: PyTree) -> tuple[Any, PyTree]:
+    """A stateful loss's ``(out, updates)`` -> ``(out, new model state)``: every
+    ``mutable=`` collection, updated or as it was."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+        raise TypeError(_NOT_OUT_UPDATES.format(where=_WHERE, mutables=list(mutables), got=type(result).__name__))
+    out, updates = result
+    extra = sorted(set(updates) - set(mutables))
+    if extra:
+        one = len(extra) == 1
+        shown = ("collection " if one else "collections ") + ", ".join(repr(c) for c in extra)
+        verb, them = ("is", "it") if one else ("are", "them")
+        raise ValueError(
+            _EXTRA_COLLECTIONS.format(where=_WHERE, extra=shown, verb=verb, them=them, mutables=list(mutables))
+        )
+    return out, {c: unfreeze(updates[c]) if c in updates else model_state[c] for c in mutables}
 
 
 class _Pieces:
@@ -248,7 +318,7 @@ class _Pieces:
 
 def _box(params: PyTree, prefixes: tuple[str, ...]) -> PyTree:
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        return _Pieces(x) if is_sharded(x) and any(under(path, p) for p in prefixes) else x
+        return _Pieces(x) if is_sharded(x) and under_any(path, map(split_prefix, prefixes)) else x
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
 

@@ -146,6 +146,7 @@ def _check_unchanged(
     before: dict[str, tuple[Any, Any]], model: nnx.Module, where: str, carried: frozenset[str] = frozenset()
 ) -> None:
     after = _snapshot(model)
+    updated = []
     for path, (kind, value) in before.items():
         if path in carried:
             continue
@@ -154,13 +155,32 @@ def _check_unchanged(
         # (Sharded) value in a new node holding the same pieces.
         old_leaves, new_leaves = jax.tree.leaves(value), jax.tree.leaves(new)
         if len(old_leaves) != len(new_leaves) or any(a is not b for a, b in zip(old_leaves, new_leaves, strict=True)):
-            raise ValueError(
-                f"{where}: the loss updated {kind} '{path}' ({describe(value)}), but a zero_jax step keeps "
-                "only the trainable parameters: the update would be lost every step. Make the forward pass "
-                "leave it alone (e.g. nnx.BatchNorm(use_running_average=True), deterministic dropout, or "
-                "RNG keys passed in the batch), or pass state_updates='discard' to from_nnx to drop such "
-                "updates on purpose." + _SCAN_NOTE.get(where, "")
-            )
+            updated.append(f"{kind} '{path}' ({describe(value)})")
+    if updated:
+        raise ValueError(_UPDATED.format(where=where, updated=", ".join(updated)) + _SCAN_NOTE.get(where, ""))
+
+
+_UPDATED = (
+    "{where}: the loss updated {updated}, but a zero_jax step keeps only the trainable parameters: the update "
+    "would be lost every step. Make the forward pass leave it alone (e.g. nnx.BatchNorm(use_running_average=True), "
+    "deterministic dropout, or RNG keys passed in the batch), or pass state_updates='discard' to from_nnx to drop "
+    "such updates on purpose."
+)
+_NOT_FLOAT = (
+    "{where}: {leaves}. Only floating-point arrays can be trained: wrap them in another nnx.Variable type (not "
+    "nnx.Param) or narrow the trainable= filter."
+)
+
+
+def _check_trainable_floats(params: PyTree) -> None:
+    """Every trainable variable is a float array; all that are not, named in one error."""
+    bad = [
+        f"trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if not hasattr(leaf, "shape") or not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+    ]
+    if bad:
+        raise ValueError(_NOT_FLOAT.format(where=_WHERE, leaves="; ".join(bad)))
 
 
 _SCAN_NOTE = {
@@ -172,6 +192,11 @@ _SCAN_NOTE = {
 def _carried(x: Any) -> bool:
     """A non-trainable value carried as model state: an array, but not an RNG key (NNX never changes keys)."""
     return isinstance(x, (jax.Array, np.ndarray)) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _carried_pairs(rest: nnx.State) -> list[tuple[tuple[Any, ...], Any]]:
+    """The (pure-dict key path, value) of every non-trainable value carried as model state."""
+    return [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0] if _carried(x)]
 
 
 def _nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[Any, Any]:
@@ -188,6 +213,26 @@ def _nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[Any, Any]:
 
 def _flat(pure: PyTree) -> dict[str, Any]:
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+
+
+def _check_inputs(model: Any, loss: Any, state_updates: Any) -> None:
+    if not isinstance(model, nnx.Module):
+        hint = ""
+        mod = type(model).__module__
+        if mod.startswith("flax.linen") or hasattr(model, "init_with_output"):
+            hint = " It is a Flax Linen module: use zj.adapters.from_linen(module, variables, loss)."
+        elif mod.startswith("equinox") or "equinox" in str(type(type(model))):
+            hint = " It is an Equinox module: use zj.adapters.from_equinox(model, loss)."
+        elif hasattr(model, "params") and hasattr(getattr(model, "module", None), "init_with_output"):
+            hint = (
+                " It looks like a Hugging Face Flax model (a Linen module and its params): use "
+                "zj.adapters.from_linen(model, loss)."
+            )
+        raise TypeError(f"{_WHERE}: model must be a flax.nnx.Module, got {type(model).__name__}.{hint}")
+    if not callable(loss):
+        raise TypeError(f"{_WHERE}: loss must be callable as loss(model, batch), got {type(loss).__name__}.")
+    if state_updates not in ("carry", "discard", "error"):
+        raise ValueError(f"{_WHERE}: state_updates must be 'carry', 'discard' or 'error', got {state_updates!r}.")
 
 
 def from_nnx(
@@ -224,35 +269,14 @@ def from_nnx(
       ``nnx.update(model, nnx.state(new))`` to write the trained values into
       the original object).
     """
-    if not isinstance(model, nnx.Module):
-        hint = ""
-        mod = type(model).__module__
-        if mod.startswith("flax.linen") or hasattr(model, "init_with_output"):
-            hint = " It is a Flax Linen module: use zj.adapters.from_linen(module, variables, loss)."
-        elif mod.startswith("equinox") or "equinox" in str(type(type(model))):
-            hint = " It is an Equinox module: use zj.adapters.from_equinox(model, loss)."
-        raise TypeError(f"{_WHERE}: model must be a flax.nnx.Module, got {type(model).__name__}.{hint}")
-    if not callable(loss):
-        raise TypeError(f"{_WHERE}: loss must be callable as loss(model, batch), got {type(loss).__name__}.")
-    if state_updates not in ("carry", "discard", "error"):
-        raise ValueError(f"{_WHERE}: state_updates must be 'carry', 'discard' or 'error', got {state_updates!r}.")
+    _check_inputs(model, loss, state_updates)
     prefixes = normalize_prefixes(stacked, _WHERE)
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not hasattr(leaf, "shape") or not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
-            raise ValueError(
-                f"{_WHERE}: trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array. "
-                "Only floating-point arrays can be trained: wrap it in another nnx.Variable type (not "
-                "nnx.Param) or narrow the trainable= filter."
-            )
+    _check_trainable_floats(params)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
     rebuild_params, rebuild_rest = _Rebuild(param_state), _Rebuild(rest)
-    carried_pairs = (
-        [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0] if _carried(x)]
-        if state_updates == "carry"
-        else []
-    )
+    carried_pairs = _carried_pairs(rest) if state_updates == "carry" else []
     model_state = _nest(carried_pairs) if carried_pairs else None
     carried_keys = [jax.tree_util.keystr(p) for p, _ in carried_pairs]
     carried_paths = frozenset(path_str(p) for p, _ in carried_pairs)
