@@ -49,7 +49,7 @@ from zero_jax._optimizer import (
 from zero_jax._partition import LeafLayout, is_layout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import LossScaleState, cast_floats
-from zero_jax._tree import PyTree, path_str
+from zero_jax._tree import PyTree, check_live, path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,12 @@ def init_state(
     or a pytree of ``jax.ShapeDtypeStruct`` (then the result is abstract:
     ``ShapeDtypeStruct``s carrying their shardings, for planning). Floating
     leaves are cast to the policy's ``param_dtype`` (the master copy) and
-    ``compute_dtype`` (``state.params``).
+    ``compute_dtype`` (``state.params``). A Python number leaf is converted
+    to a scalar array (``int`` -> ``int32``, ``bool`` -> ``bool``, ``float``
+    -> the float dtypes above); any other non-array leaf is refused, naming
+    it; ``None`` is an empty subtree, as everywhere in JAX. Non-float leaves
+    (int counters, bool masks) pass through training untouched: never
+    differentiated, no gradient, no communication, whole on every device.
 
     ``model_state`` (optional): non-trainable state the loss updates (batch
     statistics, RNG counts, an ``eqx.nn.State``): a pytree of arrays (or
@@ -190,8 +195,9 @@ def init_state(
     if abstract_only:  # only ever traced, under eval_shape: nothing is allocated
         make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
     elif factory:
-        make = params
+        make = lambda: _param_values(params())  # noqa: E731
     else:
+        params = _param_values(params)
         if jax.process_count() > 1:
             # Arrays on this process's devices cannot enter a program over every
             # process's devices: pass them as host values (each process holds them).
@@ -228,6 +234,31 @@ def init_state(
     return jax.jit(build, out_shardings=shardings)()
 
 
+NOT_AN_ARRAY = (
+    "init_state: {count} parameter leaf/leaves are not arrays: {listing}. Parameters must be a pytree of "
+    "arrays (Python numbers are converted; None is an empty subtree): keep other values (strings, "
+    "functions, configs) out of the parameter tree, e.g. in the loss's closure."
+)
+
+
+def _param_values(params: PyTree) -> PyTree:
+    """Parameters as arrays: a Python ``bool``/``int``/``float`` leaf becomes
+    a scalar array (``int32``, ``bool``, or a float cast to the policy's
+    dtypes); anything else that is not an array is refused, naming each leaf."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
+    bad = [f"'{path_str(p)}' ({type(x).__name__})" for p, x in pairs if not _array_like(x)]
+    if bad:
+        raise TypeError(NOT_AN_ARRAY.format(count=len(bad), listing=", ".join(bad)))
+    numbers = (bool, int, float, np.number, np.bool_)
+    return jax.tree.unflatten(treedef, [jnp.asarray(x) if isinstance(x, numbers) else x for _, x in pairs])
+
+
+def _array_like(x: Any) -> bool:
+    if isinstance(x, (bool, int, float, np.number, np.bool_)):
+        return True
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def _model_state_values(model_state: PyTree) -> PyTree:
     """Model state as arrays (``ShapeDtypeStruct``s kept): Python numbers
     become arrays; on several processes, arrays on this process's devices
@@ -256,20 +287,22 @@ def full_params(state: TrainState) -> PyTree:
     """The ordinary parameters: logical shapes, whole on every device, in
     ``param_dtype`` (the float32 master copy under mixed precision).
 
-    When they are partitioned this gathers them (use it for evaluation and
+    The result is a fresh copy, valid after the next train step (which
+    consumes the state's own buffers). When they are partitioned this gathers them (use it for evaluation and
     export, not inside a training loop on a model too big for one device).
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"full_params: expected a zero_jax TrainState, got {type(state).__name__}.")
+    check_live(state, where="full_params")
     policy = state.policy
     layouts = state.layouts.tree()
     if state.master is not None:
-        if not policy.partitions_opt_state:
-            return state.master
-        return jax.jit(lambda m: _unstore(m, layouts, policy))(state.master)
-    if not policy.partitions_params:
-        return state.params
-    return jax.jit(lambda p: _unstore(p, layouts, policy))(state.params)
+        stored, partitioned = state.master, policy.partitions_opt_state
+    else:
+        stored, partitioned = state.params, policy.partitions_params
+    if not partitioned:  # a copy: the state's own buffers are donated to the next step
+        return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(stored)
+    return jax.jit(lambda t: _unstore(t, layouts, policy))(stored)
 
 
 def _unstore(stored: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTree:
@@ -343,6 +376,22 @@ def _check_scalar_loss(loss: Any) -> None:
         )
 
 
+BATCH_SIZES_DIFFER = (
+    "train_step: the batch leaves have different leading (batch) sizes: {listing}. Every batch leaf holds "
+    "one row per example along its leading dimension, so they must all agree; pass the same number of "
+    "examples in each (e.g. x and y of one batch)."
+)
+
+
+def _check_batch_sizes(batch: PyTree) -> None:
+    """Every batch leaf must have the same leading size (one row per example)."""
+    pairs = [(path_str(p), tuple(getattr(x, "shape", ()))) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
+    sizes = {shape[0] for _, shape in pairs if shape}
+    if len(sizes) > 1:
+        listing = ", ".join(f"'{p}' {shape}" for p, shape in pairs)
+        raise ValueError(BATCH_SIZES_DIFFER.format(listing=listing))
+
+
 class TrainStep:
     """A jit-compiled ZeRO train step: ``state, metrics = step(state, batch)``.
 
@@ -407,6 +456,7 @@ class TrainStep:
                 f"train_step: expected a zero_jax TrainState, got {type(state).__name__}. "
                 "Create it with zj.init_state(params, tx, policy)."
             )
+        check_live(state, where="train_step")
         if state.policy != policy:
             raise ValueError(
                 f"train_step: the state is laid out for {state.policy!r}, but this step is for "
@@ -462,6 +512,7 @@ class TrainStep:
                         f"train_step: model_state leaf '{path_str(path)}' is a {type(leaf).__name__}, not a "
                         "jax.Array. Create the state with zj.init_state(..., model_state=...)."
                     )
+        _check_batch_sizes(batch)
         policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a step object lives as long as its training run
@@ -470,8 +521,11 @@ class TrainStep:
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def _frozen(self, layouts: TreeLayouts) -> PyTree:
-        """Leaves the optimizer never changes (see ``zj.frozen_leaves``)."""
-        return frozen_leaves(self.tx.inner, jax.eval_shape(lambda: full_shapes(layouts)))
+        """Leaves the step never differentiates: those the optimizer never
+        changes (see ``zj.frozen_leaves``) and every non-float leaf (an int
+        counter, a bool mask), which passes through the step untouched."""
+        frozen = frozen_leaves(self.tx.inner, jax.eval_shape(lambda: full_shapes(layouts)))
+        return jax.tree.map(lambda fz, lay: bool(fz) or not _is_float(lay), frozen, layouts.tree(), is_leaf=is_layout)
 
     def _stored_shape(self, lay: LeafLayout) -> tuple[int, ...]:
         return lay.stored_shape if self.policy.partitions_params else lay.shape
@@ -548,7 +602,7 @@ class TrainStep:
                 return coll.fetch_with_grad_slot(p, d, lay, axis, gather=gather)
 
             def micro(d: PyTree, mb: PyTree, ms: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any, PyTree]]:
-                tree = jax.tree.map(handed, params, d, layouts, is_leaf=lambda x: x is None)
+                tree = _per_leaf(handed, layouts, params, d)
                 args = (tree, ms, mb) if stateful else (tree, mb)
                 if manual:
                     with manual_gather_scope(policy, pieces=slots or params_are_pieces):
@@ -598,16 +652,15 @@ class TrainStep:
                 return coll.sum_all_reduce(g, axis)
 
             def reduce_all(g: PyTree) -> PyTree:
-                return jax.tree.map(reduce, g, layouts, is_leaf=lambda x: x is None)
+                return _per_leaf(reduce, layouts, g)
 
             def across_replicas(g: PyTree) -> PyTree:
                 """Pieces summed within the partition axes -> summed over the
                 replicas too, once per step (after accumulation)."""
-                return jax.tree.map(
+                return _per_leaf(
                     lambda x, lay: x if x is None or not cut(lay) else coll.reduce_across_replicas(x, lay, axis),
-                    g,
                     layouts,
-                    is_leaf=lambda x: x is None,
+                    g,
                 )
 
             if k == 1:
@@ -630,14 +683,16 @@ class TrainStep:
                 if not local:
                     example = jax.eval_shape(reduce_all, example)
 
-                def zeros(x: jax.ShapeDtypeStruct, lay: LeafLayout) -> jax.Array:
+                def zeros(x: jax.ShapeDtypeStruct | None, lay: LeafLayout) -> jax.Array | None:
+                    if x is None:  # frozen or non-float: no gradient, no accumulator
+                        return None
                     z = jnp.zeros(x.shape, acc_dtype)
                     # Whole local gradients and pieces differ per device; all-reduced
                     # gradients are the same everywhere (and must be typed so).
                     per_device = local or cut(lay) or (slots and lay.dim is not None)
                     return coll.to_varying(z, axis) if per_device else z
 
-                acc0 = jax.tree.map(zeros, example, layouts, is_leaf=lambda x: x is None)
+                acc0 = _per_leaf(zeros, layouts, example)
                 ms0 = jax.tree.map(lambda x: coll.to_varying(x, axis), model_state) if stateful else None
                 (acc, new_ms), (losses, auxes) = jax.lax.scan(accumulate, (acc0, ms0), micro_batches)
                 grads = across_replicas(reduce_all(acc) if local else acc)
@@ -656,7 +711,7 @@ class TrainStep:
 
             part, whole = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
             layout_leaves = jax.tree.leaves(layouts, is_leaf=is_layout)
-            for g, lay in zip(_leaves(grads), layout_leaves, strict=True):
+            for g, lay in zip(_leaves(grads, layouts), layout_leaves, strict=True):
                 if g is None:
                     continue
                 u = unscaled(g)
@@ -664,7 +719,7 @@ class TrainStep:
                     part = part + jnp.sum(u * u)
                 else:
                     whole = whole + jnp.sum(u * u)
-            any_cut = any(cut(lay) for lay, fz in zip(layout_leaves, _leaves(frozen), strict=True) if not fz)
+            any_cut = any(cut(lay) for lay, fz in zip(layout_leaves, _leaves(frozen, layouts), strict=True) if not fz)
             sq_norm = (jax.lax.psum(part, policy.state_axes) if any_cut else part) + whole
             every = axis.all
             loss = jax.lax.pmean(loss, every)
@@ -736,10 +791,10 @@ class TrainStep:
         scale = state.loss_scale.scale if state.loss_scale is not None else None
 
         def to_optimizer(g: jax.Array | None, lay: LeafLayout) -> jax.Array:
-            if g is None:  # frozen: the optimizer never reads it (compiled away)
+            if g is None:  # frozen or non-float: the optimizer never reads it (compiled away)
                 partitioned = policy.partitions_opt_state and lay.dim is not None
                 shape = lay.stored_shape if partitioned else lay.shape
-                return jnp.zeros(shape, prec.param_dtype)
+                return jnp.zeros(shape, prec.param_dtype if _is_float(lay) else lay.dtype)
             g = g.astype(prec.param_dtype)
             if scale is not None:
                 g = g / scale
@@ -748,7 +803,7 @@ class TrainStep:
                 g = jax.lax.select(grad_norm < self.clip_norm, g, (g / grad_norm.astype(g.dtype)) * self.clip_norm)
             return g
 
-        grads = jax.tree.map(to_optimizer, grads, layouts, is_leaf=lambda x: x is None)
+        grads = _per_leaf(to_optimizer, layouts, grads)
 
         # The optimizer's view of the parameters: the float32 master copy
         # (partitioned from stage 1), or the parameters themselves.
@@ -793,6 +848,13 @@ class TrainStep:
             params = jax.tree.map(lambda old, new: old if new is None else new, state.params, gathered)
         else:
             params = compute
+        # Non-float leaves pass through bitwise (an optimizer's weight decay
+        # would otherwise touch an int counter), and the optimizer state keeps
+        # its dtypes (an int leaf's moments stay int).
+        params = _keep_non_float(params, state.params, layouts)
+        if state.master is not None:
+            new_master = _keep_non_float(new_master, state.master, layouts)
+        opt_state = jax.tree.map(_same_dtype, opt_state, state.opt_state)
         new_state = state.replace(
             step=state.step + 1,
             params=_stored_params(params, _with_dtype(layouts, prec.compute_dtype), policy),
@@ -804,7 +866,7 @@ class TrainStep:
         if policy.offload_optimizer or policy.offload_params:
             new_state = _offload.to_memory_kinds(new_state, _state_shardings(new_state))
         new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state, _state_shardings(new_state))
-        metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
+        metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(sq_norm)}
         if aux is not None:
             metrics["aux"] = aux
         if state.loss_scale is not None:
@@ -813,9 +875,30 @@ class TrainStep:
         return new_state, metrics
 
 
-def _leaves(tree: PyTree) -> list[Any]:
-    """The leaves of ``tree`` with ``None`` (a frozen leaf's gradient) kept in place."""
-    return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+def _is_float(lay: LeafLayout) -> bool:
+    return bool(jnp.issubdtype(lay.dtype, jnp.inexact))
+
+
+def _keep_non_float(new: PyTree, old: PyTree, layouts: PyTree) -> PyTree:
+    """``new`` with every non-float leaf replaced by its ``old`` value."""
+    return jax.tree.map(lambda n, o, lay: n if _is_float(lay) else o, new, old, layouts)
+
+
+def _same_dtype(new: jax.Array, old: jax.Array) -> jax.Array:
+    return new if new.dtype == old.dtype else new.astype(old.dtype)
+
+
+def _leaves(tree: PyTree, layouts: PyTree) -> list[Any]:
+    """The values of ``tree`` at the parameter leaves, ``None`` (a frozen
+    leaf's gradient) kept in place; a ``None`` parameter subtree has none."""
+    return jax.tree.structure(layouts, is_leaf=is_layout).flatten_up_to(tree)
+
+
+def _per_leaf(fn: Callable[..., Any], layouts: PyTree, *trees: PyTree) -> PyTree:
+    """``fn(*values, layout)`` at each parameter leaf: the trees' values there
+    may be ``None`` (a frozen leaf's gradient), and a ``None`` parameter
+    subtree is empty (as in JAX)."""
+    return jax.tree.map(lambda lay, *xs: fn(*xs, lay), layouts, *trees, is_leaf=is_layout)
 
 
 def full_shapes(layouts: TreeLayouts) -> PyTree:
@@ -885,8 +968,13 @@ def make_train_step(
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch)`` with
-      ``metrics["loss"]`` (global mean) and ``metrics["grad_norm"]`` (the
-      global norm of the mean gradient), plus ``metrics["aux"]``.
+      ``metrics["loss"]`` (global mean), ``metrics["grad_norm"]`` (the
+      global norm of the mean gradient, before clipping; non-finite when any
+      gradient holds an inf or NaN) and ``metrics["finite"]`` (a bool: the
+      gradient norm is finite), plus ``metrics["aux"]``. To skip non-finite
+      steps in float32, wrap the optimizer: ``zj.shard_optimizer(
+      optax.apply_if_finite(tx, max_consecutive_errors), policy)`` keeps the
+      parameters unchanged after such a step in every stage.
 
     Example:
 
