@@ -10,7 +10,7 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 
 import zero_jax as zj
-from zero_jax import _measure, _offload
+from zero_jax import _measure, _memory, _offload
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 MESH = make_mesh(8)
@@ -194,7 +194,7 @@ def test_param_offload_needs_stage_3(stage: int) -> None:
 
 
 def test_backend_without_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_offload, "memory_kinds", lambda device: frozenset({"device"}))
+    monkeypatch.setattr(_memory, "memory_kinds", lambda device: frozenset({"device"}))
     with pytest.raises(ValueError, match=r"the 'cpu' backend's devices have \['device'\].*Run without offload"):
         zj.ZeroPolicy(stage=2, mesh=MESH, offload_optimizer=0.5)
     with pytest.raises(ValueError, match="'cpu' backend"):
