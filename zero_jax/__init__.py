@@ -28,7 +28,8 @@ from zero_jax._planner import (
 )
 from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
 from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
-from zero_jax._train import TrainState, TrainStep, full_params, init_state, make_train_step
+from zero_jax._state import TrainState, full_params, init_state
+from zero_jax._train import TrainStep, make_train_step
 from zero_jax.checkpoint import CheckpointManager, export_params, load_params, restore, save
 
 __version__ = "0.1.0"

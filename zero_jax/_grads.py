@@ -30,6 +30,7 @@ from zero_jax._layers import Sharded, manual_gather_scope
 from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout, is_layout
 from zero_jax._policy import ZeroPolicy
+from zero_jax._state import leaf_values, per_leaf
 from zero_jax._tree import PyTree, path_str
 
 
@@ -115,18 +116,6 @@ def grad_plan(
         scale_loss=scale_loss,
         for_optimizer=for_optimizer,
     )
-
-
-def per_leaf(fn: Callable[..., Any], layouts: PyTree, *trees: PyTree) -> PyTree:
-    """``fn(*values, layout)`` at each parameter leaf: the trees' values there
-    may be ``None`` (a frozen leaf's gradient), and a ``None`` parameter
-    subtree is empty (as in JAX)."""
-    return jax.tree.map(lambda lay, *xs: fn(*xs, lay), layouts, *trees, is_leaf=is_layout)
-
-
-def leaf_values(tree: PyTree, layouts: PyTree) -> list[Any]:
-    """The values of ``tree`` at the parameter leaves, ``None`` kept in place."""
-    return jax.tree.structure(layouts, is_leaf=is_layout).flatten_up_to(tree)
 
 
 def cut(plan: GradPlan, lay: LeafLayout) -> bool:

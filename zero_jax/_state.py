@@ -247,6 +247,12 @@ def _array_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+MODEL_STATE_NOT_ARRAYS = (
+    "init_state: model_state leaf {listing}, not an array; model state must be a pytree of arrays. Keep "
+    "other values out of it (e.g. in the loss's closure)."
+)
+
+
 def _model_state_values(model_state: PyTree) -> PyTree:
     """Model state as arrays (``ShapeDtypeStruct``s kept): Python numbers
     become arrays; on several processes, arrays on this process's devices
@@ -254,21 +260,25 @@ def _model_state_values(model_state: PyTree) -> PyTree:
     if model_state is None:
         return None
 
-    def one(path: Any, x: Any) -> Any:
+    pairs = jax.tree_util.tree_flatten_with_path(model_state)[0]
+    bad = [
+        f"'{path_str(p)}' is a {type(x).__name__}"
+        for p, x in pairs
+        if not hasattr(x, "shape") and not isinstance(x, (bool, int, float, complex))
+    ]
+    if bad:
+        raise TypeError(MODEL_STATE_NOT_ARRAYS.format(listing=", ".join(bad)))
+
+    def one(x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
         if isinstance(x, jax.Array):
             if jax.process_count() > 1 and x.is_fully_addressable:
                 return np.asarray(x)
             return x
-        if not hasattr(x, "shape") and not isinstance(x, (bool, int, float, complex)):
-            raise TypeError(
-                f"init_state: model_state leaf '{path_str(path)}' is a {type(x).__name__}, not an array; model "
-                "state must be a pytree of arrays. Keep other values out of it (e.g. in the loss's closure)."
-            )
         return jnp.asarray(x)
 
-    return jax.tree_util.tree_map_with_path(one, model_state)
+    return jax.tree.map(one, model_state)
 
 
 def full_params(state: TrainState) -> PyTree:
@@ -307,3 +317,15 @@ def is_float(lay: LeafLayout) -> bool:
 def full_shapes(layouts: TreeLayouts) -> PyTree:
     """Zeros of the logical parameter shapes (for ``eval_shape`` only)."""
     return jax.tree.map(lambda lay: jnp.zeros(lay.shape, lay.dtype), layouts.tree(), is_leaf=is_layout)
+
+
+def per_leaf(fn: Callable[..., Any], layouts: PyTree, *trees: PyTree) -> PyTree:
+    """``fn(*values, layout)`` at each parameter leaf: the trees' values there
+    may be ``None`` (a frozen leaf's gradient), and a ``None`` parameter
+    subtree is empty (as in JAX)."""
+    return jax.tree.map(lambda lay, *xs: fn(*xs, lay), layouts, *trees, is_leaf=is_layout)
+
+
+def leaf_values(tree: PyTree, layouts: PyTree) -> list[Any]:
+    """The values of ``tree`` at the parameter leaves, ``None`` kept in place."""
+    return jax.tree.structure(layouts, is_leaf=is_layout).flatten_up_to(tree)

@@ -82,6 +82,10 @@ BATCH_SIZES_DIFFER = (
     "one row per example along its leading dimension, so they must all agree; pass the same number of "
     "examples in each (e.g. x and y of one batch)."
 )
+MODEL_STATE_LEAVES = (
+    "train_step: model_state leaf {listing}, not a jax.Array. Create the state with "
+    "zj.init_state(..., model_state=...)."
+)
 STORED_SHAPES = (
     "train_step: {count} parameter(s) do not have the shape this policy stores them in: {listing}. Build the "
     "state with zj.init_state(params, tx, policy) rather than by hand."
@@ -202,13 +206,13 @@ class TrainStep:
                 "loss_fn(params, model_state, batch) -> (out, new_model_state) (for an adapted model: "
                 "adapted.make_train_step(tx, policy)), or create the state without model_state."
             )
-        if state.model_state is not None:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(state.model_state)[0]:
-                if not isinstance(leaf, jax.Array):
-                    raise TypeError(
-                        f"train_step: model_state leaf '{path_str(path)}' is a {type(leaf).__name__}, not a "
-                        "jax.Array. Create the state with zj.init_state(..., model_state=...)."
-                    )
+        bad = [
+            f"'{path_str(path)}' is a {type(leaf).__name__}"
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state.model_state)[0]
+            if not isinstance(leaf, jax.Array)
+        ]
+        if bad:
+            raise TypeError(MODEL_STATE_LEAVES.format(listing=", ".join(bad)))
         check_batch_sizes(batch)
         policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
 

@@ -22,12 +22,11 @@ from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
 from zero_jax import _offload
-from zero_jax._grads import per_leaf
 from zero_jax._optimizer import ShardedOptState, ShardedTransformation, store
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import cast_floats
-from zero_jax._state import TrainState, is_float, stored_params, with_dtype
+from zero_jax._state import TrainState, is_float, per_leaf, stored_params, with_dtype
 from zero_jax._tree import PyTree
 
 
