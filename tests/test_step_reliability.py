@@ -273,3 +273,32 @@ def test_readme_precision_block_trains() -> None:
     # bf16 forward/backward against an fp32 reference: a loose but real bound.
     _assert_close_to({k: full[k] for k in trained}, {k: ref[k] for k in trained},
                      {k: mlp_params()[k] for k in trained}, tol=0.1)  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_full_params_of_a_master_copy_outlive_the_step(stage: int) -> None:
+    """Mixed precision: full_params reads the fp32 master copy (whole in stage 0)."""
+    policy = _policy(stage, precision=zj.Precision(compute_dtype=jnp.bfloat16))
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state = zj.init_state(mlp_params(), tx, policy)
+    kept = zj.full_params(state)
+    zj.make_train_step(mlp_loss, tx, policy)(state, mlp_batch())
+    for name, x in mlp_params().items():
+        np.testing.assert_array_equal(np.asarray(kept[name]), np.asarray(x))
+
+
+# -- the stage predicates the step asks (issue 14) ---------------------------------------------
+
+
+def test_stage_predicates() -> None:
+    mesh = make_mesh(8, ("replica", "data"), (2, 4))
+    sees_slice = [zj.ZeroPolicy(s, mesh, axis="data").optimizer_sees_slice for s in STAGES]
+    assert sees_slice == [False, True, True, False]
+    over = zj.ZeroPolicy(3, mesh, axis="data", replica_axis="replica", optimizer_over_replicas=True)
+    assert over.optimizer_sees_slice
+    assert [zj.ZeroPolicy(s, mesh, axis="data").default_accum_mode for s in STAGES] == [
+        "local",
+        "local",
+        "partitioned",
+        "partitioned",
+    ]

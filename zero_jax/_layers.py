@@ -396,19 +396,13 @@ def _pipelined(
     return state, ys
 
 
-def _zero_scan(
-    layer_fn: Callable[[PyTree, Any], Any],
-    treedef: Any,
-    nodes: list[Any],
-    carry: Any,
-    axis: Any,
-    prefetch: int,
-    depth: int,
-) -> Any:
-    """The stage 2–3 schedule (see the module docstring)."""
-    # What is differentiated: the gradient slots of partitioned leaves and the
-    # whole-kept (plain) stacked leaves. Sources (stage-3 pieces, stage-2 whole
-    # parameters) only feed the forward pass; frozen leaves have no slot.
+def _scan_plan(
+    treedef: Any, nodes: list[Any], axis: Any, prefetch: int, depth: int
+) -> tuple[_ScanPlan, list[Any], list[Any]]:
+    """The plan of the stage 2–3 scan and its two lists of stacked arrays:
+    what is differentiated (the gradient slots of partitioned leaves, the
+    whole-kept plain leaves; ``None`` for frozen ones) and the sources (stage-3
+    pieces, stage-2 whole parameters), which only feed the forward pass."""
     sharded = [_is_sharded(x) for x in nodes]
     diff = [(x.arrays[1] if len(x.arrays) > 1 else None) if s else x for x, s in zip(nodes, sharded, strict=True)]
     wholes = [x.arrays[0] if s else None for x, s in zip(nodes, sharded, strict=True)]
@@ -424,6 +418,21 @@ def _zero_scan(
         prefetch=prefetch,
         depth=depth,
     )
+    return plan, diff, wholes
+
+
+def _zero_scan(
+    layer_fn: Callable[[PyTree, Any], Any],
+    treedef: Any,
+    nodes: list[Any],
+    carry: Any,
+    axis: Any,
+    prefetch: int,
+    depth: int,
+) -> Any:
+    """The stage 2–3 schedule (see the module docstring)."""
+    plan, diff, wholes = _scan_plan(treedef, nodes, axis, prefetch, depth)
+    sharded = plan.sharded
     fn, all_consts = jax.closure_convert(layer_fn, _fetch(plan, jnp.asarray(0), diff, wholes), carry)
     # Values layer_fn closes over: float ones get gradients, the rest are fixed.
     is_float = [jnp.issubdtype(c.dtype, jnp.inexact) for c in all_consts]
