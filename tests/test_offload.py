@@ -146,6 +146,7 @@ def _find_in_scan(jaxpr, name: str) -> bool:
     return walk(jaxpr.jaxpr, False)
 
 
+@pytest.mark.slow
 def test_offload_params_stage3_scan_layers() -> None:
     cfg = TransformerConfig(vocab=64, dim=32, depth=2, heads=2, seq=16)
     params = init_params(cfg, jax.random.key(0))
