@@ -42,6 +42,7 @@ def _manual_run(stage: int, prefetch: int = 1, steps: int = STEPS):
     return policy, state, step, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_reference_model_matches_unsharded_training(stage: int) -> None:
     ref_params, ref_losses = _reference()
@@ -52,6 +53,7 @@ def test_reference_model_matches_unsharded_training(stage: int) -> None:
     assert step.jitted._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_prefetch_changes_the_schedule_not_the_numbers() -> None:
     start = init_params(CFG, jax.random.key(0))
     runs = {k: zj.full_params(_manual_run(3, prefetch=k, steps=2)[1]) for k in (0, 1, 2, CFG.depth)}
@@ -68,6 +70,7 @@ def _tally(colls: list[_measure.Collective]) -> dict[tuple[str, tuple[int, ...]]
     return dict(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_stage3_gathers_each_layer_twice_and_scatters_its_gradient_once(prefetch: int) -> None:
     _, state, step, _ = _manual_run(3, prefetch=prefetch, steps=1)
@@ -91,6 +94,7 @@ def test_stage3_gathers_each_layer_twice_and_scatters_its_gradient_once(prefetch
             assert counts[("reduce-scatter", piece)] == depth, (name, where, counts)
 
 
+@pytest.mark.slow
 def test_stage2_scatters_each_layer_gradient_and_gathers_only_updated_params() -> None:
     policy, state, step, _ = _manual_run(2, steps=1)
     post = _tally(_measure.collectives(step.jitted, state, _batches()[0]))

@@ -412,6 +412,7 @@ def test_nnx_batch_norm_statistics_are_carried(stage: int) -> None:
     print(f"nnx stage {stage}: max relative error {err:.2e}")
 
 
+@pytest.mark.slow
 def test_linen_and_equinox_batch_norm_statistics_are_carried() -> None:
     import equinox as eqx
     import flax.linen as nn

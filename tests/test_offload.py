@@ -10,7 +10,7 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 
 import zero_jax as zj
-from zero_jax import _measure, _offload
+from zero_jax import _measure, _memory, _offload
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 MESH = make_mesh(8)
@@ -146,6 +146,7 @@ def _find_in_scan(jaxpr, name: str) -> bool:
     return walk(jaxpr.jaxpr, False)
 
 
+@pytest.mark.slow
 def test_offload_params_stage3_scan_layers() -> None:
     cfg = TransformerConfig(vocab=64, dim=32, depth=2, heads=2, seq=16)
     params = init_params(cfg, jax.random.key(0))
@@ -194,7 +195,7 @@ def test_param_offload_needs_stage_3(stage: int) -> None:
 
 
 def test_backend_without_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_offload, "memory_kinds", lambda device: frozenset({"device"}))
+    monkeypatch.setattr(_memory, "memory_kinds", lambda device: frozenset({"device"}))
     with pytest.raises(ValueError, match=r"the 'cpu' backend's devices have \['device'\].*Run without offload"):
         zj.ZeroPolicy(stage=2, mesh=MESH, offload_optimizer=0.5)
     with pytest.raises(ValueError, match="'cpu' backend"):

@@ -32,6 +32,7 @@ def _run(stage: int, steps: int, *, precision=None, opt=None, batches=None, trai
 # -- mixed precision --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bf16_stages_agree_better_than_bf16_agrees_with_fp32() -> None:
     start = mlp_params()
     fp32 = zj.full_params(_run(0, 10)[1])
@@ -164,6 +165,7 @@ def _frozen_via_optax():
     return optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["mask", "optax"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_frozen_leaves_get_no_state_no_gradient_no_communication(stage: int, how: str) -> None:

@@ -19,6 +19,7 @@ from zero_jax._plan import Plan, plan
 from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
 from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
 from zero_jax._report import AuditError, AuditReport, Communication, LeafBytes, Violation
+from zero_jax._state import TrainState, full_params, init_state
 from zero_jax._theory import (
     ModelStateBytes,
     StageChoice,
@@ -29,10 +30,9 @@ from zero_jax._theory import (
     model_state_bytes,
     required_bandwidth,
 )
-from zero_jax._train import TrainState, TrainStep, full_params, init_state, make_train_step
+from zero_jax._train import TrainStep, make_train_step
+from zero_jax._version import __version__
 from zero_jax.checkpoint import CheckpointManager, export_params, load_params, restore, save
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AuditError",

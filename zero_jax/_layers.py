@@ -30,13 +30,13 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from zero_jax import _collectives as coll
-from zero_jax._offload import to_device
+from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._tree import PyTree, path_str
@@ -104,20 +104,31 @@ class Sharded:
     whole parameter in stage 2. ``arrays[1]``, absent for frozen parameters,
     is a zero piece (in the reduce dtype) whose gradient is the parameter's
     reduce-scattered gradient. Use ``zj.gather(node, policy)`` to get the
-    parameter.
+    parameter. ``policy`` is the step's policy (static).
     """
 
-    def __init__(self, arrays: tuple[jax.Array, ...], layout: LeafLayout, stage: int) -> None:
+    def __init__(self, arrays: tuple[jax.Array, ...], layout: LeafLayout, policy: ZeroPolicy) -> None:
         self.arrays = tuple(arrays)
         self.layout = layout
-        self.stage = stage
+        self.policy = policy
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[LeafLayout, int]]:
-        return self.arrays, (self.layout, self.stage)
+    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[LeafLayout, ZeroPolicy]]:
+        return self.arrays, (self.layout, self.policy)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[LeafLayout, int], arrays: Any) -> Sharded:
+    def tree_unflatten(cls, aux: tuple[LeafLayout, ZeroPolicy], arrays: Any) -> Sharded:
         return cls(tuple(arrays), *aux)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage of the step that made this piece."""
+        return self.policy.stage
+
+    @property
+    def gathers(self) -> bool:
+        """Whether using it all-gathers (a stage-3 piece) or not (stage 2:
+        the whole parameter with a gradient slot)."""
+        return self.policy.partitions_params
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -151,9 +162,9 @@ class Sharded:
         """The whole, unpadded parameter (all-gather in stage 3)."""
         source = to_device(self.arrays[0])  # offload_params: the host piece comes in just before use
         if len(self.arrays) == 1:  # frozen: forward only
-            return coll.fetch(source, self.layout, axis, gather=self.stage == 3)
+            return coll.fetch(source, self.layout, axis, gather=self.gathers)
         slot = self.arrays[1]
-        return coll.fetch_with_grad_slot(source, slot, self.layout, axis, gather=self.stage == 3)
+        return coll.fetch_with_grad_slot(source, slot, self.layout, axis, gather=self.gathers)
 
 
 def _is_sharded(x: Any) -> bool:
@@ -179,14 +190,14 @@ def _active(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
 
 
 def _check_is_parameter_piece(tree: PyTree, policy: ZeroPolicy, where: str) -> None:
-    if policy.stage < 2:
+    if not policy.partitions_grads:
         return
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]:
         if _is_sharded(leaf):
-            if leaf.stage != policy.stage:
+            if leaf.policy != policy:
                 raise ValueError(
-                    f"{where}: leaf '{path_str(path)}' is a stage-{leaf.stage} piece, "
-                    f"but the policy is stage {policy.stage}."
+                    f"{where}: leaf '{path_str(path)}' is a piece of {leaf.policy!r}, "
+                    f"but the step runs {policy!r}. Pass the parameters this step's loss_fn received."
                 )
             continue
         shape = tuple(getattr(leaf, "shape", ()))
@@ -296,7 +307,7 @@ def scan_layers(
             "1 overlaps the next layer's gather with this layer's compute."
         )
     leaves = jax.tree.leaves(stacked_params, is_leaf=_is_sharded)
-    if policy is None or policy.stage < 2 or not any(_is_sharded(x) for x in leaves):
+    if policy is None or not policy.partitions_grads or not any(_is_sharded(x) for x in leaves):
         _check_is_parameter_piece(stacked_params, policy, "zj.scan_layers") if policy is not None else None
         body = jax.checkpoint(layer_fn) if remat else layer_fn
         return jax.lax.scan(lambda c, layer: (body(layer, c), None), carry, stacked_params)[0]
@@ -308,15 +319,106 @@ def scan_layers(
     _check_is_parameter_piece(stacked_params, policy, "zj.scan_layers")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked_params, is_leaf=_is_sharded)
     nodes = [
-        Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.stage) if _is_sharded(x) else x
+        Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.policy) if _is_sharded(x) else x
         for p, x in paths_leaves
     ]
     # Stage 2 gathers nothing, so there is nothing to prefetch (and a queue
     # would only copy whole layers into the loop state). In stage 3 each loop
     # keeps at least two trips: XLA inlines a one-trip loop and then merges the
     # backward re-gathers into the forward gathers, keeping every layer alive.
-    ahead = min(prefetch, max(depth - 2, 0)) if policy.stage == 3 else 0
+    ahead = min(prefetch, max(depth - 2, 0)) if policy.partitions_params else 0
     return _zero_scan(layer_fn, treedef, nodes, carry, policy.comm, ahead, depth)
+
+
+class _ScanPlan(NamedTuple):
+    """The stage 2–3 layer scan, per flattened stacked leaf."""
+
+    treedef: Any
+    sharded: list[bool]  # a Sharded node (partitioned) or a plain (whole-kept) stacked leaf
+    layouts: list[LeafLayout | None]  # one layer's layout of each Sharded leaf
+    gathers: list[bool]  # stage-3 pieces: all-gathered for use
+    slot_dtypes: list[Any]  # the gradient slot's dtype (the reduce dtype); None: frozen or plain
+    axis: Any
+    prefetch: int
+    depth: int
+
+
+def _fetch(plan: _ScanPlan, i: jax.Array, diff: list[Any], wholes: list[Any]) -> PyTree:
+    """Layer i's whole parameters (all-gathers for stage-3 pieces; one layer in from the host)."""
+    out = [
+        coll.fetch(to_device(w[i]), lay, plan.axis, gather=g) if s else d[i]
+        for s, d, w, lay, g in zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(plan.treedef, out)
+
+
+def _reduce_layer(plan: _ScanPlan, g_layer: PyTree) -> list[Any]:
+    """Layer i's parameter gradient: reduce-scattered (in the slot's dtype)
+    for partitioned leaves; none for frozen ones."""
+    gs = jax.tree_util.tree_flatten(g_layer)[0]
+    return [
+        (None if dt is None else coll.sum_reduce_scatter(g.astype(dt), lay, plan.axis)) if s else g
+        for s, dt, g, lay in zip(plan.sharded, plan.slot_dtypes, gs, plan.layouts, strict=True)
+    ]
+
+
+def _pipelined(
+    plan: _ScanPlan, step: Callable[..., Any], state: Any, diff: list[Any], wholes: list[Any], reverse: bool
+) -> Any:
+    """Run ``step(state, i, layer_i_params)`` for every layer, in order or in
+    reverse, with the gathers of the next ``prefetch`` layers in flight."""
+    depth, prefetch = plan.depth, plan.prefetch
+
+    def index(t: Any) -> Any:
+        return depth - 1 - t if reverse else t
+
+    def fetch(t: Any) -> PyTree:
+        return _fetch(plan, index(t), diff, wholes)
+
+    if prefetch == 0:
+        return jax.lax.scan(lambda s, t: step(s, index(t), fetch(t)), state, jnp.arange(depth))
+    queue = tuple(fetch(t) for t in range(prefetch))
+
+    def body(carry: Any, t: jax.Array) -> Any:
+        s, q = carry
+        ahead = fetch(t + prefetch)  # issued before this layer's compute
+        s, y = step(s, index(t), q[0])
+        return (s, (*q[1:], ahead)), y
+
+    # The last `prefetch` layers are already in the queue: run them without
+    # fetching (a clipped index would gather the last layer again).
+    (state, queue), ys = jax.lax.scan(body, (state, queue), jnp.arange(depth - prefetch))
+    tail = []
+    for j in range(prefetch):
+        state, y = step(state, index(depth - prefetch + j), queue[j])
+        tail.append(y)
+    ys = jax.tree.map(lambda main, *rest: jnp.concatenate([main, jnp.stack(rest)]), ys, *tail)
+    return state, ys
+
+
+def _scan_plan(
+    treedef: Any, nodes: list[Any], axis: Any, prefetch: int, depth: int
+) -> tuple[_ScanPlan, list[Any], list[Any]]:
+    """The plan of the stage 2–3 scan and its two lists of stacked arrays:
+    what is differentiated (the gradient slots of partitioned leaves, the
+    whole-kept plain leaves; ``None`` for frozen ones) and the sources (stage-3
+    pieces, stage-2 whole parameters), which only feed the forward pass."""
+    sharded = [_is_sharded(x) for x in nodes]
+    diff = [(x.arrays[1] if len(x.arrays) > 1 else None) if s else x for x, s in zip(nodes, sharded, strict=True)]
+    wholes = [x.arrays[0] if s else None for x, s in zip(nodes, sharded, strict=True)]
+    plan = _ScanPlan(
+        treedef=treedef,
+        sharded=sharded,
+        layouts=[x.layout if s else None for x, s in zip(nodes, sharded, strict=True)],
+        gathers=[s and x.gathers for x, s in zip(nodes, sharded, strict=True)],
+        # Slots are zeros: only their dtype (the reduce dtype) matters, so they are
+        # not kept for the backward pass (that would hold a gradient-sized buffer).
+        slot_dtypes=[d.dtype if s and d is not None else None for s, d in zip(sharded, diff, strict=True)],
+        axis=axis,
+        prefetch=prefetch,
+        depth=depth,
+    )
+    return plan, diff, wholes
 
 
 def _zero_scan(
@@ -329,38 +431,9 @@ def _zero_scan(
     depth: int,
 ) -> Any:
     """The stage 2–3 schedule (see the module docstring)."""
-    # What is differentiated: the gradient slots of partitioned leaves and the
-    # whole-kept (plain) stacked leaves. Sources (stage-3 pieces, stage-2 whole
-    # parameters) only feed the forward pass; frozen leaves have no slot.
-    sharded = [_is_sharded(x) for x in nodes]
-    diff = [(x.arrays[1] if len(x.arrays) > 1 else None) if s else x for x, s in zip(nodes, sharded, strict=True)]
-    wholes = [x.arrays[0] if s else None for x, s in zip(nodes, sharded, strict=True)]
-    layouts = [x.layout if s else None for x, s in zip(nodes, sharded, strict=True)]
-    gathers = [s and x.stage == 3 for x, s in zip(nodes, sharded, strict=True)]
-
-    def fetch(i: jax.Array, diff: list[Any], wholes: list[Any]) -> PyTree:
-        """Layer i's whole parameters (all-gathers for stage-3 pieces)."""
-        out = [
-            coll.fetch(to_device(w[i]), lay, axis, gather=g) if s else d[i]  # one layer in from the host
-            for s, d, w, lay, g in zip(sharded, diff, wholes, layouts, gathers, strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    # Slots are zeros: only their dtype (the reduce dtype) matters, so they are
-    # not kept for the backward pass (that would hold a gradient-sized buffer).
-    slot_dtypes = [d.dtype if s and d is not None else None for s, d in zip(sharded, diff, strict=True)]
-
-    def reduce(g_layer: PyTree) -> list[Any]:
-        """Layer i's parameter gradient: reduce-scattered (in the slot's dtype)
-        for partitioned leaves; none for frozen ones."""
-        gs = jax.tree_util.tree_flatten(g_layer)[0]
-        return [
-            (None if dt is None else coll.sum_reduce_scatter(g.astype(dt), lay, axis)) if s else g
-            for s, dt, g, lay in zip(sharded, slot_dtypes, gs, layouts, strict=True)
-        ]
-
-    example = fetch(jnp.asarray(0), diff, wholes)
-    fn, all_consts = jax.closure_convert(layer_fn, example, carry)
+    plan, diff, wholes = _scan_plan(treedef, nodes, axis, prefetch, depth)
+    sharded = plan.sharded
+    fn, all_consts = jax.closure_convert(layer_fn, _fetch(plan, jnp.asarray(0), diff, wholes), carry)
     # Values layer_fn closes over: float ones get gradients, the rest are fixed.
     is_float = [jnp.issubdtype(c.dtype, jnp.inexact) for c in all_consts]
     fixed = [c for c, f in zip(all_consts, is_float, strict=True) if not f]
@@ -368,33 +441,6 @@ def _zero_scan(
     def layer(params: PyTree, c: Any, float_consts: tuple[Any, ...]) -> Any:
         floats, others = iter(float_consts), iter(fixed)
         return fn(params, c, *[next(floats) if f else next(others) for f in is_float])
-
-    def pipelined(step: Callable[..., Any], state: Any, diff: list[Any], wholes: list[Any], reverse: bool) -> Any:
-        """Run ``step(state, i, layer_i_params)`` for every layer, in order or
-        in reverse, with the gathers of the next ``prefetch`` layers in flight."""
-
-        def index(t: Any) -> Any:
-            return depth - 1 - t if reverse else t
-
-        if prefetch == 0:
-            return jax.lax.scan(lambda s, t: step(s, index(t), fetch(index(t), diff, wholes)), state, jnp.arange(depth))
-        queue = tuple(fetch(index(t), diff, wholes) for t in range(prefetch))
-
-        def body(carry: Any, t: jax.Array) -> Any:
-            s, q = carry
-            ahead = fetch(index(t + prefetch), diff, wholes)  # issued before this layer's compute
-            s, y = step(s, index(t), q[0])
-            return (s, (*q[1:], ahead)), y
-
-        # The last `prefetch` layers are already in the queue: run them without
-        # fetching (a clipped index would gather the last layer again).
-        (state, queue), ys = jax.lax.scan(body, (state, queue), jnp.arange(depth - prefetch))
-        tail = []
-        for j in range(prefetch):
-            state, y = step(state, index(depth - prefetch + j), queue[j])
-            tail.append(y)
-        ys = jax.tree.map(lambda main, *rest: jnp.concatenate([main, jnp.stack(rest)]), ys, *tail)
-        return state, ys
 
     @jax.custom_vjp
     def run(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> Any:
@@ -404,7 +450,7 @@ def _zero_scan(
         def step(c: Any, i: Any, params: PyTree) -> tuple[Any, Any]:
             return layer(params, c, float_consts), c  # keep only the layer's input
 
-        out, inputs = pipelined(step, carry, diff, wholes, reverse=False)
+        out, inputs = _pipelined(plan, step, carry, diff, wholes, reverse=False)
         plain = [None if s else d for s, d in zip(sharded, diff, strict=True)]
         return out, (plain, wholes, inputs, float_consts)
 
@@ -417,10 +463,10 @@ def _zero_scan(
             # Recompute layer i from its input (remat) to get its VJP.
             _, vjp = jax.vjp(layer, params, carry_in, float_consts)
             g_params, g_in, g_k = vjp(g)
-            return (g_in, jax.tree.map(jnp.add, g_consts, g_k)), reduce(g_params)
+            return (g_in, jax.tree.map(jnp.add, g_consts, g_k)), _reduce_layer(plan, g_params)
 
         zeros = jax.tree.map(jnp.zeros_like, float_consts)
-        (g_carry, g_consts), g_reversed = pipelined(step, (g_out, zeros), plain, wholes, reverse=True)
+        (g_carry, g_consts), g_reversed = _pipelined(plan, step, (g_out, zeros), plain, wholes, reverse=True)
         # The loop ran from the last layer to the first: put layer 0 first again.
         g_diff = [None if g is None else jnp.flip(g, axis=0) for g in g_reversed]
         return g_diff, [None] * len(wholes), g_carry, g_consts

@@ -7,7 +7,9 @@ its sharding (``"device"`` or ``"pinned_host"``), so offload is three things:
 
 1. placement: :func:`offload_plan` picks the leaves that live in ``pinned_host``
    between steps (all of them, or a fraction of the bytes, largest leaves
-   first), and :func:`place` gives their shardings that memory kind;
+   first), and :func:`with_host` gives their shardings that memory kind
+   (the memory kinds themselves, the options and ``to_device`` live in
+   ``_memory``);
 2. streaming: :func:`streamed` runs the optimizer update chunk by chunk. A
    chunk is a set of offloaded leaves that the update mixes (Adam's ``mu``,
    ``nu`` and master copy of one parameter), found by a data-dependence walk
@@ -40,58 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zero_jax._memory import DEVICE, HOST, is_host, to_device
 from zero_jax._partition import is_layout
 from zero_jax._tree import PyTree, path_str
-
-#: The memory kind offloaded state lives in.
-HOST = "pinned_host"
-DEVICE = "device"
-
-
-def memory_kinds(device: Any) -> frozenset[str]:
-    """The memory kinds a device can hold arrays in (the capability probe)."""
-    try:
-        return frozenset(m.kind for m in device.addressable_memories())
-    except Exception:  # a backend without the memories API has no host memory kinds
-        return frozenset()
-
-
-def check_options(offload_optimizer: Any, offload_params: Any, stage: int, mesh: Any) -> tuple[float, bool]:
-    """Validate ``ZeroPolicy``'s offload arguments -> (fraction, offload_params)."""
-    if isinstance(offload_optimizer, (bool, np.bool_)):
-        fraction = 1.0 if offload_optimizer else 0.0
-    elif isinstance(offload_optimizer, (int, float, np.integer, np.floating)):
-        fraction = float(offload_optimizer)
-        if not 0.0 <= fraction <= 1.0:  # also rejects NaN
-            raise ValueError(
-                f"ZeroPolicy: offload_optimizer={offload_optimizer!r} is outside [0, 1]. Pass True (all "
-                "optimizer state in host memory), False, or the fraction of the optimizer-state bytes "
-                "to offload, e.g. 0.5."
-            )
-    else:
-        raise TypeError(
-            f"ZeroPolicy: offload_optimizer must be a bool or a fraction in [0, 1], got "
-            f"{type(offload_optimizer).__name__}."
-        )
-    if not isinstance(offload_params, (bool, np.bool_)):
-        raise TypeError(f"ZeroPolicy: offload_params must be True or False, got {offload_params!r}.")
-    if offload_params and stage < 3:
-        raise ValueError(
-            f"ZeroPolicy: offload_params=True needs stage=3 (got stage={stage}): only stage 3 partitions "
-            "the parameters, and only partitioned parameters are offloaded (stages 0-2 need the whole "
-            "parameters on every device for each step). Use stage=3, or offload_optimizer instead."
-        )
-    if fraction > 0 or offload_params:
-        device = mesh.devices.flat[0]
-        kinds = memory_kinds(device)
-        if HOST not in kinds:
-            raise ValueError(
-                f"ZeroPolicy: offload needs the {HOST!r} memory kind, but the {device.platform!r} backend's "
-                f"devices have {sorted(kinds) or 'no memory kinds'}. Run without offload_optimizer / "
-                "offload_params on this backend (or use a higher stage or more devices to save memory)."
-            )
-    return fraction, bool(offload_params)
-
 
 # -- which leaves live in host memory ---------------------------------------------------
 
@@ -208,27 +161,12 @@ def offload_plan(state: Any) -> OffloadPlan:
     )
 
 
-def _host(sharding: Any, host: bool) -> Any:
-    return sharding.with_memory_kind(HOST) if host else sharding
-
-
-def place(state: Any, shardings: Any) -> Any:
-    """``shardings`` (a ``TrainState`` of shardings for ``state``) with the
-    offloaded leaves moved to ``pinned_host``."""
-    policy = state.policy
-    if not policy.offload_optimizer and not policy.offload_params:
-        return shardings
-    p = offload_plan(state)
-
-    def mark(tree: PyTree, flags: Sequence[bool]) -> PyTree:
-        leaves, treedef = jax.tree.flatten(tree)
-        return jax.tree.unflatten(treedef, [_host(s, h) for s, h in zip(leaves, flags, strict=True)])
-
-    opt = shardings.opt_state
-    return shardings.replace(
-        params=mark(shardings.params, p.params),
-        opt_state=type(opt)(mark(opt.inner_state, p.opt_state), opt.policy, opt.params, opt.layouts),
-        master=None if shardings.master is None else mark(shardings.master, p.master),
+def with_host(shardings: PyTree, flags: Sequence[bool]) -> PyTree:
+    """``shardings`` (one field of a state's shardings, in flattening order)
+    with the leaves flagged by an :class:`OffloadPlan` moved to ``pinned_host``."""
+    leaves, treedef = jax.tree.flatten(shardings)
+    return jax.tree.unflatten(
+        treedef, [s.with_memory_kind(HOST) if h else s for s, h in zip(leaves, flags, strict=True)]
     )
 
 
@@ -356,20 +294,6 @@ def streamed(
     return results
 
 
-def num_chunks(fn: Callable[[list[jax.Array]], list[jax.Array]], args: Sequence[Any], host: Sequence[bool]) -> int:
-    """How many chunks :func:`streamed` splits the offloaded inputs of ``fn`` into."""
-    return len(chunks(fn, args, host))
-
-
-def to_device(x: jax.Array) -> jax.Array:
-    """Inside a step: move a host-resident array (an offloaded parameter piece,
-    or under ``scan_layers`` one layer's slice of it) to device memory; any
-    other array passes through untouched."""
-    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
-        return jax.device_put(x, jax.memory.Space.Device)
-    return x
-
-
 def stream_update(
     update: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]], master: PyTree, state: Any, shardings: Any
 ) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
@@ -384,7 +308,7 @@ def stream_update(
     policy = state.policy
     if state.master is not None:
         master_shardings = jax.tree.leaves(shardings.master)
-    elif policy.stage in (0, 3):
+    elif policy.partitions_params or not policy.partitions_opt_state:  # stages 0 and 3
         master_shardings = jax.tree.leaves(shardings.params)
     else:
         master_shardings = [None] * len(jax.tree.leaves(master))
@@ -407,10 +331,6 @@ def stream_update(
     return run
 
 
-def _is_host(x: Any) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
 def for_compute(new_master: PyTree, param_shardings: PyTree, compute_dtype: Any) -> PyTree:
     """The updated master leaves the compute copy is made from, in the memory
     it is made in: a host master leaf whose parameter lives on the device (or
@@ -430,6 +350,6 @@ def to_memory_kinds(state: Any, shardings: Any) -> Any:
     chunk are there already)."""
 
     def one(x: jax.Array, s: Any) -> jax.Array:
-        return jax.device_put(x, s) if s.memory_kind == HOST and not _is_host(x) else x
+        return jax.device_put(x, s) if s.memory_kind == HOST and not is_host(x) else x
 
     return jax.tree.map(one, state, shardings)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from zero_jax import _offload, _partition
+from zero_jax import _memory, _partition
 from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
 from zero_jax._precision import Precision
@@ -210,8 +210,8 @@ class ZeroPolicy:
         if precision is None:
             precision = Precision()
         prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
-        self.offload_optimizer, self.offload_params = _offload.check_options(
-            offload_optimizer, offload_params, int(stage), mesh
+        self.offload_optimizer, self.offload_params = _memory.check_options(
+            offload_optimizer, offload_params, int(stage), mesh, partitions_params=int(stage) >= 3
         )
         self.stage = int(stage)
         self.mesh = mesh
@@ -482,3 +482,19 @@ class ZeroPolicy:
             for p, lay in pairs
             if not lay.partitioned
         ]
+
+    # -- what a stage does in the step (added by the step owner) --
+
+    @property
+    def optimizer_sees_slice(self) -> bool:
+        """The optimizer updates a slice of parameters that are stored whole
+        over its axes (stages 1-2; stage 3 with ``optimizer_over_replicas``,
+        whose optimizer is cut R times finer than the parameters): the step
+        slices the parameters for it and all-gathers the updated pieces."""
+        return self.stage in (1, 2) or (self.stage == 3 and self.optimizer_over_replicas)
+
+    @property
+    def default_accum_mode(self) -> str:
+        """``make_train_step``'s accumulation mode when none is given:
+        partitioned where gradients are (memory is the point), else local."""
+        return "partitioned" if self.partitions_grads else "local"

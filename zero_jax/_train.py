@@ -1,27 +1,49 @@
-"""TrainState, init_state and make_train_step: one jit-compiled ZeRO step.
+"""make_train_step: one jit-compiled ZeRO step, and its public face.
 
-The step has three parts, each in the view that suits it:
+The step has three parts, each in the view that suits it (one module each):
 
-1. gradients, in ``jax.shard_map``: each device runs ``loss_fn`` on its slice
-   of the batch (in microbatches when accumulating) and the collectives of
-   ``_collectives`` reduce the gradients in the precision policy's reduce
-   dtype (all-reduce in stage 0, reduce-scatter from stage 1; stages 2–3
-   reduce-scatter each gradient the moment the backward pass produces it;
-   stage 3 also gathers the parameters for use). The global gradient norm,
-   which is also the overflow check, costs one scalar all-reduce;
-2. the optimizer, in the global view: :func:`shard_optimizer` runs the
-   optax update on the partitioned (fp32 master) state, where the compiler
-   keeps elementwise math local and adds only the small reductions an
-   optimizer itself needs;
-3. stages 1 and 2 all-gather the updated parameters (in the compute dtype).
+1. gradients (``_grads``), in ``jax.shard_map``: each device runs ``loss_fn``
+   on its slice of the batch (in microbatches when accumulating) and the
+   collectives of ``_collectives`` reduce the gradients in the precision
+   policy's reduce dtype (all-reduce in stage 0, reduce-scatter from stage 1;
+   stages 2–3 reduce-scatter each gradient the moment the backward pass
+   produces it; stage 3 also gathers the parameters for use). The global
+   gradient norm, which is also the overflow check, costs one scalar
+   all-reduce;
+2. the optimizer (``_update``), in the global view: :func:`shard_optimizer`
+   runs the optax update on the partitioned (fp32 master) state, where the
+   compiler keeps elementwise math local and adds only the small reductions
+   an optimizer itself needs;
+3. where the optimizer sees a slice of whole parameters (stages 1 and 2),
+   the updated pieces are all-gathered (in the compute dtype).
 
 The collectives ZeRO is about are therefore explicit (the compiler never
 chooses them), which is what makes their cost provable from the program.
+This module holds :class:`TrainStep` (validation that names every bad leaf,
+then the jitted program) and :func:`make_train_step`.
+
+Floor 5: imports the state, the gradient program and the update.
+
+A stateful loss (here a running mean of the inputs, averaged over devices):
+
+>>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+>>> policy = zj.ZeroPolicy(stage=2, mesh=mesh)
+>>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+>>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+>>> batch = {"x": jnp.ones((8 * jax.device_count(), 4)), "y": jnp.ones((8 * jax.device_count(), 1))}
+>>> def stateful_loss(p, ms, b):
+...     new = {"mean": 0.5 * ms["mean"] + 0.5 * jnp.mean(b["x"], 0)}
+...     return loss_fn(p, b), new
+>>> state = zj.init_state({"w": jnp.zeros((4, 1))}, tx, policy, model_state={"mean": jnp.zeros(4)})
+>>> step = zj.make_train_step(stateful_loss, tx, policy, stateful=True)
+>>> state, metrics = step(state, batch)
+>>> state.model_state["mean"].tolist()
+[0.5, 0.5, 0.5, 0.5]
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -29,327 +51,63 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.sharding import PartitionSpec
 
-from zero_jax import _collectives as coll
-from zero_jax import _offload
-from zero_jax._layers import Sharded, manual_gather_scope
-from zero_jax._multihost import check_same_on_all_processes, policy_fingerprint
-from zero_jax._optimizer import (
-    ShardedOptState,
-    ShardedTransformation,
-    TreeLayouts,
-    check_tree,
-    frozen_leaves,
-    store,
-    to_logical,
-)
+from zero_jax._grads import Grads, compute_grads, grad_plan
+from zero_jax._optimizer import ShardedOptState, ShardedTransformation, TreeLayouts, check_tree, frozen_leaves
 from zero_jax._partition import LeafLayout, is_layout
 from zero_jax._policy import ZeroPolicy
-from zero_jax._precision import LossScaleState, cast_floats
-from zero_jax._tree import PyTree, path_str
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    """Everything that lives between steps, placed per a policy.
-
-    Attributes:
-      step: the number of steps taken (an int32 scalar).
-      params: the parameters the forward pass uses, in the compute dtype and
-        in stored form: whole on every device in stages 0–2; in stage 3 each
-        partitioned leaf is cut (and padded) per the policy.
-        ``zj.full_params(state)`` gives the ordinary parameters.
-      opt_state: the :class:`ShardedOptState` of the sharded optimizer.
-      master: with mixed precision, the float32 master copy, partitioned like
-        the optimizer state (from stage 1); ``None`` otherwise.
-      loss_scale: with float16, the :class:`LossScaleState`; ``None`` otherwise.
-      model_state: non-trainable model state that training updates (batch-norm
-        running statistics, RNG counts, an ``eqx.nn.State``), replicated on
-        every device, never differentiated, never seen by the optimizer;
-        stepped by ``make_train_step(..., stateful=True)``. ``None`` when
-        the model has none.
-      policy: the policy the state is laid out for (static).
-      layouts: the parameters' layouts (static).
-    """
-
-    step: jax.Array
-    params: PyTree
-    opt_state: ShardedOptState
-    master: PyTree = None
-    loss_scale: LossScaleState | None = None
-    model_state: PyTree = None
-    policy: ZeroPolicy = dataclasses.field(default=None, metadata={"static": True})  # type: ignore[assignment]
-    layouts: TreeLayouts = dataclasses.field(default=None, metadata={"static": True})  # type: ignore[assignment]
-
-    def replace(self, **changes: Any) -> TrainState:
-        return dataclasses.replace(self, **changes)
-
-
-jax.tree_util.register_dataclass(
+from zero_jax._state import (  # noqa: F401 - TrainState, init_state, full_params: public names re-exported here
     TrainState,
-    data_fields=["step", "params", "opt_state", "master", "loss_scale", "model_state"],
-    meta_fields=["policy", "layouts"],
+    check_tx,
+    full_params,
+    full_shapes,
+    init_state,
+    is_float,
+    state_shardings,
+)
+from zero_jax._tree import PyTree, check_live, path_str
+from zero_jax._update import (
+    apply_optimizer,
+    finish_state,
+    keep_non_float,
+    master_for_compute,
+    optimizer_grads,
+    same_dtypes,
+    step_metrics,
+    updated_params,
+)
+
+BATCH_SIZES_DIFFER = (
+    "train_step: the batch leaves have different leading (batch) sizes: {listing}. Every batch leaf holds "
+    "one row per example along its leading dimension, so they must all agree; pass the same number of "
+    "examples in each (e.g. x and y of one batch)."
+)
+MODEL_STATE_LEAVES = (
+    "train_step: model_state leaf {listing}, not a jax.Array. Create the state with "
+    "zj.init_state(..., model_state=...)."
+)
+STORED_SHAPES = (
+    "train_step: {count} parameter(s) do not have the shape this policy stores them in: {listing}. Build the "
+    "state with zj.init_state(params, tx, policy) rather than by hand."
 )
 
 
-def _check_tx(tx: Any, policy: ZeroPolicy, where: str) -> ShardedTransformation:
-    if not isinstance(tx, ShardedTransformation):
-        raise TypeError(
-            f"{where}: tx must be wrapped for the policy: pass zj.shard_optimizer(tx, policy), got {type(tx).__name__}."
-        )
-    if tx.policy != policy:
-        raise ValueError(
-            f"{where}: the optimizer is sharded for {tx.policy!r}, but the policy is {policy!r}. "
-            "Wrap it with zj.shard_optimizer(tx, policy) for this policy."
-        )
-    return tx
-
-
-def _stored_params(params: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTree:
-    return store(params, layouts, policy, policy.partitions_params)
-
-
-def _with_dtype(layouts: PyTree, dtype: Any) -> PyTree:
-    """The same layouts for another copy of the parameters (compute / master)."""
-    return jax.tree.map(
-        lambda lay: dataclasses.replace(lay, dtype=dtype) if jnp.issubdtype(lay.dtype, jnp.floating) else lay,
-        layouts,
-        is_leaf=is_layout,
-    )
-
-
-def _state_shardings(state: TrainState) -> TrainState:
-    """The sharding of every leaf of a (possibly abstract) state."""
-    policy = state.policy
-
-    def shardings(layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
-        return jax.tree.map(lambda lay: policy.named_sharding(lay, partitioned, axes), layouts, is_leaf=is_layout)
-
-    layouts = state.layouts.tree()
-    placed = state.replace(
-        step=policy.replicated(),
-        params=shardings(layouts, policy.partitions_params),
-        opt_state=ShardedOptState(
-            shardings(state.opt_state.layouts.tree(), policy.partitions_opt_state, policy.state_axes),
-            policy,
-            state.opt_state.params,
-            state.opt_state.layouts,
-        ),
-        master=None if state.master is None else shardings(layouts, policy.partitions_opt_state, policy.state_axes),
-        loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: policy.replicated(), state.loss_scale),
-        model_state=jax.tree.map(lambda _: policy.replicated(), state.model_state),
-    )
-    return _offload.place(state, placed)  # offloaded leaves live in pinned_host
-
-
-def init_state(
-    params: PyTree | Callable[[], PyTree],
-    tx: ShardedTransformation,
-    policy: ZeroPolicy,
-    *,
-    model_state: PyTree = None,
-) -> TrainState:
-    """Create the :class:`TrainState`, every leaf placed per ``policy``.
-
-    The state is created inside ``jax.jit`` with output shardings, so the
-    optimizer state (and, in stage 3, the parameters) is only ever created
-    in pieces. ``params`` may be a pytree of arrays, a zero-argument function
-    returning one (then the whole parameters never exist in stage 3 either),
-    or a pytree of ``jax.ShapeDtypeStruct`` (then the result is abstract:
-    ``ShapeDtypeStruct``s carrying their shardings, for planning). Floating
-    leaves are cast to the policy's ``param_dtype`` (the master copy) and
-    ``compute_dtype`` (``state.params``).
-
-    ``model_state`` (optional): non-trainable state the loss updates (batch
-    statistics, RNG counts, an ``eqx.nn.State``): a pytree of arrays (or
-    ``jax.ShapeDtypeStruct``s for an abstract state), kept in its own dtypes
-    and replicated on every device as ``state.model_state``. Train it with
-    ``make_train_step(..., stateful=True)``.
-
-    Example:
-
-    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    >>> policy = zj.ZeroPolicy(stage=3, mesh=mesh)
-    >>> tx = zj.shard_optimizer(optax.adam(1e-3), policy)
-    >>> state = zj.init_state({"w": jnp.ones((1000, 3))}, tx, policy)
-    >>> state.params["w"].shape  # stored padded to a multiple of N; full_params undoes it
-    (1000, 3)
-    """
-    _check_tx(tx, policy, "init_state")
-    # Several processes: agree on the policy before the first collective, so
-    # a mismatch is an error on every process rather than a hang.
-    check_same_on_all_processes("zj.init_state", policy_fingerprint(policy))
-    # A factory is a callable with no array leaves: an Equinox module is callable
-    # too, but it is a pytree of parameters.
-    factory = callable(params) and not any(hasattr(x, "shape") for x in jax.tree.leaves(params))
-    abstract_only = not factory and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-    if abstract_only:  # only ever traced, under eval_shape: nothing is allocated
-        make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
-    elif factory:
-        make = params
-    else:
-        if jax.process_count() > 1:
-            # Arrays on this process's devices cannot enter a program over every
-            # process's devices: pass them as host values (each process holds them).
-            params = jax.tree.map(
-                lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x, params
-            )
-        make = lambda: params  # noqa: E731
-    prec = policy.precision
-    layouts = _with_dtype(policy.layouts(jax.eval_shape(make)), prec.param_dtype)
-    model_state = _model_state_values(model_state)
-
-    def build() -> TrainState:
-        logical = cast_floats(make(), prec.param_dtype)
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=_stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),
-            opt_state=tx.init(logical),
-            master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
-            if prec.mixed
-            else None,
-            loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,
-            model_state=jax.tree.map(
-                lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, model_state
-            ),
-            policy=policy,
-            layouts=TreeLayouts.of(layouts),
-        )
-
-    shardings = _state_shardings(jax.eval_shape(build))
-    if abstract_only:
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(build), shardings
-        )
-    return jax.jit(build, out_shardings=shardings)()
-
-
-def _model_state_values(model_state: PyTree) -> PyTree:
-    """Model state as arrays (``ShapeDtypeStruct``s kept): Python numbers
-    become arrays; on several processes, arrays on this process's devices
-    become host values (each process holds them)."""
-    if model_state is None:
-        return None
-
-    def one(path: Any, x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        if isinstance(x, jax.Array):
-            if jax.process_count() > 1 and x.is_fully_addressable:
-                return np.asarray(x)
-            return x
-        if not hasattr(x, "shape") and not isinstance(x, (bool, int, float, complex)):
-            raise TypeError(
-                f"init_state: model_state leaf '{path_str(path)}' is a {type(x).__name__}, not an array; model "
-                "state must be a pytree of arrays. Keep other values out of it (e.g. in the loss's closure)."
-            )
-        return jnp.asarray(x)
-
-    return jax.tree_util.tree_map_with_path(one, model_state)
-
-
-def full_params(state: TrainState) -> PyTree:
-    """The ordinary parameters: logical shapes, whole on every device, in
-    ``param_dtype`` (the float32 master copy under mixed precision).
-
-    When they are partitioned this gathers them (use it for evaluation and
-    export, not inside a training loop on a model too big for one device).
-    """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"full_params: expected a zero_jax TrainState, got {type(state).__name__}.")
-    policy = state.policy
-    layouts = state.layouts.tree()
-    if state.master is not None:
-        if not policy.partitions_opt_state:
-            return state.master
-        return jax.jit(lambda m: _unstore(m, layouts, policy))(state.master)
-    if not policy.partitions_params:
-        return state.params
-    return jax.jit(lambda p: _unstore(p, layouts, policy))(state.params)
-
-
-def _unstore(stored: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTree:
-    logical = to_logical(stored, layouts, policy, False)  # replicated: the cut axes do not matter
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, policy.replicated()), logical)
-
-
-def _split_loss(out: Any) -> tuple[jax.Array, Any]:
-    if isinstance(out, tuple) and len(out) == 2:
-        return out[0], out[1]
-    return out, None
-
-
-def _split_stateful(out: Any) -> tuple[Any, PyTree]:
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            "make_train_step(..., stateful=True): loss_fn(params, model_state, batch) must return "
-            "(out, new_model_state), where out is what an ordinary loss returns (loss or (loss, aux)); got "
-            f"{type(out).__name__}{'' if not isinstance(out, tuple) else f' of length {len(out)}'}."
-        )
-    return out[0], out[1]
-
-
-def _check_model_state(old: PyTree, new: PyTree) -> None:
-    """The new model state must be the old one's tree with the same shapes and dtypes."""
-    old_pairs, old_def = jax.tree_util.tree_flatten_with_path(old)
-    new_pairs, new_def = jax.tree_util.tree_flatten_with_path(new)
-    fix = (
-        "The step keeps the model state in one fixed layout: return a state with the same tree, shapes and "
-        "dtypes as the one loss_fn received (cast updated values back, e.g. new.astype(old.dtype))."
-    )
-    if old_def != new_def:
-        old_paths = {path_str(p) for p, _ in old_pairs}
-        new_paths = {path_str(p) for p, _ in new_pairs}
-        missing, extra = sorted(old_paths - new_paths), sorted(new_paths - old_paths)
-        detail = f"missing {missing[:6]}, unexpected {extra[:6]}" if missing or extra else f"{old_def} became {new_def}"
-        raise ValueError(
-            f"make_train_step: loss_fn returned a new model state whose tree differs from the old one: {detail}. {fix}"
-        )
-    for (path, a), (_, b) in zip(old_pairs, new_pairs, strict=True):
-        a_shape, b_shape = tuple(jnp.shape(a)), tuple(jnp.shape(b))
-        a_dtype, b_dtype = (x.dtype if hasattr(x, "dtype") else jnp.result_type(x) for x in (a, b))
-        if a_shape != b_shape or a_dtype != b_dtype:
-            raise ValueError(
-                f"make_train_step: loss_fn returned model state leaf '{path_str(path)}' with shape {b_shape} and "
-                f"dtype {b_dtype}, but it was {a_shape} {a_dtype}. {fix}"
-            )
-
-
-def _agree(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """One replicated value of a per-device model state leaf: floats are
-    averaged over the batch axes, anything else (counts, keys, flags) must
-    agree across devices and is taken as its maximum."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jax.lax.pmean(x, axes)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(jax.lax.pmax(jax.random.key_data(x), axes), impl=jax.random.key_impl(x))
-    if x.dtype == jnp.bool_:
-        return jax.lax.pmax(x.astype(jnp.int32), axes).astype(jnp.bool_)
-    return jax.lax.pmax(x, axes)
-
-
-def _check_scalar_loss(loss: Any) -> None:
-    shape = getattr(loss, "shape", None)
-    if shape is None or shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(
-            "make_train_step: loss_fn(params, batch) must return a float scalar (the mean loss "
-            "over its batch), optionally as (loss, aux); got "
-            f"{type(loss).__name__} with shape {shape} and dtype {getattr(loss, 'dtype', None)}. "
-            "Reduce it with jnp.mean before returning."
-        )
+def check_batch_sizes(batch: PyTree) -> None:
+    """Every batch leaf must have the same leading size (one row per example)."""
+    pairs = [(path_str(p), tuple(getattr(x, "shape", ()))) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
+    sizes = {shape[0] for _, shape in pairs if shape}
+    if len(sizes) > 1:
+        listing = ", ".join(f"'{p}' {shape}" for p, shape in pairs)
+        raise ValueError(BATCH_SIZES_DIFFER.format(listing=listing))
 
 
 class TrainStep:
     """A jit-compiled ZeRO train step: ``state, metrics = step(state, batch)``.
 
     ``step.lower(state, batch).compile()`` works as for any ``jax.jit``
-    function; the old state is donated. ``step.grads(state, batch)`` returns
-    the batch-mean gradient as the policy holds it (for inspection).
-    Made by :func:`make_train_step`.
+    function; the old state is donated (using it again is an error that says
+    so). ``step.grads(state, batch)`` returns the batch-mean gradient as the
+    policy holds it (for inspection). Made by :func:`make_train_step`.
     """
 
     def __init__(
@@ -393,10 +151,10 @@ class TrainStep:
     def grads(self, state: TrainState, batch: PyTree) -> PyTree:
         """The batch-mean gradient as the policy holds it: in the reduce dtype
         (float32 accumulators when accumulating), partitioned and padded in
-        stages 2–3, whole in stages 0–1; ``None`` for frozen leaves. Loss
-        scaling is not undone here."""
+        stages 2–3, whole in stages 0–1; ``None`` for frozen and non-float
+        leaves. Loss scaling is not undone here."""
         self._validate(state, batch)
-        return self._grads_jitted(state, batch)[0]
+        return self._grads_jitted(state, batch).grads
 
     # -- checks with errors that say what to do -----------------------------------------
 
@@ -407,6 +165,7 @@ class TrainStep:
                 f"train_step: expected a zero_jax TrainState, got {type(state).__name__}. "
                 "Create it with zj.init_state(params, tx, policy)."
             )
+        check_live(state, where="train_step")
         if state.policy != policy:
             raise ValueError(
                 f"train_step: the state is laid out for {state.policy!r}, but this step is for "
@@ -419,15 +178,7 @@ class TrainStep:
             "train_step: the parameter tree changed between init and step; it",
             "Re-create the state with zj.init_state(new_params, tx, policy) after changing the model.",
         )
-        for (path, leaf), lay in zip(
-            jax.tree_util.tree_flatten_with_path(state.params)[0], state.layouts.layouts, strict=True
-        ):
-            if tuple(leaf.shape) != self._stored_shape(lay):
-                raise ValueError(
-                    f"train_step: parameter '{path_str(path)}' has shape {tuple(leaf.shape)}, but this "
-                    f"policy stores it as {self._stored_shape(lay)}. Build the state with "
-                    "zj.init_state(params, tx, policy) rather than by hand."
-                )
+        self._check_stored_shapes(state)
         opt = state.opt_state
         if not isinstance(opt, ShardedOptState) or opt.policy != policy or opt.params != state.layouts:
             raise ValueError(
@@ -455,14 +206,25 @@ class TrainStep:
                 "loss_fn(params, model_state, batch) -> (out, new_model_state) (for an adapted model: "
                 "adapted.make_train_step(tx, policy)), or create the state without model_state."
             )
-        if state.model_state is not None:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(state.model_state)[0]:
-                if not isinstance(leaf, jax.Array):
-                    raise TypeError(
-                        f"train_step: model_state leaf '{path_str(path)}' is a {type(leaf).__name__}, not a "
-                        "jax.Array. Create the state with zj.init_state(..., model_state=...)."
-                    )
+        bad = [
+            f"'{path_str(path)}' is a {type(leaf).__name__}"
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state.model_state)[0]
+            if not isinstance(leaf, jax.Array)
+        ]
+        if bad:
+            raise TypeError(MODEL_STATE_LEAVES.format(listing=", ".join(bad)))
+        check_batch_sizes(batch)
         policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
+
+    def _check_stored_shapes(self, state: TrainState) -> None:
+        pairs = jax.tree_util.tree_flatten_with_path(state.params)[0]
+        bad = [
+            f"'{path_str(path)}' has shape {tuple(leaf.shape)}, stored as {self._stored_shape(lay)}"
+            for (path, leaf), lay in zip(pairs, state.layouts.layouts, strict=True)
+            if tuple(leaf.shape) != self._stored_shape(lay)
+        ]
+        if bad:
+            raise ValueError(STORED_SHAPES.format(count=len(bad), listing="; ".join(bad)))
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a step object lives as long as its training run
     def _expected_opt_state(self, layouts: TreeLayouts) -> PyTree:
@@ -470,17 +232,18 @@ class TrainStep:
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def _frozen(self, layouts: TreeLayouts) -> PyTree:
-        """Leaves the optimizer never changes (see ``zj.frozen_leaves``)."""
-        return frozen_leaves(self.tx.inner, jax.eval_shape(lambda: full_shapes(layouts)))
+        """Leaves the step never differentiates: those the optimizer never
+        changes (see ``zj.frozen_leaves``) and every non-float leaf (an int
+        counter, a bool mask), which passes through the step untouched."""
+        frozen = frozen_leaves(self.tx.inner, jax.eval_shape(lambda: full_shapes(layouts)))
+        return jax.tree.map(lambda fz, lay: bool(fz) or not is_float(lay), frozen, layouts.tree(), is_leaf=is_layout)
 
     def _stored_shape(self, lay: LeafLayout) -> tuple[int, ...]:
         return lay.stored_shape if self.policy.partitions_params else lay.shape
 
     # -- the program ---------------------------------------------------------------------
 
-    def _grads(
-        self, state: TrainState, batch: PyTree, *, for_optimizer: bool
-    ) -> tuple[PyTree, jax.Array, Any, Any, PyTree]:
+    def _grads(self, state: TrainState, batch: PyTree, *, for_optimizer: bool) -> Grads:
         """Reduced gradients, loss, aux, the global squared norm of the
         unscaled gradients and the new model state (``None`` unless
         stateful), in one ``shard_map``.
@@ -489,338 +252,45 @@ class TrainStep:
         from stage 1 on (the optimizer works on pieces); otherwise as the
         policy holds them (whole in stage 1).
         """
-        policy = self.policy
-        stage, prec = policy.stage, policy.precision
-        # Collectives run within the partition axes; on a hybrid mesh the
-        # replica axes split the batch too and see only the 1/N pieces.
-        axis, n, k = policy.comm, policy.num_shards, self.accum_steps
-        batch_shards = policy.num_batch_shards
-        layouts = state.layouts.tree()
-        frozen = self._frozen(state.layouts)
-        manual = self.gather == "manual"
-        local = k > 1 and self.accum_mode == "local"
-        # Stages 2-3 reduce-scatter each gradient inside the backward pass, into
-        # a zero "slot" piece -- except when accumulating locally, where every
-        # microbatch's gradient stays whole and is reduced once at the end.
-        slots = stage >= 2 and not local
-        scale_loss = state.loss_scale is not None
-
-        def cut(lay: LeafLayout) -> bool:
-            """Whether this leaf's reduced gradient is a piece."""
-            return lay.dim is not None and (stage >= 2 or (stage == 1 and for_optimizer))
-
-        stateful = self.stateful
-        touched: list[bool] = []  # per model-state leaf: did the loss return a new value (set while tracing)
-
-        def body(
-            params: PyTree, local_batch: PyTree, scale: jax.Array, model_state: PyTree
-        ) -> tuple[PyTree, jax.Array, Any, jax.Array, PyTree]:
-            if policy.offload_params and (local or not manual):
-                # Host pieces to the device; the manual path moves each piece in zj.gather
-                # (one layer at a time in scan_layers), these gather everything anyway.
-                params = jax.tree.map(_offload.to_device, params)
-            if stage == 3 and local:
-                # Local accumulation in stage 3: gather once per step (Ψ), compute
-                # every microbatch on the whole parameters, reduce-scatter once (Ψ).
-                params = jax.tree.map(lambda p, lay: coll.fetch(p, lay, axis, gather=True), params, layouts)
-                params_are_pieces = False
-            else:
-                params_are_pieces = stage == 3
-
-            def diff_var(p: jax.Array, lay: LeafLayout, fz: bool) -> jax.Array | None:
-                """What the gradient is taken against, per leaf."""
-                if fz:
-                    return None
-                if slots and lay.dim is not None:
-                    return coll.zeros_like_piece(lay, n, axis, prec.reduce_dtype)
-                return coll.to_varying(p, axis)
-
-            def handed(p: jax.Array, d: jax.Array | None, lay: LeafLayout) -> Any:
-                """What loss_fn receives for one leaf."""
-                partitioned_use = lay.dim is not None and (slots or (params_are_pieces and d is None))
-                if not partitioned_use:
-                    return d if d is not None else p
-                gather = params_are_pieces
-                if manual:
-                    return Sharded((p,) if d is None else (p, d), lay, stage)
-                if d is None:
-                    return coll.fetch(p, lay, axis, gather=gather)
-                return coll.fetch_with_grad_slot(p, d, lay, axis, gather=gather)
-
-            def micro(d: PyTree, mb: PyTree, ms: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any, PyTree]]:
-                tree = jax.tree.map(handed, params, d, layouts, is_leaf=lambda x: x is None)
-                args = (tree, ms, mb) if stateful else (tree, mb)
-                if manual:
-                    with manual_gather_scope(policy, pieces=slots or params_are_pieces):
-                        out = self.loss_fn(*args)
-                else:
-                    out = self.loss_fn(*args)
-                new_ms = None
-                if stateful:
-                    out, new_ms = _split_stateful(out)
-                    _check_model_state(ms, new_ms)
-                    # A leaf the loss returned untouched (the very value it received) keeps
-                    # its value bitwise: it is neither averaged nor combined.
-                    new_leaves, treedef = jax.tree.flatten(new_ms)
-                    touched[:] = [n is not o for n, o in zip(new_leaves, jax.tree.leaves(ms), strict=True)]
-                    # Per device until the step combines them (a count that does not
-                    # depend on the batch is typed per-device too, for the scan carry).
-                    new_ms = jax.tree.unflatten(treedef, [coll.to_varying(x, axis) for x in new_leaves])
-                loss, aux = _split_loss(out)
-                _check_scalar_loss(loss)
-                # Each device's loss / (devices k): the summed gradient is the global mean.
-                scaled = loss.astype(jnp.float32) / (batch_shards * k)
-                if scale_loss:
-                    scaled = scaled * scale
-                return scaled, (loss.astype(jnp.float32), aux, new_ms)
-
-            if stage == 3 and not manual and not local:
-                # Stage 3 gathers inside jax.checkpoint and keeps only matmul outputs
-                # (activations) for the backward pass: everything computed from the
-                # gathered parameters is recomputed, so the backward pass gathers again
-                # (ZeRO-3's 3Ψ) instead of holding whole parameters from forward to
-                # backward. (A name-based policy is not enough: ops applied after the
-                # gather -- unpadding, the model's own transposes and casts -- would
-                # produce unnamed whole-parameter values that get saved instead.)
-                micro = jax.checkpoint(micro, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-            grad_fn = jax.value_and_grad(micro, has_aux=True)
-            diff = jax.tree.map(diff_var, params, layouts, frozen)
-
-            def reduce(g: jax.Array | None, lay: LeafLayout) -> jax.Array | None:
-                """One local gradient -> its reduced form (sum over the data axis)."""
-                if g is None:
-                    return None
-                if slots and lay.dim is not None:
-                    return g  # reduce-scattered by the backward pass already
-                g = g.astype(prec.reduce_dtype)
-                if cut(lay):
-                    return coll.sum_reduce_scatter(g, lay, axis)
-                return coll.sum_all_reduce(g, axis)
-
-            def reduce_all(g: PyTree) -> PyTree:
-                return jax.tree.map(reduce, g, layouts, is_leaf=lambda x: x is None)
-
-            def across_replicas(g: PyTree) -> PyTree:
-                """Pieces summed within the partition axes -> summed over the
-                replicas too, once per step (after accumulation)."""
-                return jax.tree.map(
-                    lambda x, lay: x if x is None or not cut(lay) else coll.reduce_across_replicas(x, lay, axis),
-                    g,
-                    layouts,
-                    is_leaf=lambda x: x is None,
-                )
-
-            if k == 1:
-                (_, (loss, aux, new_ms)), g = grad_fn(diff, local_batch, model_state)
-                grads = across_replicas(reduce_all(g))
-            else:
-                micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), local_batch)
-                acc_dtype = prec.param_dtype
-
-                def accumulate(carry: tuple[PyTree, PyTree], mb: PyTree) -> tuple[tuple[PyTree, PyTree], Any]:
-                    acc, ms = carry  # the model state flows through the microbatches in order
-                    (_, (loss, aux, new_ms)), g = grad_fn(diff, mb, ms)
-                    g = g if local else reduce_all(g)  # partitioned mode: reduce every microbatch
-                    acc = jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
-                    return (acc, new_ms), (loss, aux)
-
-                example = jax.eval_shape(
-                    lambda: grad_fn(diff, jax.tree.map(lambda x: x[0], micro_batches), model_state)[1]
-                )
-                if not local:
-                    example = jax.eval_shape(reduce_all, example)
-
-                def zeros(x: jax.ShapeDtypeStruct, lay: LeafLayout) -> jax.Array:
-                    z = jnp.zeros(x.shape, acc_dtype)
-                    # Whole local gradients and pieces differ per device; all-reduced
-                    # gradients are the same everywhere (and must be typed so).
-                    per_device = local or cut(lay) or (slots and lay.dim is not None)
-                    return coll.to_varying(z, axis) if per_device else z
-
-                acc0 = jax.tree.map(zeros, example, layouts, is_leaf=lambda x: x is None)
-                ms0 = jax.tree.map(lambda x: coll.to_varying(x, axis), model_state) if stateful else None
-                (acc, new_ms), (losses, auxes) = jax.lax.scan(accumulate, (acc0, ms0), micro_batches)
-                grads = across_replicas(reduce_all(acc) if local else acc)
-                loss = jnp.mean(losses)
-                aux = jax.tree.map(
-                    lambda a: jnp.mean(a, 0) if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.sum(a, 0), auxes
-                )
-
-            # The global squared norm of the unscaled gradients, in one scalar
-            # all-reduce: pieces differ per device and are summed; whole gradients
-            # are the same everywhere. It doubles as the overflow check: any inf or
-            # NaN anywhere makes it non-finite on every device alike.
-            def unscaled(g: jax.Array) -> jax.Array:
-                g = g.astype(jnp.float32)
-                return g / scale if scale_loss else g
-
-            part, whole = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-            layout_leaves = jax.tree.leaves(layouts, is_leaf=is_layout)
-            for g, lay in zip(_leaves(grads), layout_leaves, strict=True):
-                if g is None:
-                    continue
-                u = unscaled(g)
-                if cut(lay):
-                    part = part + jnp.sum(u * u)
-                else:
-                    whole = whole + jnp.sum(u * u)
-            any_cut = any(cut(lay) for lay, fz in zip(layout_leaves, _leaves(frozen), strict=True) if not fz)
-            sq_norm = (jax.lax.psum(part, policy.state_axes) if any_cut else part) + whole
-            every = axis.all
-            loss = jax.lax.pmean(loss, every)
-            aux = jax.tree.map(
-                lambda a: jax.lax.pmean(a, every) if jnp.issubdtype(a.dtype, jnp.inexact) else jax.lax.psum(a, every),
-                aux,
-            )
-            if stateful:
-                # Data-parallel model state: each device updated it from its own slice;
-                # floats are averaged over every batch axis, the rest must agree (max).
-                new_leaves, treedef = jax.tree.flatten(new_ms)
-                new_ms = jax.tree.unflatten(
-                    treedef,
-                    [
-                        _agree(x, every) if t else old
-                        for x, t, old in zip(new_leaves, touched, jax.tree.leaves(model_state), strict=True)
-                    ],
-                )
-            return grads, loss, aux, sq_norm, new_ms
-
-        def spec(lay: LeafLayout, partitioned: bool, axes: tuple[str, ...]) -> PartitionSpec:
-            return lay.spec(axes) if partitioned else PartitionSpec()
-
-        param_specs = jax.tree.map(
-            lambda lay: spec(lay, policy.partitions_params, policy.axes), layouts, is_leaf=is_layout
+        plan = grad_plan(
+            self.loss_fn,
+            self.policy,
+            state.layouts.tree(),
+            self._frozen(state.layouts),
+            gather=self.gather,
+            accum_steps=self.accum_steps,
+            accum_mode=self.accum_mode,
+            stateful=self.stateful,
+            scale_loss=state.loss_scale is not None,
+            for_optimizer=for_optimizer,
         )
-        grad_specs = jax.tree.map(
-            lambda lay, fz: None if fz else spec(lay, cut(lay), policy.state_axes), layouts, frozen, is_leaf=is_layout
-        )
-        scale = state.loss_scale.scale if scale_loss else jnp.ones((), jnp.float32)
-        return jax.shard_map(
-            body,
-            mesh=policy.auto_mesh,
-            in_specs=(param_specs, policy.batch_sharding().spec, PartitionSpec(), PartitionSpec()),
-            out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
-            # JAX 0.10 cannot type a collective over a vmap axis (a batch norm's
-            # pmean over jax.vmap(..., axis_name=...), as eqx.nn.BatchNorm does)
-            # inside a vma-checked shard_map; stateful steps run unchecked.
-            check_vma=not stateful,
-        )(state.params, batch, scale, state.model_state if stateful else None)
-
-    def _gather_updated(self, pieces: PyTree, layouts: PyTree) -> PyTree:
-        """Stages 1–2: all-gather the updated parameter pieces (cut over the
-        optimizer's axes); every device gets the whole, unpadded parameters
-        back. Stage 3 with ``optimizer_over_replicas``: all-gather across the
-        replica axes only, into the parameters' 1/N pieces (still padded)."""
-        policy = self.policy
-        specs = jax.tree.map(lambda lay: lay.spec(policy.state_axes), layouts, is_leaf=is_layout)
-        if policy.partitions_params:
-            out_specs = jax.tree.map(lambda lay: lay.spec(policy.axes), layouts, is_leaf=is_layout)
-            gather = lambda x, lay: coll.gather_replicated(x, lay, policy.replica_axes, unpadded=False)  # noqa: E731
-        else:
-            out_specs = PartitionSpec()
-            gather = lambda x, lay: coll.gather_replicated(x, lay, policy.state_axes)  # noqa: E731
-        return jax.shard_map(
-            lambda p: jax.tree.map(gather, p, layouts),
-            mesh=policy.auto_mesh,
-            in_specs=(specs,),
-            out_specs=out_specs,
-        )(pieces)
+        scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)
+        return compute_grads(plan, state.params, batch, scale, state.model_state)
 
     def _step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        policy = self.policy
-        prec = policy.precision
-        layouts = state.layouts.tree()
-        frozen = self._frozen(state.layouts)
-        grads, loss, aux, sq_norm, new_model_state = self._grads(state, batch, for_optimizer=True)
-        grad_norm = jnp.sqrt(sq_norm)
-        scale = state.loss_scale.scale if state.loss_scale is not None else None
-
-        def to_optimizer(g: jax.Array | None, lay: LeafLayout) -> jax.Array:
-            if g is None:  # frozen: the optimizer never reads it (compiled away)
-                partitioned = policy.partitions_opt_state and lay.dim is not None
-                shape = lay.stored_shape if partitioned else lay.shape
-                return jnp.zeros(shape, prec.param_dtype)
-            g = g.astype(prec.param_dtype)
-            if scale is not None:
-                g = g / scale
-            if self.clip_norm is not None:
-                # optax.clip_by_global_norm's formula, on the global norm.
-                g = jax.lax.select(grad_norm < self.clip_norm, g, (g / grad_norm.astype(g.dtype)) * self.clip_norm)
-            return g
-
-        grads = jax.tree.map(to_optimizer, grads, layouts, is_leaf=lambda x: x is None)
-
-        # The optimizer's view of the parameters: the float32 master copy
-        # (partitioned from stage 1), or the parameters themselves.
-        if state.master is not None:
-            master = state.master
-        elif policy.stage in (1, 2) or policy.optimizer_over_replicas:
-            # This device's piece of the optimizer's cut (a local slice).
-            master = store(state.params, layouts, policy, True, axes=policy.state_axes)
-        else:
-            master = state.params
-
-        def update(master: PyTree, opt_state: ShardedOptState) -> tuple[PyTree, ShardedOptState]:
-            updates, opt_state = self.tx.update(grads, opt_state, master)
-            return optax.apply_updates(master, updates), opt_state
-
-        if policy.offload_optimizer or policy.offload_params:
-            update = _offload.stream_update(update, master, state, _state_shardings(state))
-        if state.loss_scale is None:
-            finite = jnp.asarray(True)
-            new_master, opt_state = update(master, state.opt_state)
-        else:
-            # An overflow anywhere skips the step everywhere: the flag comes from
-            # the all-reduced norm, so every device takes the same branch.
-            finite = jnp.isfinite(sq_norm)
-            new_master, opt_state = jax.lax.cond(finite, update, lambda m, o: (m, o), master, state.opt_state)
-            if self.stateful:  # a skipped step keeps the old model state too
-                new_model_state = jax.lax.cond(finite, lambda n, o: n, lambda n, o: o, new_model_state,
-                                               state.model_state)  # fmt: skip
-
-        if policy.offload_optimizer or policy.offload_params:
-            new_master = _offload.for_compute(new_master, _state_shardings(state).params, prec.compute_dtype)
-        compute = cast_floats(new_master, prec.compute_dtype)
-        if policy.stage in (1, 2) or policy.optimizer_over_replicas:
-            # The updated pieces, cut over the optimizer's axes, are all-gathered:
-            # into whole parameters (stages 1-2), or across the replicas into
-            # parameter pieces (stage 3 with the optimizer cut R times finer).
-            # Only what changed: frozen leaves keep their copy.
-            compute = store(compute, layouts, policy, True, axes=policy.state_axes)
-            trained_layouts = jax.tree.map(lambda lay, fz: None if fz else lay, layouts, frozen, is_leaf=is_layout)
-            trained = jax.tree.map(lambda c, fz: None if fz else c, compute, frozen)
-            gathered = self._gather_updated(trained, trained_layouts)
-            params = jax.tree.map(lambda old, new: old if new is None else new, state.params, gathered)
-        else:
-            params = compute
+        prec = self.policy.precision
+        shardings = state_shardings(state)  # once per trace: the new state has the same
+        out = self._grads(state, batch, for_optimizer=True)
+        grad_norm = jnp.sqrt(out.sq_norm)
+        grads = optimizer_grads(out.grads, state, grad_norm, self.clip_norm)
+        updated = apply_optimizer(self.tx, state, grads, out.sq_norm, shardings)
+        model_state = state.model_state
+        if self.stateful:  # a skipped (float16 overflow) step keeps the old model state too
+            model_state = out.model_state
+            if state.loss_scale is not None:
+                model_state = jax.lax.cond(updated.finite, lambda n, o: n, lambda n, o: o, model_state,
+                                           state.model_state)  # fmt: skip
+        new_master = master_for_compute(state, updated.master, shardings)
         new_state = state.replace(
             step=state.step + 1,
-            params=_stored_params(params, _with_dtype(layouts, prec.compute_dtype), policy),
-            opt_state=opt_state,
-            master=new_master if state.master is not None else None,
-            loss_scale=None if state.loss_scale is None else state.loss_scale.next(finite, prec.loss_scale),
-            model_state=new_model_state if self.stateful else state.model_state,
+            params=updated_params(state, new_master, self._frozen(state.layouts)),
+            opt_state=same_dtypes(updated.opt_state, state.opt_state),
+            master=None if state.master is None else keep_non_float(new_master, state.master, state.layouts.tree()),
+            loss_scale=None if state.loss_scale is None else state.loss_scale.next(updated.finite, prec.loss_scale),
+            model_state=model_state,
         )
-        if policy.offload_optimizer or policy.offload_params:
-            new_state = _offload.to_memory_kinds(new_state, _state_shardings(new_state))
-        new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state, _state_shardings(new_state))
-        metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm}
-        if aux is not None:
-            metrics["aux"] = aux
-        if state.loss_scale is not None:
-            metrics["loss_scale"] = new_state.loss_scale.scale
-            metrics["skipped"] = (~finite).astype(jnp.int32)
-        return new_state, metrics
-
-
-def _leaves(tree: PyTree) -> list[Any]:
-    """The leaves of ``tree`` with ``None`` (a frozen leaf's gradient) kept in place."""
-    return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-
-
-def full_shapes(layouts: TreeLayouts) -> PyTree:
-    """Zeros of the logical parameter shapes (for ``eval_shape`` only)."""
-    return jax.tree.map(lambda lay: jnp.zeros(lay.shape, lay.dtype), layouts.tree(), is_leaf=is_layout)
+        new_state = finish_state(state, new_state, shardings)
+        return new_state, step_metrics(out.loss, out.aux, grad_norm, new_state, updated.finite)
 
 
 def make_train_step(
@@ -885,8 +355,13 @@ def make_train_step(
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch)`` with
-      ``metrics["loss"]`` (global mean) and ``metrics["grad_norm"]`` (the
-      global norm of the mean gradient), plus ``metrics["aux"]``.
+      ``metrics["loss"]`` (global mean), ``metrics["grad_norm"]`` (the
+      global norm of the mean gradient, before clipping; non-finite when any
+      gradient holds an inf or NaN) and ``metrics["finite"]`` (a bool: the
+      gradient norm is finite), plus ``metrics["aux"]``. To skip non-finite
+      steps in float32, wrap the optimizer: ``zj.shard_optimizer(
+      optax.apply_if_finite(tx, max_consecutive_errors), policy)`` keeps the
+      parameters unchanged after such a step in every stage.
 
     Example:
 
@@ -902,40 +377,10 @@ def make_train_step(
     >>> float(metrics["loss"])
     1.0
 
-    A stateful loss (here a running mean of the inputs, averaged over devices):
-
-    >>> def stateful_loss(p, ms, b):
-    ...     new = {"mean": 0.5 * ms["mean"] + 0.5 * jnp.mean(b["x"], 0)}
-    ...     return loss_fn(p, b), new
-    >>> state = zj.init_state({"w": jnp.zeros((4, 1))}, tx, policy, model_state={"mean": jnp.zeros(4)})
-    >>> step = zj.make_train_step(stateful_loss, tx, policy, stateful=True)
-    >>> state, metrics = step(state, batch)
-    >>> state.model_state["mean"].tolist()
-    [0.5, 0.5, 0.5, 0.5]
+    A stateful loss: see this module's docstring.
     """
-    tx = _check_tx(tx, policy, "make_train_step")
-    if gather not in ("all", "manual"):
-        raise ValueError(
-            f"make_train_step: gather must be 'all' (loss_fn gets whole parameters) or 'manual' "
-            f"(loss_fn gathers them with zj.gather / zj.scan_layers), got {gather!r}."
-        )
-    if not callable(loss_fn):
-        raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"make_train_step: accum_steps must be an int >= 1, got {accum_steps!r}.")
-    if accum_mode is None:
-        accum_mode = "partitioned" if policy.stage >= 2 else "local"
-    if accum_mode not in ("local", "partitioned"):
-        raise ValueError(
-            f"make_train_step: accum_mode must be 'local' (reduce once per step) or 'partitioned' "
-            f"(reduce every microbatch into a partitioned accumulator), got {accum_mode!r}."
-        )
-    if clip_norm is not None and not (
-        isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0
-    ):
-        raise ValueError(f"make_train_step: clip_norm must be a positive number or None, got {clip_norm!r}.")
-    if not isinstance(stateful, bool):
-        raise TypeError(f"make_train_step: stateful must be True or False, got {stateful!r}.")
+    tx = check_tx(tx, policy, "make_train_step")
+    accum_mode = _check_options(loss_fn, policy, gather, accum_steps, accum_mode, clip_norm, stateful)
     return TrainStep(
         loss_fn,
         tx,
@@ -947,3 +392,33 @@ def make_train_step(
         donate=donate,
         stateful=stateful,
     )
+
+
+def _check_options(
+    loss_fn: Any, policy: ZeroPolicy, gather: Any, accum_steps: Any, accum_mode: Any, clip_norm: Any, stateful: Any
+) -> str:
+    """``make_train_step``'s arguments, each with an error that says what to
+    pass; returns the accumulation mode (the policy's default when None)."""
+    if gather not in ("all", "manual"):
+        raise ValueError(
+            f"make_train_step: gather must be 'all' (loss_fn gets whole parameters) or 'manual' "
+            f"(loss_fn gathers them with zj.gather / zj.scan_layers), got {gather!r}."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"make_train_step: accum_steps must be an int >= 1, got {accum_steps!r}.")
+    if accum_mode is None:
+        accum_mode = policy.default_accum_mode
+    if accum_mode not in ("local", "partitioned"):
+        raise ValueError(
+            f"make_train_step: accum_mode must be 'local' (reduce once per step) or 'partitioned' "
+            f"(reduce every microbatch into a partitioned accumulator), got {accum_mode!r}."
+        )
+    if clip_norm is not None and not (
+        isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0
+    ):
+        raise ValueError(f"make_train_step: clip_norm must be a positive number or None, got {clip_norm!r}.")
+    if not isinstance(stateful, bool):
+        raise TypeError(f"make_train_step: stateful must be True or False, got {stateful!r}.")
+    return accum_mode

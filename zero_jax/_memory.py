@@ -1,0 +1,102 @@
+"""Memory kinds: where an array lives (device or pinned host memory), the
+offload options a policy is built with, and the in-step move to the device.
+
+Floor 1: imports no other zero_jax module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+#: The memory kind offloaded state lives in.
+HOST = "pinned_host"
+DEVICE = "device"
+
+OFFLOAD_FRACTION_RANGE = (
+    "ZeroPolicy: offload_optimizer={value!r} is outside [0, 1]. Pass True (all optimizer state in host memory), "
+    "False, or the fraction of the optimizer-state bytes to offload, e.g. 0.5."
+)
+OFFLOAD_PARAMS_STAGE = (
+    "ZeroPolicy: offload_params=True needs stage=3 (got stage={stage}): only stage 3 partitions the parameters, "
+    "and only partitioned parameters are offloaded (stages 0-2 need the whole parameters on every device for "
+    "each step). Use stage=3, or offload_optimizer instead."
+)
+NO_HOST_MEMORY = (
+    "ZeroPolicy: offload needs the {host!r} memory kind, but the {platform!r} backend's devices have {kinds}. "
+    "Run without offload_optimizer / offload_params on this backend (or use a higher stage or more devices to "
+    "save memory)."
+)
+
+
+def memory_kinds(device: Any) -> frozenset[str]:
+    """The memory kinds a device can hold arrays in (the capability probe)."""
+    try:
+        return frozenset(m.kind for m in device.addressable_memories())
+    except Exception:  # a backend without the memories API has no host memory kinds
+        return frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """A policy's validated offload options.
+
+    Attributes:
+      fraction: the share of the optimizer-state (and master) bytes that
+        lives in host memory, 0.0 to 1.0.
+      params: whether the partitioned parameters live in host memory.
+    """
+
+    fraction: float = 0.0
+    params: bool = False
+
+    def __iter__(self) -> Iterator[Any]:  # ``fraction, params = check_options(...)``
+        return iter((self.fraction, self.params))
+
+
+def check_options(
+    offload_optimizer: Any, offload_params: Any, stage: int, mesh: Any, *, partitions_params: bool
+) -> OffloadOptions:
+    """Validate ``ZeroPolicy``'s offload arguments (``partitions_params``: the
+    stage partitions the parameters; ``stage`` is only named in messages)."""
+    if isinstance(offload_optimizer, (bool, np.bool_)):
+        fraction = 1.0 if offload_optimizer else 0.0
+    elif isinstance(offload_optimizer, (int, float, np.integer, np.floating)):
+        fraction = float(offload_optimizer)
+        if not 0.0 <= fraction <= 1.0:  # also rejects NaN
+            raise ValueError(OFFLOAD_FRACTION_RANGE.format(value=offload_optimizer))
+    else:
+        raise TypeError(
+            f"ZeroPolicy: offload_optimizer must be a bool or a fraction in [0, 1], got "
+            f"{type(offload_optimizer).__name__}."
+        )
+    if not isinstance(offload_params, (bool, np.bool_)):
+        raise TypeError(f"ZeroPolicy: offload_params must be True or False, got {offload_params!r}.")
+    if offload_params and not partitions_params:
+        raise ValueError(OFFLOAD_PARAMS_STAGE.format(stage=stage))
+    if fraction > 0 or offload_params:
+        device = mesh.devices.flat[0]
+        kinds = memory_kinds(device)
+        if HOST not in kinds:
+            raise ValueError(
+                NO_HOST_MEMORY.format(host=HOST, platform=device.platform, kinds=sorted(kinds) or "no memory kinds")
+            )
+    return OffloadOptions(fraction, bool(offload_params))
+
+
+def is_host(x: Any) -> bool:
+    """Inside a step: whether a traced array lives in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def to_device(x: jax.Array) -> jax.Array:
+    """Inside a step: move a host-resident array (an offloaded parameter piece,
+    or under ``scan_layers`` one layer's slice of it) to device memory; any
+    other array passes through untouched."""
+    if is_host(x):
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
