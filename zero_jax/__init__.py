@@ -31,7 +31,7 @@ from zero_jax._theory import (
     required_bandwidth,
 )
 from zero_jax._train import TrainStep, make_train_step
-from zero_jax._version import __version__
+from zero_jax._version import __version__ as __version__
 from zero_jax.checkpoint import CheckpointManager, export_params, load_params, restore, save
 
 __all__ = [
