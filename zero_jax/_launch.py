@@ -5,43 +5,40 @@ Each process is a fresh Python with its own simulated CPU devices, joined by
 port): the multi-controller runtime JAX uses on TPU pods and GPU clusters,
 on one machine. It is for tests and local runs; on a real cluster the same
 training script runs unchanged after ``jax.distributed.initialize()`` (see
-the README).
+the README). The processes are started by ``_child``, the one home of the
+child-process runner.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import pickle
 import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
+from zero_jax._child import child_log, child_result, importable_path, resolve, start_child
 
-def _importable_name(fn: Callable[..., Any]) -> tuple[str, str]:
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if module == "__main__":  # `python -m package.module` re-imports fine under its real name
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        module = spec.name if spec is not None else None
-    if not module or "<" in qualname:
-        raise TypeError(
-            f"zj.launch: {fn!r} cannot be found by a new process. Pass a function defined at the top level "
-            "of an importable module (not a lambda, a closure or a function of a script run by path)."
-        )
-    return module, qualname
+_WHERE = "zj.launch"
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_member(target: str, args: tuple[Any, ...], pid: int, processes: int, port: int) -> Any:
+    """What each launched process runs (inside ``_child``): join the pod, call
+    the function, leave the pod."""
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=pid, initialization_timeout=120
+    )
+    result = resolve(target)(*args)
+    jax.distributed.shutdown()
+    return result
 
 
 def launch(
@@ -82,25 +79,20 @@ def launch(
         raise ValueError(f"zj.launch: processes must be an int >= 1, got {processes!r}.")
     if isinstance(local_devices, bool) or not isinstance(local_devices, int) or local_devices < 1:
         raise ValueError(f"zj.launch: local_devices must be an int >= 1, got {local_devices!r}.")
-    module, qualname = _importable_name(fn)
+    target = importable_path(fn, _WHERE)
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="zero_jax_launch_") as tmp:
-        work = Path(tmp)
-        (work / "job.pkl").write_bytes(
-            pickle.dumps(
-                {"module": module, "qualname": qualname, "args": args, "sys_path": [p for p in sys.path if p]}
+    with tempfile.TemporaryDirectory(prefix="zero_jax_launch_") as work:
+        procs = [
+            start_child(
+                "zero_jax._launch:run_member",
+                (target, tuple(args), pid, processes, port),
+                devices=local_devices,
+                workdir=work,
+                name=str(pid),
+                env=env,
             )
-        )
-        child_env = dict(os.environ)
-        child_env.pop("XLA_FLAGS", None)  # each process sizes its own CPU backend
-        child_env["JAX_PLATFORMS"] = "cpu"
-        child_env.update(env or {})
-        procs = []
-        for pid in range(processes):
-            entry = "import sys; from zero_jax._launch import child_main; child_main(sys.argv[1:])"
-            cmd = [sys.executable, "-c", entry, str(work), str(pid), str(processes), str(port), str(local_devices)]
-            with open(work / f"{pid}.log", "w") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env))
+            for pid in range(processes)
+        ]
         deadline = time.monotonic() + timeout_s
         failed: int | None = None
         try:
@@ -117,31 +109,10 @@ def launch(
         if failed is None:
             failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
         if failed is not None:
-            log = (work / f"{failed}.log").read_text()[-6000:]
             timed_out = procs[failed].returncode in (-9, None) and time.monotonic() > deadline
             raise RuntimeError(
-                f"zj.launch: process {failed} of {processes} "
+                f"{_WHERE}: process {failed} of {processes} "
                 + (f"ran past {timeout_s:.0f} s" if timed_out else f"failed (exit code {procs[failed].returncode})")
-                + f"; its output:\n{log}"
+                + f"; its output:\n{child_log(work, str(failed))}"
             )
-        return [pickle.loads((work / f"{pid}.out").read_bytes()) for pid in range(processes)]
-
-
-def child_main(argv: Sequence[str]) -> None:
-    """What each launched process runs: join the pod, call the function, write its result."""
-    work, pid, count, port, local = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3], int(argv[4])
-    job = pickle.loads((work / "job.pkl").read_bytes())
-    for p in reversed(job["sys_path"]):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    jax.config.update("jax_num_cpu_devices", local)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid, initialization_timeout=120
-    )
-    fn: Any = importlib.import_module(job["module"])
-    for part in job["qualname"].split("."):
-        fn = getattr(fn, part)
-    result = fn(*job["args"])
-    (work / f"{pid}.out").write_bytes(pickle.dumps(result))
-    jax.distributed.shutdown()
-
+        return [child_result(work, str(pid), where=_WHERE, returncode=0) for pid in range(processes)]

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zero_jax import _jaxpr
 from zero_jax._memory import DEVICE, HOST, is_host, to_device
 from zero_jax._partition import is_layout
 from zero_jax._tree import PyTree, path_str
@@ -173,47 +174,6 @@ def with_host(shardings: PyTree, flags: Sequence[bool]) -> PyTree:
 # -- streaming the update ------------------------------------------------------------------
 
 
-def _dependencies(jaxpr: Any, in_masks: list[int]) -> list[int]:
-    """For each output of ``jaxpr``, the bitmask of inputs it depends on.
-
-    Calls with an inner jaxpr (``jit``, ``custom_jvp``/``custom_vjp`` calls,
-    ``remat``) are walked inside; any other equation (a loop, a cond) makes
-    each output depend on all of its inputs, which can only merge chunks,
-    never split what belongs together.
-    """
-    env: dict[Any, int] = dict(zip(jaxpr.invars, in_masks, strict=True))
-
-    def read(v: Any) -> int:
-        return 0 if hasattr(v, "val") else env.get(v, 0)  # a literal depends on nothing
-
-    for eqn in jaxpr.eqns:
-        masks = [read(v) for v in eqn.invars]
-        inner = None
-        for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-            cand = eqn.params.get(name)
-            cand = getattr(cand, "jaxpr", cand)
-            if cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(masks):
-                inner = cand
-                break
-        if inner is not None and len(inner.outvars) == len(eqn.outvars):
-            outs = _dependencies(inner, masks)
-        else:
-            m = 0
-            for x in masks:
-                m |= x
-            outs = [m] * len(eqn.outvars)
-        for v, m in zip(eqn.outvars, outs, strict=True):
-            env[v] = m
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _output_dependencies(fn: Callable[..., Any], args: Sequence[Any]) -> list[int]:
-    # Traced on device-space stand-ins: ops on host-space values do not trace.
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-    closed = jax.make_jaxpr(lambda *xs: fn(list(xs)))(*abstract)
-    return _dependencies(closed.jaxpr, [1 << i for i in range(len(args))])
-
-
 def chunks(fn: Callable[..., Any], args: Sequence[Any], host: Sequence[bool]) -> list[list[int]]:
     """The chunks of ``fn``'s offloaded inputs: groups of input indices
     (among those with ``host[i]``) that some output of ``fn`` mixes.
@@ -222,7 +182,7 @@ def chunks(fn: Callable[..., Any], args: Sequence[Any], host: Sequence[bool]) ->
     (output i is the new value of input i). Inputs that stay on the device
     (a step counter, the gradients) link nothing: every chunk may read them.
     """
-    deps = _output_dependencies(fn, args)
+    deps = _jaxpr.output_dependencies(fn, list(args))
     host_mask = sum(1 << i for i, h in enumerate(host) if h)
     parent = list(range(len(args)))
 
@@ -263,7 +223,7 @@ def streamed(
     if not any(host):
         return list(fn(list(args)))
     groups = chunks(fn, args, host)
-    deps = _output_dependencies(fn, args)
+    deps = _jaxpr.output_dependencies(fn, list(args))
     host_mask = sum(1 << i for i, h in enumerate(host) if h)
     results: list[Any] = [None] * len(args)
     prev: tuple[jax.Array, ...] = ()

@@ -108,7 +108,7 @@ def state_shardings(state: TrainState) -> TrainState:
         opt_state=ShardedOptState(
             shardings(state.opt_state.layouts.tree(), policy.partitions_opt_state, policy.state_axes),
             policy,
-            state.opt_state.params,
+            state.opt_state.param_layouts,
             state.opt_state.layouts,
         ),
         master=None if state.master is None else shardings(layouts, policy.partitions_opt_state, policy.state_axes),
@@ -121,7 +121,7 @@ def state_shardings(state: TrainState) -> TrainState:
     opt = placed.opt_state
     return placed.replace(
         params=_offload.with_host(placed.params, plan.params),
-        opt_state=ShardedOptState(_offload.with_host(opt.inner_state, plan.opt_state), policy, opt.params, opt.layouts),
+        opt_state=ShardedOptState(_offload.with_host(opt.inner_state, plan.opt_state), policy, opt.param_layouts, opt.layouts),
         master=None if placed.master is None else _offload.with_host(placed.master, plan.master),
     )
 

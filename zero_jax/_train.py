@@ -180,7 +180,7 @@ class TrainStep:
         )
         self._check_stored_shapes(state)
         opt = state.opt_state
-        if not isinstance(opt, ShardedOptState) or opt.policy != policy or opt.params != state.layouts:
+        if not isinstance(opt, ShardedOptState) or opt.policy != policy or opt.param_layouts != state.layouts:
             raise ValueError(
                 "train_step: the optimizer state belongs to another policy or another parameter "
                 "tree than the parameters. Create both together with zj.init_state(params, tx, policy)."
