@@ -31,8 +31,9 @@ from zero_jax._optimizer import shard_optimizer
 from zero_jax._partition import is_layout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import Precision
+from zero_jax._state import init_state
 from zero_jax._theory import STAGE_NAMES
-from zero_jax._train import init_state, make_train_step
+from zero_jax._train import make_train_step
 from zero_jax._units import fmt_bytes
 from zero_jax.models.transformer import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 

@@ -121,7 +121,9 @@ def state_shardings(state: TrainState) -> TrainState:
     opt = placed.opt_state
     return placed.replace(
         params=_offload.with_host(placed.params, plan.params),
-        opt_state=ShardedOptState(_offload.with_host(opt.inner_state, plan.opt_state), policy, opt.param_layouts, opt.layouts),
+        opt_state=ShardedOptState(
+            _offload.with_host(opt.inner_state, plan.opt_state), policy, opt.param_layouts, opt.layouts
+        ),
         master=None if placed.master is None else _offload.with_host(placed.master, plan.master),
     )
 

@@ -56,12 +56,10 @@ from zero_jax._grads import Grads, compute_grads, grad_plan
 from zero_jax._optimizer import ShardedOptState, ShardedTransformation, TreeLayouts, check_tree, frozen_leaves
 from zero_jax._partition import LeafLayout, is_layout
 from zero_jax._policy import ZeroPolicy
-from zero_jax._state import (  # noqa: F401 - TrainState, init_state, full_params: public names re-exported here
+from zero_jax._state import (
     TrainState,
     check_tx,
-    full_params,
     full_shapes,
-    init_state,
     is_float,
     state_shardings,
 )

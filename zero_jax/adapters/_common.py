@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from zero_jax import _layers
 from zero_jax._layers import Sharded
 from zero_jax._policy import ZeroPolicy
-from zero_jax._train import TrainState, full_params, init_state, make_train_step
+from zero_jax._state import TrainState, full_params, init_state
+from zero_jax._train import make_train_step
 from zero_jax._tree import PyTree, path_str, split_prefix, under, under_any
 
 

@@ -21,7 +21,7 @@ import jax
 
 from zero_jax._optimizer import ShardedTransformation
 from zero_jax._policy import ZeroPolicy
-from zero_jax._train import TrainState
+from zero_jax._state import TrainState
 from zero_jax._tree import PyTree, check_live
 from zero_jax.checkpoint._orbax import (
     discard_partial,

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from zero_jax._partition import LeafLayout, is_layout
-from zero_jax._train import TrainState
+from zero_jax._state import TrainState
 from zero_jax._tree import PyTree, key_name
 from zero_jax._version import __version__
 

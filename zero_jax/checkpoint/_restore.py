@@ -21,7 +21,7 @@ from zero_jax._optimizer import ShardedTransformation, to_logical
 from zero_jax._partition import is_layout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import LossScaleState
-from zero_jax._train import TrainState, init_state
+from zero_jax._state import TrainState, init_state
 from zero_jax._tree import PyTree
 from zero_jax.checkpoint._orbax import error_text, quiet, read
 from zero_jax.checkpoint._record import (
