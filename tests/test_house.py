@@ -106,19 +106,21 @@ def test_private_access_across_modules(tmp_path: Path) -> None:
         "_high.py": """
             from pkg import _low
             import pkg._low as low
+            from pkg._low import _TABLE as T  # a private name imported from another module
             def f(policy, tree):
                 a = _low._TABLE            # module alias: another module's private name
                 b = low._TABLE
                 c = policy._mesh           # _mesh is not defined in this module
                 d = tree.leaves()._count   # nor _count
                 e = super()._hidden if False else None
-                return a, b, c, d, e, policy.__class__, tree._asdict()
+                return a, b, c, d, e, T, policy.__class__, tree._asdict()
             """,
     })  # fmt: skip
     found = check_house.check(root)
-    assert kinds(found) == [("private-access", f"pkg/_high.py:{n}") for n in (5, 6, 7, 8)]
-    assert "_low._TABLE: private name of pkg._low" in found[0].detail
-    assert "policy._mesh: _mesh is not defined in this module" in found[2].detail
+    assert kinds(found) == [("private-access", f"pkg/_high.py:{n}") for n in (4, 6, 7, 8, 9)]
+    assert "imports _TABLE from pkg._low" in found[0].detail
+    assert "_low._TABLE: private name of pkg._low" in found[1].detail
+    assert "policy._mesh: _mesh is not defined in this module" in found[3].detail
 
 
 def test_module_level_containers_mutated_in_functions(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ name. Prints one table row per violation and exits 1 if there is any, 0 if the h
                        ``if TYPE_CHECKING:`` ones included (imports point down the floors)
 * ``module-lines``     a module over the line limit
 * ``function-lines``   a function (or method, nested or not) over the line limit
-* ``private-access``   ``alias._x`` where ``alias`` is another module of the package, or ``obj._x``
-                       (``obj`` not ``self`` / ``cls``) where ``_x`` is not defined in this module
+* ``private-access``   ``from pkg.mod import _x``; ``alias._x`` where ``alias`` is another module of the
+                       package; or ``obj._x`` (``obj`` not ``self`` / ``cls``) where ``_x`` is not defined
+                       in this module
 * ``global-mutation``  a module-level list / dict / set mutated inside a function (``.append``,
                        ``[k] = v``, ``del``, ...), or a ``global`` statement
 * ``self-import``      the package importing itself (``import zero_jax``, ``from zero_jax import f``)
@@ -120,6 +121,10 @@ def collect_imports(modules: dict[str, Module], package: str) -> list[Violation]
             where = f"{module.rel}:{node.lineno}"
             for target, written in resolve(module, node, modules):
                 top = target.split(".")[0]
+                private = written.startswith("_") and not written.startswith("__") and not target.endswith(written)
+                if top == package and private and isinstance(node, ast.ImportFrom) and target != module.name:
+                    found.append(Violation("private-access", where, f"imports {written} from {target}: a private "
+                                           "name of another module (give it a plain name there)"))
                 if top == package:
                     if target in modules:
                         module.imports.append((target, node.lineno, func is not None))
