@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -72,3 +75,14 @@ def relative_update_error(final: Any, reference: Any, start: Any) -> dict[str, f
         denom = float(jnp.linalg.norm((r - s).ravel()))
         out[jax.tree_util.keystr(path)] = float(jnp.linalg.norm((f - r).ravel())) / max(denom, 1e-30)
     return out
+
+
+@contextlib.contextmanager
+def working_directory(path: Any) -> Iterator[None]:
+    """``contextlib.chdir`` for Python 3.10 too: run the body in ``path``, then come back."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from _models import working_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -102,7 +103,7 @@ def marks(key: str) -> list[pytest.MarkDecorator]:
 def run_python(block: Block, directory: Path) -> dict:
     """The prelude, then ``block``, in a fresh namespace; line numbers are README.md's."""
     namespace: dict = {"__name__": "__readme__"}
-    with contextlib.chdir(directory):
+    with working_directory(directory):
         for b in (PRELUDE,) if block is PRELUDE else (PRELUDE, block):
             source = "\n" * (b.line - 1) + b.code
             exec(compile(source, str(README), "exec"), namespace)
@@ -127,7 +128,7 @@ def run_command(argv: list[str], directory: Path) -> str:
         printed, saved = io.StringIO(), sys.argv
         sys.argv = ["python -m zero_jax", *argv]
         try:
-            with contextlib.chdir(directory), contextlib.redirect_stdout(printed):
+            with working_directory(directory), contextlib.redirect_stdout(printed):
                 runpy.run_module("zero_jax", run_name="__main__", alter_sys=False)
         except SystemExit as e:
             assert e.code in (0, None), f"exit {e.code}:\n{printed.getvalue()}"
