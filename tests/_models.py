@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import runpy
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -86,3 +88,18 @@ def working_directory(path: Any) -> Iterator[None]:
         yield
     finally:
         os.chdir(before)
+
+
+def run_as_main(package: str, argv: Sequence[str]) -> None:
+    """``python -m package ARGV`` in this process; a ``SystemExit`` comes out as the command raises it.
+
+    The package's ``__main__`` runs afresh even if a test imported it before (runpy would warn)."""
+    main = f"{package}.__main__"
+    saved_argv, saved_main = sys.argv, sys.modules.pop(main, None)
+    sys.argv = [f"python -m {package}", *argv]
+    try:
+        runpy.run_module(package, run_name="__main__", alter_sys=False)
+    finally:
+        sys.argv = saved_argv
+        if saved_main is not None:
+            sys.modules[main] = saved_main

@@ -12,7 +12,6 @@ import contextlib
 import io
 import os
 import re
-import runpy
 import shlex
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from _models import working_directory
+from _models import run_as_main, working_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -125,15 +124,12 @@ def run_command(argv: list[str], directory: Path) -> str:
     """``python -m zero_jax ARGV``: ``plan`` in this process (cheap), the rest in a child process
     (demo and audit set up their own simulated devices)."""
     if argv[0] == "plan" and "--compile" not in argv:
-        printed, saved = io.StringIO(), sys.argv
-        sys.argv = ["python -m zero_jax", *argv]
+        printed = io.StringIO()
         try:
             with working_directory(directory), contextlib.redirect_stdout(printed):
-                runpy.run_module("zero_jax", run_name="__main__", alter_sys=False)
+                run_as_main("zero_jax", argv)
         except SystemExit as e:
             assert e.code in (0, None), f"exit {e.code}:\n{printed.getvalue()}"
-        finally:
-            sys.argv = saved
         return printed.getvalue()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):

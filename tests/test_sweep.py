@@ -13,7 +13,6 @@ import contextlib
 import functools
 import io
 import os
-import runpy
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import working_directory
+from _models import run_as_main, working_directory
 
 if __name__ == "__main__":  # the probe below: 8 simulated devices, as tests/conftest.py gives
     jax.config.update("jax_num_cpu_devices", 8)
@@ -103,15 +102,11 @@ def manual_step(body: Callable[[Any], jax.Array], stage: int = 3) -> Callable[[]
 
 def cli(*argv: str) -> None:
     """``python -m zero_jax ARGV`` in this process; a non-zero exit raises SystemExit."""
-    saved = sys.argv
-    sys.argv = ["python -m zero_jax", *argv]
     try:
-        runpy.run_module("zero_jax", run_name="__main__", alter_sys=False)
+        run_as_main("zero_jax", argv)
     except SystemExit as e:
         if e.code not in (0, None):
             raise
-    finally:
-        sys.argv = saved
 
 
 PLAN = ("plan", "--params", "7e9", "--devices", "8", "--device-memory", "80GB")
