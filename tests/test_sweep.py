@@ -4,7 +4,9 @@ One row per wrong input: (id, a callable doing the wrong thing, the exception ty
 words its message must contain — what is wrong, which leaf, and the fix). Nothing crashes, nothing is
 silently accepted, nothing is vague. ``python tests/test_sweep.py`` prints what each row gets today.
 
-Rows marked ``PENDING`` wait for another item of issue 13 (lead: delete the mark once it has merged).
+Rows marked ``pending(item, ...)`` wait for another helper's fix of that item of issue 13; rows marked
+``needs(file, ...)`` are sweep findings no item names yet. Both are ``xfail(strict=True)``: once the fix
+merges the row passes, the mark fails, and the lead deletes it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import optax
 import pytest
 from _models import run_as_main, working_directory
 
-if __name__ == "__main__":  # the probe below: 8 simulated devices, as tests/conftest.py gives
+if __name__ == "__main__":  # the probe below: 8 simulated devices, as conftest.py gives
     jax.config.update("jax_num_cpu_devices", 8)
 
 import zero_jax as zj  # noqa: E402
