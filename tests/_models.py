@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import runpy
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -72,3 +77,29 @@ def relative_update_error(final: Any, reference: Any, start: Any) -> dict[str, f
         denom = float(jnp.linalg.norm((r - s).ravel()))
         out[jax.tree_util.keystr(path)] = float(jnp.linalg.norm((f - r).ravel())) / max(denom, 1e-30)
     return out
+
+
+@contextlib.contextmanager
+def working_directory(path: Any) -> Iterator[None]:
+    """``contextlib.chdir`` for Python 3.10 too: run the body in ``path``, then come back."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def run_as_main(package: str, argv: Sequence[str]) -> None:
+    """``python -m package ARGV`` in this process; a ``SystemExit`` comes out as the command raises it.
+
+    The package's ``__main__`` runs afresh even if a test imported it before (runpy would warn)."""
+    main = f"{package}.__main__"
+    saved_argv, saved_main = sys.argv, sys.modules.pop(main, None)
+    sys.argv = [f"python -m {package}", *argv]
+    try:
+        runpy.run_module(package, run_name="__main__", alter_sys=False)
+    finally:
+        sys.argv = saved_argv
+        if saved_main is not None:
+            sys.modules[main] = saved_main
