@@ -195,7 +195,6 @@ def test_command_line_prints_a_table_and_fails_on_violations(tmp_path: Path) -> 
     assert run.stdout.rstrip().endswith("\n1 violation (self-import: 1)")
 
 
-@pytest.mark.xfail(strict=False, reason="until issue 14's re-layout lands (lead: remove this mark after merging)")
 def test_zero_jax_keeps_the_house_rules() -> None:
     found = check_house.check(ROOT / "zero_jax")
     assert found == [], "\n" + check_house.table(found)

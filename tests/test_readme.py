@@ -26,12 +26,7 @@ README = ROOT / "README.md"
 
 # Blocks that fail today only because another helper's fix of issue 13 has not merged yet.
 # Lead: delete an entry once the fix it names has landed (strict: a block that passes fails the mark).
-XFAIL = {
-    "python:precision-accumulation-clipping-frozen-parameters:1": "until issue 13 item 6 lands (trainable= with "
-    "accum_steps > 1: AttributeError today)",
-    "python:precision-accumulation-clipping-frozen-parameters:2": "until issue 13 item 4 lands (metrics['finite'])",
-    "python:checkpoints:1": "until issue 13 item 5 lands (relative checkpoint paths)",
-}
+XFAIL: dict[str, str] = {}  # blocks that cannot run yet, with the reason; none today
 # Blocks and commands that take more than a few seconds: in the full suite, not in the fast tier.
 SLOW = {
     "python:bring-your-model-flax-nnx-flax-linen-equinox:1",

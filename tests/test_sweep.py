@@ -4,9 +4,7 @@ One row per wrong input: (id, a callable doing the wrong thing, the exception ty
 words its message must contain — what is wrong, which leaf, and the fix). Nothing crashes, nothing is
 silently accepted, nothing is vague. ``python tests/test_sweep.py`` prints what each row gets today.
 
-Rows marked ``pending(item, ...)`` wait for another helper's fix of that item of issue 13; rows marked
-``needs(file, ...)`` are sweep findings no item names yet. Both are ``xfail(strict=True)``: once the fix
-merges the row passes, the mark fails, and the lead deletes it.
+A row whose ``error`` is None is a plausible input that must simply work (it trains or builds).
 """
 
 from __future__ import annotations
@@ -32,17 +30,6 @@ if __name__ == "__main__":  # the probe below: 8 simulated devices, as conftest.
     jax.config.update("jax_num_cpu_devices", 8)
 
 import zero_jax as zj  # noqa: E402
-
-
-def pending(item: int, what: str) -> pytest.MarkDecorator:
-    """A row another helper's fix of issue 13 item ``item`` makes pass (lead: delete after merging)."""
-    return pytest.mark.xfail(strict=True, reason=f"issue 13 item {item} ({what}), pending merge")
-
-
-def needs(where: str, today: str) -> pytest.MarkDecorator:
-    """A row the sweep found that no item of issue 13 names yet: the fix belongs in ``where``."""
-    return pytest.mark.xfail(strict=True, reason=f"sweep finding, needs a fix in {where}: today {today}")
-
 
 # --- the few objects the rows share (made on first use; most rows compile nothing) ----------------------
 
@@ -187,8 +174,7 @@ ROWS = [
         ValueError, "needs stage >= 1"),
     row("policy-min-shard-negative", call(P, 2, mesh(), min_shard_size=-1), ValueError,
         "min_shard_size must be >= 0", "-1"),
-    row("policy-min-shard-str", call(P, 2, mesh(), min_shard_size="1k"), TypeError, "min_shard_size", "'1k'",
-        marks=needs("zero_jax/_policy.py", "min_shard_size='1k' raises \"'<' not supported\"")),
+    row("policy-min-shard-str", call(P, 2, mesh(), min_shard_size="1k"), TypeError, "min_shard_size", "'1k'"),
     row("policy-precision-str", call(P, 2, mesh(), precision="bf16"), TypeError,
         "precision must be a zj.Precision", "str"),
     row("policy-precision-dtype", call(P, 2, mesh(), precision=jnp.bfloat16), TypeError,
@@ -200,8 +186,7 @@ ROWS = [
     row("precision-int-param-dtype", call(zj.Precision, param_dtype=jnp.int32), ValueError, "param_dtype", "int32"),
     row("policy-stacked-matches-nothing", call(I, params(), S(ADAM, P(3, mesh(), stacked="layers")),
         P(3, mesh(), stacked="layers")), ValueError, "prefix 'layers' matches no parameter", "['b', 'w']"),
-    row("policy-stacked-not-str", call(P, 3, mesh(), stacked=5), TypeError, "stacked", "5",
-        marks=needs("zero_jax/_policy.py", "stacked=5 raises \"'int' object is not iterable\"")),
+    row("policy-stacked-not-str", call(P, 3, mesh(), stacked=5), TypeError, "stacked", "5"),
     row("policy-offload-fraction-too-big", call(P, 2, mesh(), offload_optimizer=1.5), ValueError,
         "offload_optimizer", "1.5"),
     row("policy-offload-str", call(P, 2, mesh(), offload_optimizer="yes"), TypeError,
@@ -229,23 +214,20 @@ ROWS = [
     row("init-tx-of-another-policy", call(I, params(), tx(1), policy(2)), ValueError,
         "sharded for ZeroPolicy(stage=1", "Wrap it with zj.shard_optimizer(tx, policy)"),
     row("init-string-leaf", call(I, {**params(), "name": "mlp"}, tx(), policy()), TypeError,
-        "init_state", "'name'", "str", marks=pending(1, "non-array leaves named at init_state")),
+        "init_state", "'name'", "str"),
     row("init-list-with-a-string", call(I, {**params(), "v": [jnp.ones(3), "a"]}, tx(), policy()), TypeError,
-        "init_state", "'v/1'", "str", marks=pending(1, "non-array leaves named at init_state")),
+        "init_state", "'v/1'", "str"),
     row("init-object-leaf", call(I, {**params(), "fn": object()}, tx(), policy()), TypeError,
-        "init_state", "'fn'", "object", marks=pending(1, "non-array leaves named at init_state")),
+        "init_state", "'fn'", "object"),
     row("init-two-bad-leaves-named-at-once", call(I, {**params(), "name": "mlp", "tag": "v1"}, tx(), policy()),
-        TypeError, "'name'", "'tag'", marks=pending(1, "every non-array leaf named in one error")),
+        TypeError, "'name'", "'tag'"),
     row("init-none-leaf-is-an-empty-subtree", lambda: step()(I({**params(), "extra": None}, tx(), policy()), batch()),
-        None, marks=pending(1, "None leaves")),
-    row("init-python-float-converted-or-named", lambda: _converted_or_named({**params(), "lr": 0.1}, "'lr'"), None,
-        marks=pending(1, "Python scalar leaves")),
-    row("init-int-leaf-trains-untouched", lambda: _int_leaf_untouched(), None, marks=pending(1, "int32 leaves")),
+        None),
+    row("init-python-float-converted-or-named", lambda: _converted_or_named({**params(), "lr": 0.1}, "'lr'"), None),
+    row("init-int-leaf-trains-untouched", lambda: _int_leaf_untouched(), None),
     row("init-factory-with-args", call(I, lambda key: params(), tx(), policy()), TypeError, "init_state",
-        "zero-argument", marks=needs("zero_jax/_train.py (init_state)", "a factory taking arguments: \"<lambda>() "
-                                     "missing 1 required positional argument\"")),
-    row("init-policy-not-a-policy", call(I, params(), tx(), "stage2"), TypeError, "policy must be a",
-        marks=needs("zero_jax/_train.py (init_state)", "policy='stage2': 'the optimizer is sharded for another'")),
+        "zero-argument"),
+    row("init-policy-not-a-policy", call(I, params(), tx(), "stage2"), TypeError, "policy must be a"),
     row("init-model-state-str", call(I, params(), tx(), policy(), model_state={"mode": "train"}), TypeError,
         "model_state", "'mode'"),
     # -- make_train_step -------------------------------------------------------------------------------
@@ -285,13 +267,13 @@ ROWS = [
     row("call-batch-not-divisible", lambda: step()(state(), batch(12)), ValueError,
         "batch leaf 'x' has shape (12, 16)", "divide by the 8 devices", "multiple of 8"),
     row("call-batch-two-leaves-not-divisible", lambda: step()(state(), batch(12)), ValueError, "'x'", "(12, 16)",
-        "'y'", "(12, 8)", marks=needs("zero_jax/_policy.py (check_batch)", "only the first bad leaf is named")),
+        "'y'", "(12, 8)"),
     row("call-batch-scalar-leaf", lambda: step()(state(), {**batch(), "t": jnp.float32(1)}), ValueError,
         "batch leaf 't' has shape ()"),
     row("call-accum-not-dividing", lambda: step(accum_steps=3)(state(), batch()), ValueError,
         "accum_steps=3", "multiple of 24"),
     row("call-batch-leaves-disagree", lambda: step()(state(), batch(16, 8)), ValueError,
-        "'x'", "(16, 16)", "'y'", "(8, 8)", marks=pending(3, "batch leaves of different leading sizes")),
+        "'x'", "(16, 16)", "'y'", "(8, 8)"),
     row("call-params-not-state", lambda: step()(params(), batch()), TypeError, "TrainState", "zj.init_state"),
     row("call-state-of-another-policy", lambda: step(3)(state(1), batch()), ValueError,
         "laid out for ZeroPolicy(stage=1", "this step is for ZeroPolicy(stage=3"),
@@ -299,8 +281,7 @@ ROWS = [
         "made by another optimizer", "using the same tx"),
     row("call-params-changed-shape", lambda: step()(state().replace(params={"w": jnp.ones((16, 9)),
         "b": jnp.zeros(8)}), batch()), ValueError, "parameter tree changed", "'w'", "(16, 9)"),
-    row("call-donated-state", lambda: step()(consumed(), batch()), ValueError, "donated", "keep the state it returns",
-        marks=pending(2, "donated state reused")),
+    row("call-donated-state", lambda: step()(consumed(), batch()), ValueError, "donated", "keep the state it returns"),
     # -- gather / scan_layers / full_params ------------------------------------------------------------
     row("gather-outside-step", call(zj.gather, params(), policy(3)), RuntimeError, "outside a train step",
         "policy=None"),
@@ -322,8 +303,7 @@ ROWS = [
         prefetch=-1), ValueError, "prefetch must be an int from 0 to the depth (3)", "-1"),
     row("full-params-of-params", call(zj.full_params, params()), TypeError, "expected a zero_jax TrainState", "dict"),
     row("full-params-of-none", call(zj.full_params, None), TypeError, "expected a zero_jax TrainState", "NoneType"),
-    row("full-params-of-donated", lambda: zj.full_params(consumed()), ValueError, "donated",
-        marks=pending(2, "donated state reused")),
+    row("full-params-of-donated", lambda: zj.full_params(consumed()), ValueError, "donated"),
     # -- checkpoints -----------------------------------------------------------------------------------
     row("restore-missing-dir", lambda tmp_path: zj.restore(tmp_path / "none", policy=policy(), tx=tx()),
         FileNotFoundError, "there is no checkpoint directory", "none", "save one first with zj.save("),
@@ -334,22 +314,16 @@ ROWS = [
     row("save-same-step-twice", lambda tmp_path: zj.save(saved_checkpoint(tmp_path), state(), step=1),
         FileExistsError, "step 1 already exists", "Save under another step"),
     row("restore-adam-checkpoint-with-sgd", lambda tmp_path: zj.restore(saved_checkpoint(tmp_path), policy=policy(),
-        tx=tx(2, "sgd")), ValueError, "leaf", "optimizer_state=", "reinit",
-        marks=pending(5, "restore with another optimizer")),
+        tx=tx(2, "sgd")), ValueError, "leaf", "optimizer_state=", "reinit"),
     row("restore-adam-checkpoint-with-sgd-reinit", lambda tmp_path: zj.restore(saved_checkpoint(tmp_path),
-        policy=policy(), tx=tx(2, "sgd"), optimizer_state="reinit"), None,
-        marks=pending(5, "optimizer_state='reinit'")),
-    row("save-relative-path", lambda tmp_path: _in(tmp_path, lambda: zj.save("ckpt", state(), step=1)), None,
-        marks=pending(5, "relative checkpoint paths")),
+        policy=policy(), tx=tx(2, "sgd"), optimizer_state="reinit"), None),
+    row("save-relative-path", lambda tmp_path: _in(tmp_path, lambda: zj.save("ckpt", state(), step=1)), None),
     row("restore-relative-path", lambda tmp_path: _in(tmp_path, lambda: zj.restore(
-        saved_checkpoint(tmp_path / "ckpt").name, policy=policy(), tx=tx())), None,
-        marks=pending(5, "relative checkpoint paths")),
-    row("manager-relative-path", lambda tmp_path: _in(tmp_path, lambda: _manager_save("ckpt")), None,
-        marks=pending(5, "relative checkpoint paths")),
+        saved_checkpoint(tmp_path / "ckpt").name, policy=policy(), tx=tx())), None),
+    row("manager-relative-path", lambda tmp_path: _in(tmp_path, lambda: _manager_save("ckpt")), None),
     row("export-load-relative-path", lambda tmp_path: _in(tmp_path, lambda: (zj.export_params("m.safetensors",
         state()), zj.load_params("m.safetensors", policy()))), None),
-    row("save-donated-state", lambda tmp_path: zj.save(tmp_path, consumed(), step=1), ValueError, "donated",
-        marks=pending(2, "donated state reused")),
+    row("save-donated-state", lambda tmp_path: zj.save(tmp_path, consumed(), step=1), ValueError, "donated"),
     row("manager-keep-zero", lambda tmp_path: zj.CheckpointManager(tmp_path, max_to_keep=0), ValueError,
         "max_to_keep must be >= 1 or None"),
     row("save-params-not-state", lambda tmp_path: zj.save(tmp_path, params(), step=1), TypeError, "TrainState"),
@@ -357,25 +331,21 @@ ROWS = [
         FileNotFoundError, "m.safetensors"),
     # -- the command line ------------------------------------------------------------------------------
     row("cli-bandwidth-without-unit", call(cli, *PLAN, "--bandwidth", "300", "--compute-time", "10s"), SystemExit,
-        "--bandwidth", "GB/s", marks=pending(8, "plan --bandwidth without a unit")),
+        "--bandwidth", "GB/s"),
     row("cli-device-memory-without-unit", call(cli, "plan", "--params", "7e9", "--devices", "8", "--device-memory",
-        "80"), SystemExit, "--device-memory", "GB", marks=pending(8, "a size without a unit is read as bytes")),
+        "80"), SystemExit, "--device-memory", "GB"),
     row("cli-params-not-a-number", call(cli, "plan", "--params", "seven", "--devices", "8", "--device-memory", "80GB"),
         SystemExit, "--params: cannot read 'seven' as a count", "7e9"),
     row("cli-bandwidth-without-compute-time", call(cli, *PLAN, "--bandwidth", "300GB/s"), SystemExit,
         "--bandwidth and --compute-time go together"),
     row("cli-device-memory-missing", call(cli, "plan", "--params", "7e9"), SystemExit,
         "the following arguments are required: --device-memory"),
-    row("cli-replicas-0", call(cli, *PLAN, "--replicas", "0"), SystemExit, "--replicas", "0",
-        marks=pending(8, "plan --replicas 0")),
-    row("cli-replicas-negative", call(cli, *PLAN, "--replicas", "-2"), SystemExit, "--replicas", "-2",
-        marks=pending(8, "plan --replicas negative")),
+    row("cli-replicas-0", call(cli, *PLAN, "--replicas", "0"), SystemExit, "--replicas", "0"),
+    row("cli-replicas-negative", call(cli, *PLAN, "--replicas", "-2"), SystemExit, "--replicas", "-2"),
     row("cli-plot-unwritable", lambda tmp_path: cli(*PLAN, "--plot", str(tmp_path / "no" / "such" / "m.png")),
-        SystemExit, "--plot", "m.png", marks=pending(8, "plan --plot to an unwritable path")),
-    row("cli-audit-devices-0", call(cli_process, "audit", "--devices", "0"), SystemExit, "--devices", "0",
-        marks=pending(8, "audit --devices 0")),
-    row("cli-audit-bad-heads", call(cli_process, "audit", "--heads", "5"), SystemExit, "--heads", "5",
-        marks=pending(8, "audit bad --heads")),
+        SystemExit, "--plot", "m.png"),
+    row("cli-audit-devices-0", call(cli_process, "audit", "--devices", "0"), SystemExit, "--devices", "0"),
+    row("cli-audit-bad-heads", call(cli_process, "audit", "--heads", "5"), SystemExit, "heads=5", "pick heads"),
     row("cli-unknown-command", call(cli, "train"), SystemExit, "invalid choice: 'train'"),
     row("cli-demo-stage-4", call(cli, "demo", "--stages", "4"), SystemExit, "--stages: invalid choice: 4"),
     # -- formulas and helpers --------------------------------------------------------------------------
@@ -385,24 +355,22 @@ ROWS = [
     row("bytes-stage-5", call(zj.model_state_bytes, 7e9, 8, 5), ValueError, "stage must be 0, 1, 2 or 3"),
     row("shard-batch-not-divisible", call(zj.shard_batch, batch(12), policy()), ValueError, "batch leaf 'x'",
         "12 local rows", "multiple of 8"),
-    row("offload-plan-of-params", call(zj.offload_plan, params()), TypeError, "TrainState",
-        marks=needs("zero_jax/_offload.py (offload_plan)", "a dict: \"'dict' object has no attribute 'policy'\"")),
+    row("offload-plan-of-params", call(zj.offload_plan, params()), TypeError, "TrainState"),
     row("launch-zero-processes", call(zj.launch, print, processes=0), ValueError, "processes must be an int >= 1"),
     row("launch-lambda", call(zj.launch, lambda: 1, processes=2), TypeError, "cannot be found by a new process",
         "top level of an importable module"),
-    row("audit-donated-state", lambda: zj.audit(step(), consumed(), batch()), ValueError, "donated",
-        marks=pending(2, "donated state reused")),
-    row("audit-on-one-device", lambda: _audit_one_device(), None, marks=pending(8, "zj.audit on a 1-device mesh")),
+    row("audit-donated-state", lambda: zj.audit(step(), consumed(), batch()), ValueError, "donated"),
+    row("audit-on-one-device", lambda: _audit_one_device(), None),
     # -- adapters --------------------------------------------------------------------------------------
     row("nnx-not-a-module", call(lambda: zj.adapters.from_nnx({"w": jnp.ones(3)}, loss_fn)), TypeError,
         "nnx.Module", "dict"),
     row("linen-not-a-module", call(lambda: zj.adapters.from_linen(lambda x: x, {"params": {}}, loss_fn)), TypeError,
         "flax.linen.Module", "function"),
     row("equinox-not-a-module", call(lambda: zj.adapters.from_equinox("model", loss_fn)), TypeError,
-        "from_equinox", "str", marks=needs("zero_jax/adapters/equinox.py", "from_equinox('model', loss) is accepted")),
+        "from_equinox", "str"),
     row("linen-variables-without-params", lambda: _linen(variables={"w": jnp.ones((4, 4))}), ValueError, "'params'"),
-    row("linen-hf-model-object", lambda: zj.adapters.from_linen(FlaxPreTrainedModel(), None, loss_fn), TypeError,
-        "FlaxPreTrainedModel", ".module", ".params", marks=pending(7, "Hugging Face Flax model to from_linen")),
+    # A Hugging Face Flax model (.module + .params) is taken as it is: variables default to {"params": .params}.
+    row("linen-hf-model-object", lambda: zj.adapters.from_linen(FlaxPreTrainedModel(), None, loss_fn), None),
     row("nnx-loss-not-callable", lambda: _nnx(loss="mse"), TypeError, "loss must be callable"),
 ]
 

@@ -46,7 +46,7 @@ from zero_jax._theory import (
     required_bandwidth,
 )
 from zero_jax._train import make_train_step
-from zero_jax._units import fmt_bytes, parse_bandwidth, parse_count
+from zero_jax._units import fmt_bytes, parse_bandwidth, parse_count, parse_size_argument
 from zero_jax.models.transformer import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 DEFAULT_DEVICES = int(os.environ.get("ZERO_JAX_CPU_DEVICES", "8"))
@@ -192,7 +192,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         raise ValueError("--bandwidth and --compute-time go together (efficiency = t_compute / (t_compute + t_comm)).")
     bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth, "--bandwidth")
     per = dict(param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, optimizer_bytes=args.optimizer_bytes)
-    choice = choose_stage(num_params, args.devices, args.device_memory, args.activations, **per)
+    memory = parse_size_argument(args.device_memory, "--device-memory")
+    activations = parse_size_argument(args.activations, "--activations")
+    choice = choose_stage(num_params, args.devices, memory, activations, **per)
     model, note = _compile_model(args) if args.compile else (None, "")  # bad model sizes fail before printing
     out.print(_formula_table(choice, args, bandwidth))
     head = f"stage {choice.stage}" if choice.stage is not None else "no stage fits"

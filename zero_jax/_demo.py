@@ -64,11 +64,11 @@ def simulate_cpu_devices(n: int) -> None:
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend, or ``None`` when matplotlib is absent."""
     try:
-        import matplotlib  # optional: not a dependency of zero_jax
+        import matplotlib  # noqa: PLC0415 - optional: not a dependency of zero_jax
     except ImportError:
         return None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - optional
 
     return plt
 

@@ -98,6 +98,12 @@ def _floating(lay: Any) -> bool:
     return bool(jnp.issubdtype(lay.dtype, jnp.floating))
 
 
+NOT_A_STATE = (
+    "zj.offload_plan: expects a TrainState (what zj.init_state returns, abstract or not), got {kind}. "
+    "Build the state first: zj.offload_plan(zj.init_state(params, tx, policy))."
+)
+
+
 def offload_plan(state: Any) -> OffloadPlan:
     """Which leaves of a (possibly abstract) ``TrainState`` live in host memory.
 
@@ -120,7 +126,8 @@ def offload_plan(state: Any) -> OffloadPlan:
     >>> state.opt_state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
     """
-
+    if not all(hasattr(state, field) for field in ("policy", "opt_state", "layouts", "master")):
+        raise TypeError(NOT_A_STATE.format(kind=type(state).__name__))
     policy = state.policy
     n = policy.num_shards
     opt_pairs = jax.tree_util.tree_flatten_with_path(state.opt_state.layouts.tree(), is_leaf=is_layout)[0]

@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from zero_jax import _memory, _partition
 from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
+from zero_jax._policy_args import argument_problems, raise_problems
 from zero_jax._precision import Precision
 from zero_jax._tree import KeyPath, PyTree, path_str, split_prefix, under, under_any
 
@@ -23,29 +23,6 @@ FROZEN = (
     "ZeroPolicy is immutable: cannot {what} {name!r}. A policy is hashed as static pytree metadata of every "
     "state and compiled step made with it, so changing it in place would silently mismatch them. Build a new "
     "policy instead: policy.replace({name}=...) (or zj.ZeroPolicy(...)).")
-BAD_STAGE = (
-    "ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain data parallelism; 1 partitions "
-    "optimizer state, 2 also gradients, 3 also parameters.")
-BAD_MESH = (
-    "ZeroPolicy: mesh must be a jax.sharding.Mesh, got {kind}. "
-    "Make one with jax.make_mesh((jax.device_count(),), ('data',)).")
-BAD_AXIS = (
-    "ZeroPolicy: axis {axis!r} is not an axis of the mesh, whose axes are {names}. "
-    "Pass axis= one of those names (or a tuple of them).")
-BAD_REPLICA_AXIS = (
-    "ZeroPolicy: replica_axis {replica_axis!r} is not a set of axes of the mesh, whose axes are {names}. Pass the "
-    "mesh axis that holds the replicas (e.g. 'replica'), or build the mesh with it: "
-    "jax.make_mesh((R, N), ('replica', 'data')).")
-AXIS_TWICE = (
-    "ZeroPolicy: {both} is both a partition axis (axis={axis!r}) and a replica axis "
-    "(replica_axis={replica_axis!r}); an axis either partitions state or replicates it.")
-OVER_REPLICAS_STAGE_0 = (
-    "ZeroPolicy: optimizer_over_replicas=True needs stage >= 1: stage 0 partitions no optimizer state. "
-    "Use stage=1 or higher, or drop optimizer_over_replicas.")
-OVER_REPLICAS_WITHOUT_REPLICAS = (
-    "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
-    "well; pass replica_axis=... (the mesh axis holding the replicas).")
-BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
 STACKED_MATCHES_NOTHING = (
     "ZeroPolicy(stacked=...): the prefix{s} {which} matches no parameter. Top-level entries are {entries}; "
     "pass one of those.")
@@ -59,66 +36,6 @@ BATCH_NOT_MICROBATCHED = (
 
 def _listing(leaves: list[str]) -> str:
     return ", ".join(f"batch leaf {leaf}" for leaf in leaves)
-
-
-SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
-Problem = tuple[type[Exception], str]
-
-
-def _names(value: Any) -> tuple[Any, ...]:
-    return (value,) if isinstance(value, str) else tuple(value or ())
-
-
-def _argument_problems(
-    stage: Any, mesh: Any, axis: Any, replica_axis: Any, optimizer_over_replicas: Any, min_shard_size: Any,
-    stacked: Any, precision: Any, **_offload_arguments: Any,
-) -> list[Problem]:
-    """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
-    checked by ``check_options``), each with its exception type."""
-    problems: list[Problem] = []
-    stage_ok = not isinstance(stage, bool) and isinstance(stage, (int, np.integer)) and 0 <= stage <= 3
-    if not stage_ok:
-        problems.append((ValueError, BAD_STAGE.format(stage=stage)))
-    if not isinstance(mesh, Mesh):
-        problems.append((TypeError, BAD_MESH.format(kind=type(mesh).__name__)))
-    else:
-        names = tuple(mesh.axis_names)
-        axes, replicas = _names(axis), _names(replica_axis)
-        if not axes or any(a not in names for a in axes):
-            problems.append((ValueError, BAD_AXIS.format(axis=axis, names=names)))
-        elif len(set(axes)) != len(axes):
-            problems.append((ValueError, f"ZeroPolicy: axis {axis!r} names an axis twice; name each axis once."))
-        if any(a not in names for a in replicas) or len(set(replicas)) != len(replicas):
-            problems.append((ValueError, BAD_REPLICA_AXIS.format(replica_axis=replica_axis, names=names)))
-        both = sorted(set(replicas) & set(axes))
-        if both:
-            problems.append((ValueError, AXIS_TWICE.format(both=both, axis=axis, replica_axis=replica_axis)))
-        if optimizer_over_replicas and not replicas:
-            problems.append((ValueError, OVER_REPLICAS_WITHOUT_REPLICAS))
-    if optimizer_over_replicas and stage_ok and int(stage) == 0:
-        problems.append((ValueError, OVER_REPLICAS_STAGE_0))
-    if precision is not None and not isinstance(precision, Precision):
-        problems.append((TypeError, f"ZeroPolicy: precision must be a zj.Precision, got {type(precision).__name__}."))
-    if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)):
-        problems.append((TypeError, f"ZeroPolicy: min_shard_size must be an int, got {type(min_shard_size).__name__}."))
-    elif min_shard_size < 0:
-        problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))
-    if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
-        problems.append((TypeError, BAD_STACKED.format(stacked)))
-    return problems
-
-
-def _raise_problems(problems: list[Problem]) -> None:
-    """Raise one error for all ``problems``: the single problem's own, or a
-    ``ValueError`` listing them (a ``TypeError`` when every one is a type
-    problem)."""
-    if not problems:
-        return
-    if len(problems) == 1:
-        kind, message = problems[0]
-        raise kind(message)
-    kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
-    raise kind(SEVERAL_PROBLEMS.format(count=len(problems)) + "\n".join(f"  - {m}" for _, m in problems))
 
 
 class ZeroPolicy:
@@ -204,7 +121,7 @@ class ZeroPolicy:
     ) -> None:
         #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
         self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
-        _raise_problems(_argument_problems(**self.arguments))
+        raise_problems(argument_problems(**self.arguments))
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
         replicas = (replica_axis,) if isinstance(replica_axis, str) else tuple(replica_axis or ())
         if precision is None:

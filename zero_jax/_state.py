@@ -7,6 +7,7 @@ Floor 3: imports the policy, the sharded optimizer's layouts and the offload pla
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,8 @@ jax.tree_util.register_dataclass(
 
 
 def check_tx(tx: Any, policy: ZeroPolicy, where: str) -> ShardedTransformation:
+    if not isinstance(policy, ZeroPolicy):
+        raise TypeError(f"{where}: policy must be a zj.ZeroPolicy, got {type(policy).__name__} ({policy!r}).")
     if not isinstance(tx, ShardedTransformation):
         raise TypeError(
             f"{where}: tx must be wrapped for the policy: pass zj.shard_optimizer(tx, policy), got {type(tx).__name__}."
@@ -211,6 +214,7 @@ def _params_maker(params: PyTree | Callable[[], PyTree]) -> tuple[Callable[[], P
     if abstract_only:  # only ever traced, under eval_shape: nothing is allocated
         make = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)  # noqa: E731
     elif factory:
+        _check_zero_arguments(params)
         make = lambda: _param_values(params())  # noqa: E731
     else:
         params = _param_values(params)
@@ -222,6 +226,22 @@ def _params_maker(params: PyTree | Callable[[], PyTree]) -> tuple[Callable[[], P
             )
         make = lambda: params  # noqa: E731
     return make, abstract_only
+
+
+FACTORY_WITH_ARGUMENTS = (
+    "init_state: params is a function, so it is taken as a zero-argument factory of the parameters (called "
+    "inside the init program, so nothing is allocated twice), but {name} needs arguments: {error}. Bind them "
+    "first: zj.init_state(lambda: {name}(key), tx, policy) or functools.partial({name}, key)."
+)
+
+
+def _check_zero_arguments(factory: Callable[..., Any]) -> None:
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as e:
+        raise TypeError(FACTORY_WITH_ARGUMENTS.format(name=getattr(factory, "__name__", "it"), error=e)) from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        return
 
 
 NOT_AN_ARRAY = (

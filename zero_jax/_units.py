@@ -31,6 +31,9 @@ BAD_SIZE = (
     "{what}: cannot read {value!r} as {kind}. Write a number with one of the units {units}{extra}, e.g. {example}."
 )
 #: A bandwidth must carry a unit: a bare ``300`` is as likely Gb/s as bytes/s.
+SIZE_NEEDS_UNIT = (
+    "{what}: {value!r} has no unit; write the size with one of the units " + UNITS_HELP + ", e.g. '80GB' or '16GiB'."
+)
 BANDWIDTH_NEEDS_UNIT = (
     "{what}: {value!r} has no unit; a bandwidth is ambiguous without one. Write it with one of the units "
     + UNITS_HELP
@@ -91,6 +94,20 @@ def parse_bandwidth(value: Any, what: str = "bandwidth") -> float:
     if isinstance(value, str) and _SIZE.match(value) and not _SIZE.match(value).group("unit"):
         raise ValueError(BANDWIDTH_NEEDS_UNIT.format(what=what, value=value))
     return parse_bytes(value, what, rate=True)
+
+
+def parse_size_argument(value: str, what: str) -> float:
+    """Bytes from a command-line size: a unit is required (``"80GB"``), since
+    ``--device-memory 80`` read as 80 bytes would silently plan for nothing;
+    only ``"0"`` may stand alone.
+
+    >>> parse_size_argument("16GiB", "--device-memory")
+    17179869184.0
+    """
+    m = _SIZE.match(value.strip())
+    if m and not m.group("unit") and float(m.group("num")) != 0:
+        raise ValueError(SIZE_NEEDS_UNIT.format(what=what, value=value))
+    return parse_bytes(value, what)
 
 
 def parse_seconds(value: Any, what: str = "time") -> float:

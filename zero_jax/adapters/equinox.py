@@ -215,6 +215,12 @@ def _check_state(state: Any) -> None:
         raise ValueError(_NOT_ARRAY_STATE.format(where=_WHERE, leaves="; ".join(bad)))
 
 
+NO_ARRAYS = (
+    "{where}: model must be an Equinox module (or a pytree of them) holding the arrays to train, got {kind} "
+    "with no arrays in it. Pass the model itself, e.g. from_equinox(eqx.nn.MLP(..., key=key), loss)."
+)
+
+
 def from_equinox(
     model: eqx.Module,
     loss: Callable[[eqx.Module, PyTree], Any],
@@ -249,6 +255,8 @@ def from_equinox(
     if not callable(loss):
         sig = "loss(model, batch)" if state is None else "loss(model, state, batch)"
         raise TypeError(f"{_WHERE}: loss must be callable as {sig}, got {type(loss).__name__}.")
+    if not jax.tree.leaves(eqx.filter(model, eqx.is_array)):
+        raise TypeError(NO_ARRAYS.format(where=_WHERE, kind=type(model).__name__))
     params, static = eqx.partition(model, trainable)
     _check_trainable(params)
     params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)

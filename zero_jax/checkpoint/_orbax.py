@@ -36,7 +36,7 @@ NO_ORBAX = (
 def ocp() -> Any:
     """The ``orbax.checkpoint`` module, or an ``ImportError`` saying how to install it."""
     try:
-        import orbax.checkpoint as orbax_checkpoint
+        import orbax.checkpoint as orbax_checkpoint  # noqa: PLC0415 - optional (the checkpoint extra)
     except ImportError as e:  # an optional extra: the core needs no orbax (nor Python 3.11)
         raise ImportError(NO_ORBAX) from e
     return orbax_checkpoint

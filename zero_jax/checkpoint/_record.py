@@ -140,7 +140,7 @@ def absolute(path: str | os.PathLike[str]) -> str:
 
 def resolve(directory: str | os.PathLike[str]) -> epath.Path:
     """A checkpoint directory as orbax's path type, absolute (orbax refuses relative ones)."""
-    from etils import epath  # orbax's path library (local disks and cloud buckets)
+    from etils import epath  # noqa: PLC0415 - orbax's path library (local disks and cloud buckets), optional
 
     return epath.Path(absolute(directory))
 

@@ -331,7 +331,7 @@ def load_params(
     nested dicts split on dots for files from elsewhere). A relative
     ``path`` is resolved against the current directory now.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415 - optional (the checkpoint extra)
 
     where = "zj.load_params"
     file = absolute(path)
