@@ -8,6 +8,9 @@ training test runs optax. Our own padding code is checked under "strict" in
 tests/test_partition.py.
 """
 
+import os
+from pathlib import Path
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -24,3 +27,17 @@ def pytest_configure(config: pytest.Config) -> None:
         f"tests need {NUM_DEVICES} simulated CPU devices, got {jax.device_count()}: "
         "was a jax array created before conftest.py ran?"
     )
+
+
+# The fast tier is chosen by measurement (tools/pick_slow.py writes the list);
+# tests that are slow by nature are also marked in their files.
+SLOW_LIST = Path(__file__).parent / "tests" / "slow.txt"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("ZERO_JAX_IGNORE_SLOW_LIST") or not SLOW_LIST.exists():
+        return
+    listed = {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip() and line[0] != "#"}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
