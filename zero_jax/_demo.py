@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -240,7 +241,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(NO_MATPLOTLIB)
         else:
             plot_runs(plt, runs, args.plot, f"{cfg.num_params():,} parameters, {where}")
-            print(f"memory figure written to {args.plot}")
+            print(f"memory figure written to {os.path.abspath(args.plot)}")
     return 0
 
 
