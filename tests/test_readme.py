@@ -151,7 +151,7 @@ def test_runnable_lines_show_no_bracketed_options() -> None:
 
 
 def test_the_test_command_is_what_ci_runs_and_the_quick_check_is_named() -> None:
-    test_command = 'pip install -e ".[test]" && ruff check . && python -m pytest -q'
+    test_command = 'pip install -e ".[test]" && ruff check . && python -m pytest -q -n 2'
     text = README.read_text(encoding="utf-8")
     assert test_command in text.splitlines()
     assert 'python -m pytest -m "not slow" -q' in text.splitlines()
