@@ -10,6 +10,7 @@ from zero_jax import adapters, checkpoint
 from zero_jax._audit import audit
 from zero_jax._launch import launch
 from zero_jax._layers import Sharded, gather, scan_layers
+from zero_jax._layerwise import apply_layer, apply_layers
 from zero_jax._measure import Collective
 from zero_jax._multihost import shard_batch
 from zero_jax._offload import OffloadedLeaf, OffloadPlan, offload_plan
@@ -60,6 +61,8 @@ __all__ = [
     "Violation",
     "ZeroPolicy",
     "adapters",
+    "apply_layer",
+    "apply_layers",
     "audit",
     "checkpoint",
     "choose_stage",

@@ -171,7 +171,7 @@ def _is_sharded(x: Any) -> bool:
     return isinstance(x, Sharded)
 
 
-def _active(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
+def active_policy(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
     """The policy whose pieces to gather, or None when there is nothing to gather."""
     if policy is None:
         return None
@@ -189,7 +189,7 @@ def _active(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
     return policy if scope.pieces else None
 
 
-def _check_is_parameter_piece(tree: PyTree, policy: ZeroPolicy, where: str) -> None:
+def check_parameter_pieces(tree: PyTree, policy: ZeroPolicy, where: str) -> None:
     if not policy.partitions_grads:
         return
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]:
@@ -230,10 +230,10 @@ def gather(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
     >>> float(metrics["loss"])
     16.0
     """
-    policy = _active(policy, "zj.gather")
+    policy = active_policy(policy, "zj.gather")
     if policy is None:
         return tree
-    _check_is_parameter_piece(tree, policy, "zj.gather")
+    check_parameter_pieces(tree, policy, "zj.gather")
     return jax.tree.map(lambda x: x.fetch(policy.comm) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
 
 
@@ -299,7 +299,7 @@ def scan_layers(
         depth 12). 0 gathers each layer only when it is needed. Lowered to
         ``depth - 2`` where needed so each loop runs at least twice.
     """
-    policy = _active(policy, "zj.scan_layers")
+    policy = active_policy(policy, "zj.scan_layers")
     depth = _depth(stacked_params)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= depth:
         raise ValueError(
@@ -308,7 +308,7 @@ def scan_layers(
         )
     leaves = jax.tree.leaves(stacked_params, is_leaf=_is_sharded)
     if policy is None or not policy.partitions_grads or not any(_is_sharded(x) for x in leaves):
-        _check_is_parameter_piece(stacked_params, policy, "zj.scan_layers") if policy is not None else None
+        check_parameter_pieces(stacked_params, policy, "zj.scan_layers") if policy is not None else None
         body = jax.checkpoint(layer_fn) if remat else layer_fn
         return jax.lax.scan(lambda c, layer: (body(layer, c), None), carry, stacked_params)[0]
     if not remat:
@@ -316,7 +316,7 @@ def scan_layers(
             "zj.scan_layers: remat=False is only available in stages 0–1; stages 2–3 recompute each "
             "layer in the backward pass to gather it again and reduce-scatter its gradient."
         )
-    _check_is_parameter_piece(stacked_params, policy, "zj.scan_layers")
+    check_parameter_pieces(stacked_params, policy, "zj.scan_layers")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked_params, is_leaf=_is_sharded)
     nodes = [
         Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.policy) if _is_sharded(x) else x

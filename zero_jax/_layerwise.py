@@ -1,0 +1,412 @@
+"""Layer-wise ZeRO for models written as a Python loop over blocks:
+``apply_layer`` runs one block, ``apply_layers`` a list of them, and
+:class:`LayerChain` is what both (and the adapters) use.
+
+``scan_layers`` needs the layers stacked; most models are not. Here each
+call of a block is one ``jax.custom_vjp`` whose schedule is ours:
+
+* forward: the block's pieces are all-gathered just before use (with
+  ``prefetch=k``, block i + k's gather is issued when block i starts), the
+  block runs, and only its inputs are kept;
+* backward: the block is gathered *again* (ZeRO-3's 3Ψ), recomputed for its
+  vector-Jacobian product, and its gradient reduce-scattered at once. With
+  prefetch, block i's backward issues the re-gather of block i − 1 and hands
+  it over as the cotangent of a "token" output of block i − 1's call (the
+  only channel from one custom VJP's backward to another's).
+
+XLA would otherwise hoist every forward all-gather of an unrolled program to
+its start and merge each backward re-gather into the forward one (common
+subexpression elimination), keeping every block whole for the whole step.
+So each gather's operand is *tied* by data to a value that exists only when
+the gather is due (:func:`tie`): the forward gather to the block's input, the
+backward re-gather to its output's cotangent. The tie subtracts an exact
+``+0.0`` computed from that value, which changes no bit of the piece (NaN,
+infinity and ``-0.0`` included) and which the compiler cannot fold (it does
+not know that ``a - a`` is zero for every finite ``a``). The same tie orders
+stage 2 and 3's backward pass: the cotangent a block hands to the block
+before it is tied to the block's reduce-scattered gradient, so the whole
+gradient of one block is freed before the next block's backward runs.
+
+Stages 0–1 (and ``policy=None``): a plain ``jax.checkpoint``-ed call.
+
+Floor 4: imports the collectives and the layer scope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import get_opaque_trace_state
+
+from zero_jax import _collectives as coll
+from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
+from zero_jax._memory import to_device
+from zero_jax._partition import LeafLayout
+from zero_jax._policy import ZeroPolicy
+from zero_jax._tree import PyTree
+
+
+def _is_sharded(x: Any) -> bool:
+    return isinstance(x, Sharded)
+
+
+def _first_element(tree: Any) -> jax.Array | None:
+    """One element of the first non-empty array in ``tree`` (as float32,
+    gradient stopped), or None when there is none."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, SymbolicZero) or not hasattr(leaf, "dtype") or not getattr(leaf, "size", 0):
+            continue
+        if not (jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_):
+            continue
+        return jax.lax.stop_gradient(jnp.ravel(leaf)[0]).astype(jnp.float32)
+    return None
+
+
+def tie(value: PyTree, anchor: Any) -> PyTree:
+    """``value`` bitwise unchanged, but computed only once ``anchor`` exists.
+
+    Each float leaf becomes ``leaf - z`` with ``z = a - a`` for a finite
+    element ``a`` of ``anchor`` and ``0`` otherwise: ``z`` is exactly ``+0.0``,
+    and ``x - (+0.0)`` is ``x`` for every float ``x``, NaN, infinities and
+    ``-0.0`` included. Unlike ``x + 0 * a`` it never turns a value into NaN
+    (an fp16 overflow step, a NaN input), and unlike ``x * 0`` or ``x - x``
+    XLA cannot fold it (it does not assume finite floats). Non-float leaves,
+    and an anchor without elements, pass through.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([1.0, -0.0, jnp.inf, jnp.nan])
+    >>> y = tie(x, jnp.array([jnp.nan, 2.0]))
+    >>> bool(jnp.all((y == x) | (jnp.isnan(y) & jnp.isnan(x)))), bool(jnp.signbit(y[1]))
+    (True, True)
+    """
+    a = _first_element(anchor)
+    if a is None:
+        return value
+    zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), jnp.float32))
+
+    def one(x: Any) -> Any:
+        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x - zero.astype(x.dtype)
+
+    return jax.tree.map(one, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One block's parameters, flattened: what is partitioned (``Sharded``
+    nodes) and what is an ordinary array."""
+
+    treedef: Any
+    sharded: tuple[bool, ...]
+    sources: tuple[Any, ...]  # a Sharded leaf's piece (stage 3) or whole parameter (stage 2); else None
+    slots: tuple[Any, ...]  # a Sharded leaf's gradient slot; None when frozen or not Sharded
+    plain: tuple[Any, ...]  # a leaf that is not Sharded, as given; None for Sharded leaves
+    layouts: tuple[LeafLayout | None, ...]
+
+    @classmethod
+    def of(cls, params: PyTree) -> _Block:
+        leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_sharded)
+        sharded = tuple(_is_sharded(x) for x in leaves)
+        return cls(
+            treedef=treedef,
+            sharded=sharded,
+            sources=tuple(x.arrays[0] if s else None for x, s in zip(leaves, sharded, strict=True)),
+            slots=tuple(x.arrays[1] if s and len(x.arrays) > 1 else None for x, s in zip(leaves, sharded, strict=True)),
+            plain=tuple(None if s else x for x, s in zip(leaves, sharded, strict=True)),
+            layouts=tuple(x.layout if s else None for x, s in zip(leaves, sharded, strict=True)),
+        )
+
+    def wholes(self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any) -> list[Any]:
+        """The whole parameters of the Sharded leaves (all-gathered in stage 3,
+        each piece tied to ``anchor``); None for the other leaves."""
+        gather = policy.partitions_params
+        return [
+            None if src is None else coll.fetch(tie(to_device(src), anchor) if gather else src, lay, policy.comm,
+                                                gather=gather)
+            for src, lay in zip(sources, self.layouts, strict=True)
+        ]  # fmt: skip
+
+    def tree(self, wholes: Sequence[Any], plain: Sequence[Any]) -> PyTree:
+        leaves = [w if s else p for s, w, p in zip(self.sharded, wholes, plain, strict=True)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _split(values: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Float values (differentiated) and the rest (fixed), each in order."""
+    return [v for v in values if _is_float(v)], [v for v in values if not _is_float(v)]
+
+
+def _merge(is_float: Sequence[bool], floats: Sequence[Any], fixed: Sequence[Any]) -> list[Any]:
+    f, o = iter(floats), iter(fixed)
+    return [next(f) if flag else next(o) for flag in is_float]
+
+
+def _instantiate(ct: Any, axis: Any) -> Any:
+    """A cotangent as an array: zeros (per device) for a symbolic zero."""
+    if not isinstance(ct, SymbolicZero):
+        return ct
+    if ct.aval.dtype == jax.dtypes.float0:
+        return jnp.zeros(ct.aval.shape, jax.dtypes.float0)
+    return coll.to_varying(jnp.zeros(ct.aval.shape, ct.aval.dtype), axis)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call of a block in the trace: for the next call's prefetch."""
+
+    index: int
+    trace: Any
+    token: list[Any]  # its token output: zeros shaped like its block's whole parameters
+    block: _Block
+
+
+class LayerChain:
+    """The blocks of a model in the order it calls them, and the prefetch
+    queue of one trace of its loss.
+
+    ``layers[i]`` is block i's parameter subtree as the step hands it to the
+    loss (``Sharded`` pieces and ordinary arrays). :meth:`call` runs block i;
+    the forward pass of block i issues the gathers of blocks i + 1 … i +
+    ``prefetch``, and its backward pass the re-gather of the block called
+    before it. Blocks called in another order, or again, still run (a
+    prefetched gather nobody uses is removed by the compiler).
+    """
+
+    def __init__(self, policy: ZeroPolicy | None, layers: Sequence[PyTree], prefetch: int = 1) -> None:
+        self.policy = policy
+        self.layers = list(layers)
+        self.prefetch = prefetch
+        self._queue: dict[int, tuple[Any, list[Any]]] = {}
+        self._last: _Call | None = None
+        self.calls = 0
+
+    @property
+    def _gathers(self) -> bool:
+        return self.policy is not None and self.policy.partitions_params
+
+    def call(self, index: int, layer_fn: Callable[..., Any], *args: Any) -> Any:
+        """``layer_fn(whole parameters of block index, *args)``, block-wise."""
+        self.calls += 1
+        params = self.layers[index]
+        policy = self.policy
+        if (
+            policy is None
+            or not policy.partitions_grads
+            or not any(_is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_is_sharded))
+        ):
+            return jax.checkpoint(layer_fn)(params, *args)
+        block = _Block.of(params)
+        trace = get_opaque_trace_state()
+        wholes = self._forward_wholes(index, block, trace, args)
+        for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.layers))) if self._gathers else ():
+            if ahead not in self._queue:
+                nxt = _Block.of(self.layers[ahead])
+                self._queue[ahead] = (trace, nxt.wholes(nxt.sources, policy, args))
+        previous = self._last if self._last is not None and self._last.trace == trace else None
+        out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block,
+                               wholes, args, previous)  # fmt: skip
+        self._last = call
+        return out
+
+    def _forward_wholes(self, index: int, block: _Block, trace: Any, args: Any) -> list[Any]:
+        queued = self._queue.pop(index, None)
+        if queued is not None and queued[0] == trace:
+            return queued[1]
+        return block.wholes(block.sources, self.policy, args)
+
+
+def _token_zeros(wholes: list[Any], axis: Any) -> list[Any]:
+    return [None if w is None else coll.to_varying(jnp.zeros(w.shape, w.dtype), axis) for w in wholes]
+
+
+def _run_block(
+    policy: ZeroPolicy,
+    prefetch: int,
+    index: int,
+    trace: Any,
+    layer_fn: Callable[..., Any],
+    block: _Block,
+    wholes: list[Any],
+    args: tuple[Any, ...],
+    previous: _Call | None,
+) -> tuple[Any, _Call]:
+    """One block's call as a custom VJP (see the module docstring)."""
+    axis = policy.comm
+    fn, consts = jax.closure_convert(lambda p, *a: layer_fn(p, *a), block.tree(wholes, block.plain), *args)
+    arg_leaves, arg_def = jax.tree.flatten(args)
+    plain_floats, plain_fixed = _split([p for p in block.plain if p is not None])
+    plain_is_float = [_is_float(p) for p in block.plain if p is not None]
+    arg_floats, arg_fixed = _split(arg_leaves)
+    arg_is_float = [_is_float(a) for a in arg_leaves]
+    const_floats, const_fixed = _split(consts)
+    const_is_float = [_is_float(c) for c in consts]
+    slot_dtypes = [None if s is None else s.dtype for s in block.slots]
+    slots = [s for s in block.slots if s is not None]
+    # The channel from this block's backward pass to the previous call's:
+    # that call's token output, whose cotangent is its re-gathered block.
+    chained = prefetch > 0 and previous is not None
+    token_in = previous.token if chained else []
+    prev_block = previous.block if chained else None
+    prev_sources = list(previous.block.sources) if chained else []
+
+    def params_of(ws: Sequence[Any], plain_f: Sequence[Any]) -> PyTree:
+        plain = iter(_merge(plain_is_float, plain_f, plain_fixed))
+        return block.tree(ws, [None if p is None else next(plain) for p in block.plain])
+
+    def apply(ws: Sequence[Any], plain_f: Sequence[Any], arg_f: Sequence[Any], const_f: Sequence[Any]) -> Any:
+        a = jax.tree.unflatten(arg_def, _merge(arg_is_float, arg_f, arg_fixed))
+        return fn(params_of(ws, plain_f), *a, *_merge(const_is_float, const_f, const_fixed))
+
+    def unwrap(tree: Any) -> Any:
+        return jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: hasattr(p, "perturbed"))
+
+    @jax.custom_vjp
+    def run(slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources):  # type: ignore[no-untyped-def]
+        del slots, token_in, sources, prev_sources
+        out = apply(ws, plain_f, arg_f, const_f)
+        return out, _token_zeros(ws, axis) if prefetch else []
+
+    def fwd(*primals):  # type: ignore[no-untyped-def]
+        slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources = unwrap(primals)
+        del slots, token_in
+        out = apply(ws, plain_f, arg_f, const_f)
+        token = _token_zeros(ws, axis) if prefetch else []
+        # Only the inputs are kept (and the pieces, which the step holds anyway).
+        return (out, token), (plain_f, arg_f, const_f, sources, prev_sources)
+
+    def bwd(res, cts):  # type: ignore[no-untyped-def]
+        plain_f, arg_f, const_f, sources, prev_sources = res
+        ct_out, ct_token = cts
+        ct_out = jax.tree.map(lambda c: _instantiate(c, axis), ct_out, is_leaf=lambda x: isinstance(x, SymbolicZero))
+        handed = ct_token if prefetch and not any(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
+            ct_token, is_leaf=lambda x: isinstance(x, SymbolicZero))) else None  # fmt: skip
+        ws = handed if handed is not None else block.wholes(sources, policy, ct_out)
+        _, vjp = jax.vjp(apply, ws, plain_f, arg_f, const_f)
+        g_ws, g_plain, g_args, g_consts = vjp(ct_out)
+        g_slots = [
+            coll.sum_reduce_scatter(g.astype(dt), lay, axis)
+            for g, dt, lay in zip(g_ws, slot_dtypes, block.layouts, strict=True)
+            if dt is not None
+        ]
+        # The block before this one runs its backward pass only once this
+        # block's gradient is reduce-scattered (and its whole gradient freed).
+        g_args = tie(g_args, g_slots)
+        # Hand the block called before this one its re-gathered parameters.
+        g_token = prev_block.wholes(prev_sources, policy, ct_out) if prev_block is not None else []
+        return g_slots, g_plain, g_args, g_consts, g_token, None, None, None
+
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
+    out, token = run(slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources),
+                     prev_sources)  # fmt: skip
+    call = _Call(index=index, trace=trace, token=token, block=block)
+    return out, call
+
+
+def apply_layer(layer_fn: Callable[..., Any], layer_params: PyTree, *args: Any, policy: ZeroPolicy | None) -> Any:
+    """``layer_fn(layer_params, *args)`` with the block's parameters whole only
+    while it runs: the per-block counterpart of ``zj.scan_layers``.
+
+    Stage 3: the block's pieces are all-gathered just before its forward
+    compute and again before its backward recompute, and its gradient is
+    reduce-scattered as soon as it exists. Stage 2: the same without gathers
+    (the gradient of the block is reduce-scattered at once). Stages 0–1 and
+    ``policy=None``: ``jax.checkpoint(layer_fn)(layer_params, *args)``.
+    For a loop over several blocks, :func:`apply_layers` also prefetches.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> policy = zj.ZeroPolicy(stage=3, mesh=mesh, min_shard_size=0)
+    >>> def block(p, x):
+    ...     return jnp.tanh(x @ p["w"])
+    >>> def loss_fn(params, batch):
+    ...     x = batch["x"]
+    ...     for p in params["blocks"]:
+    ...         x = zj.apply_layer(block, p, x, policy=policy)
+    ...     return jnp.mean(x ** 2)
+    >>> params = {"blocks": [{"w": jnp.eye(8)} for _ in range(3)]}
+    >>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    >>> state = zj.init_state(params, tx, policy)
+    >>> step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    >>> state, metrics = step(state, {"x": jnp.ones((jax.device_count(), 8))})
+    >>> round(float(metrics["loss"]), 4)
+    0.3207
+    """
+    policy = active_policy(policy, "zj.apply_layer")
+    if policy is not None:
+        check_parameter_pieces(layer_params, policy, "zj.apply_layer")
+    return LayerChain(policy, [layer_params], prefetch=0).call(0, layer_fn, *args)
+
+
+def apply_layers(
+    layer_fn: Callable[[PyTree, Any], Any] | Sequence[Callable[[PyTree, Any], Any]],
+    layers_params: Sequence[PyTree],
+    carry: Any,
+    policy: ZeroPolicy | None,
+    *,
+    prefetch: int = 1,
+) -> Any:
+    """Run ``carry = layer_fn(layers_params[i], carry)`` for each block of a
+    Python list, block-wise (see :func:`apply_layer`), with block i +
+    ``prefetch``'s all-gather issued when block i starts, in both passes: at
+    most ``prefetch + 1`` blocks are whole at a time.
+
+    Args:
+      layer_fn: one function for every block, or a list of one per block
+        (blocks may differ in structure).
+      layers_params: the blocks' parameter subtrees, in call order (a list
+        of the pieces ``loss_fn`` received).
+      carry: the activation handed from block to block.
+      policy: the step's policy, or ``None`` outside a step.
+      prefetch: how many blocks ahead to gather (stage 3); 0 gathers each
+        block only when it runs.
+
+    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> policy = zj.ZeroPolicy(stage=3, mesh=mesh, min_shard_size=0)
+    >>> def loss_fn(params, batch):
+    ...     block = lambda p, x: jnp.tanh(x @ p["w"])
+    ...     return jnp.mean(zj.apply_layers(block, params["blocks"], batch["x"], policy) ** 2)
+    >>> params = {"blocks": [{"w": jnp.eye(8)} for _ in range(3)]}
+    >>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    >>> step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    >>> state, metrics = step(zj.init_state(params, tx, policy), {"x": jnp.ones((jax.device_count(), 8))})
+    >>> round(float(metrics["loss"]), 4)
+    0.3207
+    """
+    policy = active_policy(policy, "zj.apply_layers")
+    layers = list(layers_params) if isinstance(layers_params, (list, tuple)) else None
+    if layers is None:
+        raise TypeError(
+            f"zj.apply_layers: layers_params must be a list (or tuple) of the blocks' parameter subtrees, got "
+            f"{type(layers_params).__name__}. For stacked parameters (a leading layer axis) use zj.scan_layers."
+        )
+    fns = list(layer_fn) if isinstance(layer_fn, (list, tuple)) else [layer_fn] * len(layers)
+    if len(fns) != len(layers) or not all(callable(f) for f in fns):
+        raise ValueError(
+            f"zj.apply_layers: layer_fn must be one function or a list of one per block; got {len(fns)} for "
+            f"{len(layers)} blocks."
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= len(layers):
+        raise ValueError(
+            f"zj.apply_layers: prefetch must be an int from 0 to the number of blocks ({len(layers)}), got "
+            f"{prefetch!r}. 1 overlaps the next block's gather with this block's compute."
+        )
+    if policy is not None:
+        for p in layers:
+            check_parameter_pieces(p, policy, "zj.apply_layers")
+    chain = LayerChain(policy, layers, prefetch=prefetch)
+    for i, fn in enumerate(fns):
+        carry = chain.call(i, fn, carry)
+    return carry
