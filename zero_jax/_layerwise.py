@@ -102,6 +102,7 @@ class _Block:
     """One block's parameters, flattened: what is partitioned (``Sharded``
     nodes) and what is an ordinary array."""
 
+    index: int  # its place in the chain (names its gathers in the compiled program: "zj_block<i>_gather")
     treedef: Any
     sharded: tuple[bool, ...]
     sources: tuple[Any, ...]  # a Sharded leaf's piece (stage 3) or whole parameter (stage 2); else None
@@ -110,10 +111,11 @@ class _Block:
     layouts: tuple[LeafLayout | None, ...]
 
     @classmethod
-    def of(cls, params: PyTree) -> _Block:
+    def of(cls, index: int, params: PyTree) -> _Block:
         leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_sharded)
         sharded = tuple(_is_sharded(x) for x in leaves)
         return cls(
+            index=index,
             treedef=treedef,
             sharded=sharded,
             sources=tuple(x.arrays[0] if s else None for x, s in zip(leaves, sharded, strict=True)),
@@ -126,7 +128,8 @@ class _Block:
         """The whole parameters of the Sharded leaves (all-gathered in stage 3,
         each piece tied to ``anchor``); None for the other leaves."""
         gather = policy.partitions_params
-        return [
+        with jax.named_scope(f"zj_block{self.index}_gather"):
+            return [
             None if src is None else coll.fetch(tie(to_device(src), anchor) if gather else src, lay, policy.comm,
                                                 gather=gather)
             for src, lay in zip(sources, self.layouts, strict=True)
@@ -205,12 +208,12 @@ class LayerChain:
             or not any(_is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_is_sharded))
         ):
             return jax.checkpoint(layer_fn)(params, *args)
-        block = _Block.of(params)
+        block = _Block.of(index, params)
         trace = get_opaque_trace_state()
         wholes = self._forward_wholes(index, block, trace, args)
         for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.layers))) if self._gathers else ():
             if ahead not in self._queue:
-                nxt = _Block.of(self.layers[ahead])
+                nxt = _Block.of(ahead, self.layers[ahead])
                 self._queue[ahead] = (trace, nxt.wholes(nxt.sources, policy, args))
         previous = self._last if self._last is not None and self._last.trace == trace else None
         out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block,
@@ -293,11 +296,12 @@ def _run_block(
         ws = handed if handed is not None else block.wholes(sources, policy, ct_out)
         _, vjp = jax.vjp(apply, ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
-        g_slots = [
-            coll.sum_reduce_scatter(g.astype(dt), lay, axis)
-            for g, dt, lay in zip(g_ws, slot_dtypes, block.layouts, strict=True)
-            if dt is not None
-        ]
+        with jax.named_scope(f"zj_block{index}_reduce"):
+            g_slots = [
+                coll.sum_reduce_scatter(g.astype(dt), lay, axis)
+                for g, dt, lay in zip(g_ws, slot_dtypes, block.layouts, strict=True)
+                if dt is not None
+            ]
         # The block before this one runs its backward pass only once this
         # block's gradient is reduce-scattered (and its whole gradient freed).
         g_args = tie(g_args, g_slots)
@@ -306,7 +310,8 @@ def _run_block(
         return g_slots, g_plain, g_args, g_consts, g_token, None, None, None
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
-    out, token = run(slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources),
+    with jax.named_scope(f"zj_block{index}_compute"):
+        out, token = run(slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources),
                      prev_sources)  # fmt: skip
     call = _Call(index=index, trace=trace, token=token, block=block)
     return out, call
