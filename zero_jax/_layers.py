@@ -189,24 +189,35 @@ def active_policy(policy: ZeroPolicy | None, where: str) -> ZeroPolicy | None:
     return policy if scope.pieces else None
 
 
+NOT_A_PIECE = (
+    "{where}: {leaves} of the policy's parameters. Pass the parameters loss_fn received (or a "
+    "subtree of them), not arrays computed from them."
+)
+OTHER_POLICY = (
+    "{where}: {leaves} pieces of another policy than the step's ({policy!r}). Pass the parameters this step's "
+    "loss_fn received."
+)
+
+
 def check_parameter_pieces(tree: PyTree, policy: ZeroPolicy, where: str) -> None:
+    """Every leaf the policy would partition must be one of the step's
+    pieces; all that are not are named in one error."""
     if not policy.partitions_grads:
         return
+    foreign, computed = [], []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]:
         if _is_sharded(leaf):
             if leaf.policy != policy:
-                raise ValueError(
-                    f"{where}: leaf '{path_str(path)}' is a piece of {leaf.policy!r}, "
-                    f"but the step runs {policy!r}. Pass the parameters this step's loss_fn received."
-                )
-            continue
-        shape = tuple(getattr(leaf, "shape", ()))
-        if policy.leaf_layout(leaf, stacked=False).partitioned:
-            raise ValueError(
-                f"{where}: leaf '{path_str(path)}' (shape {shape}) is not a piece of the policy's "
-                "parameters. Pass the parameters loss_fn received (or a subtree of them), not "
-                "arrays computed from them."
-            )
+                foreign.append(f"'{path_str(path)}'")
+        elif policy.leaf_layout(leaf, stacked=False).partitioned:
+            computed.append(f"'{path_str(path)}' (shape {tuple(getattr(leaf, 'shape', ()))})")
+    if foreign:
+        leaves = f"leaf {foreign[0]} is" if len(foreign) == 1 else f"leaves {', '.join(foreign)} are"
+        raise ValueError(OTHER_POLICY.format(where=where, leaves=leaves, policy=policy))
+    if computed:
+        one = len(computed) == 1
+        leaves = f"leaf {computed[0]} is not a piece" if one else f"leaves {', '.join(computed)} are not pieces"
+        raise ValueError(NOT_A_PIECE.format(where=where, leaves=leaves))
 
 
 def gather(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:

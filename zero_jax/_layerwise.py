@@ -19,10 +19,11 @@ its start and merge each backward re-gather into the forward one (common
 subexpression elimination), keeping every block whole for the whole step.
 So each gather's operand is *tied* by data to a value that exists only when
 the gather is due (:func:`tie`): the forward gather to the block's input, the
-backward re-gather to its output's cotangent. The tie subtracts an exact
-``+0.0`` computed from that value, which changes no bit of the piece (NaN,
-infinity and ``-0.0`` included) and which the compiler cannot fold (it does
-not know that ``a - a`` is zero for every finite ``a``). The same tie orders
+backward re-gather to its output's cotangent. The tie ors the piece's bits
+with an integer zero computed from that value, which changes no bit of the
+piece (NaN, infinity, ``-0.0`` and subnormals included) and which the
+compiler cannot fold (it does not know that ``a - a`` is zero for every
+finite ``a``). The same tie orders
 stage 2 and 3's backward pass: the cotangent a block hands to the block
 before it is tied to the block's reduce-scattered gradient, so the whole
 gradient of one block is freed before the next block's backward runs.
@@ -67,32 +68,40 @@ def _first_element(tree: Any) -> jax.Array | None:
     return None
 
 
+_BITS = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
 def tie(value: PyTree, anchor: Any) -> PyTree:
     """``value`` bitwise unchanged, but computed only once ``anchor`` exists.
 
-    Each float leaf becomes ``leaf - z`` with ``z = a - a`` for a finite
-    element ``a`` of ``anchor`` and ``0`` otherwise: ``z`` is exactly ``+0.0``,
-    and ``x - (+0.0)`` is ``x`` for every float ``x``, NaN, infinities and
-    ``-0.0`` included. Unlike ``x + 0 * a`` it never turns a value into NaN
-    (an fp16 overflow step, a NaN input), and unlike ``x * 0`` or ``x - x``
-    XLA cannot fold it (it does not assume finite floats). Non-float leaves,
-    and an anchor without elements, pass through.
+    Each float leaf's bits are or-ed with ``z``, an integer that is 0 for
+    every ``anchor``: ``z = int(a - a)`` for a finite element ``a`` of
+    ``anchor`` (``a - a`` is exactly ``+0.0``), and 0 otherwise. Integer
+    operations never round or flush, so no bit changes (NaN payloads,
+    infinities, ``-0.0`` and subnormals included, which float arithmetic on
+    XLA:CPU would flush to zero); unlike the ``x + 0 * a`` of a first
+    prototype it never turns a value into NaN (an fp16 overflow step, a NaN
+    input), and XLA cannot fold it (it does not assume floats are finite, so
+    it cannot prove ``z`` is 0). Non-float leaves, and an anchor without
+    elements, pass through.
 
     >>> import jax.numpy as jnp
-    >>> x = jnp.array([1.0, -0.0, jnp.inf, jnp.nan])
+    >>> x = jnp.array([1.0, -0.0, jnp.inf, jnp.nan, 1e-45])
     >>> y = tie(x, jnp.array([jnp.nan, 2.0]))
-    >>> bool(jnp.all((y == x) | (jnp.isnan(y) & jnp.isnan(x)))), bool(jnp.signbit(y[1]))
-    (True, True)
+    >>> bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32) == jax.lax.bitcast_convert_type(x, jnp.uint32)))
+    True
     """
     a = _first_element(anchor)
     if a is None:
         return value
-    zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), jnp.float32))
+    zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), jnp.float32)).astype(jnp.int32)
 
     def one(x: Any) -> Any:
         if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
-        return x - zero.astype(x.dtype)
+        bits = _BITS[jnp.dtype(x.dtype).itemsize]
+        raw = jax.lax.bitcast_convert_type(x, bits)
+        return jax.lax.bitcast_convert_type(raw | zero.astype(bits), x.dtype)
 
     return jax.tree.map(one, value)
 
@@ -409,8 +418,7 @@ def apply_layers(
             f"{prefetch!r}. 1 overlaps the next block's gather with this block's compute."
         )
     if policy is not None:
-        for p in layers:
-            check_parameter_pieces(p, policy, "zj.apply_layers")
+        check_parameter_pieces(layers, policy, "zj.apply_layers")
     chain = LayerChain(policy, layers, prefetch=prefetch)
     for i, fn in enumerate(fns):
         carry = chain.call(i, fn, carry)

@@ -1,0 +1,335 @@
+"""Block-wise ZeRO for unscanned models: zj.apply_layer, zj.apply_layers and the tie."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import make_mesh, reference_run, relative_update_error
+
+import zero_jax as zj
+from zero_jax import _measure
+from zero_jax._layerwise import tie
+
+N = 8
+D = 32
+FP32_RTOL = 1e-5  # the relative L2 of each leaf's accumulated update against plain optax
+BF16_RTOL = 2e-2  # bf16 compute: against the same run with gather="all"
+
+
+def _params(depth: int = 4, seed: int = 0) -> dict:
+    keys = jax.random.split(jax.random.key(seed), depth + 1)
+    blocks = [
+        {"w": jax.random.normal(k, (D, D)) / np.sqrt(D), "b": 0.1 * jax.random.normal(k, (D,)), "g": jnp.ones((D,))}
+        for k in keys[1:]
+    ]
+    return {"embed": jax.random.normal(keys[0], (D, D)) / np.sqrt(D), "blocks": blocks}
+
+
+def _block(p: dict, x: jax.Array) -> jax.Array:
+    return x + jnp.tanh(x @ p["w"] + p["b"]) * p["g"]
+
+
+def _batches(steps: int = 3, n: int = 16) -> list[dict]:
+    return [
+        {"x": jax.random.normal(jax.random.key(10 + s), (n, D)), "y": jax.random.normal(jax.random.key(50 + s), (n, D))}
+        for s in range(steps)
+    ]
+
+
+def _loss(policy, mode: str, prefetch: int = 1):
+    """The same model three ways: a plain Python loop (gather="all" / optax), one
+    zj.apply_layer per block, or zj.apply_layers."""
+
+    def loss_fn(params: dict, batch: dict) -> jax.Array:
+        embed = zj.gather(params["embed"], policy) if mode != "plain" else params["embed"]
+        x = batch["x"] @ embed
+        if mode == "plain":
+            for p in params["blocks"]:
+                x = _block(p, x)
+        elif mode == "apply_layer":
+            for p in params["blocks"]:
+                x = zj.apply_layer(_block, p, x, policy=policy)
+        else:
+            x = zj.apply_layers(_block, params["blocks"], x, policy, prefetch=prefetch)
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    return loss_fn
+
+
+def _run(stage: int, mode: str, *, prefetch: int = 1, steps: int = 3, depth: int = 4, **step_kwargs):
+    policy = zj.ZeroPolicy(
+        stage, make_mesh(N), min_shard_size=0, precision=step_kwargs.pop("precision", zj.Precision())
+    )
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state = zj.init_state(_params(depth), tx, policy)
+    gather = "all" if mode == "plain" else "manual"
+    step = zj.make_train_step(_loss(policy, mode, prefetch), tx, policy, gather=gather, **step_kwargs)
+    losses = []
+    for batch in _batches(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, step, losses
+
+
+@functools.cache
+def _reference():
+    return reference_run(optax.adam(1e-2), _params(), _batches(), _loss(None, "plain"))
+
+
+@pytest.mark.parametrize("mode", ["apply_layer", "apply_layers"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_block_wise_training_equals_unsharded_optax(stage: int, mode: str) -> None:
+    ref_params, ref_losses = _reference()
+    state, step, losses = _run(stage, mode)
+    errors = relative_update_error(zj.full_params(state), ref_params, _params())
+    assert max(errors.values()) <= FP32_RTOL, errors
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_prefetch_changes_nothing_bitwise(stage: int) -> None:
+    runs = [zj.full_params(_run(stage, "apply_layers", prefetch=k, steps=2)[0]) for k in (0, 1, 2, 4)]
+    for other in runs[1:]:
+        for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(other), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("mode", ["local", "partitioned"])
+def test_accumulation_equals_gather_all(stage: int, mode: str) -> None:
+    plain, _, plain_losses = _run(stage, "plain", accum_steps=2, accum_mode=mode)
+    layered, _, losses = _run(stage, "apply_layers", accum_steps=2, accum_mode=mode)
+    errors = relative_update_error(zj.full_params(layered), zj.full_params(plain), _params())
+    assert max(errors.values()) <= FP32_RTOL, errors
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+
+
+def test_bf16_compute_equals_gather_all() -> None:
+    precision = zj.Precision(compute_dtype=jnp.bfloat16)
+    plain, _, plain_losses = _run(3, "plain", precision=precision)
+    layered, step, losses = _run(3, "apply_layers", precision=precision)
+    errors = relative_update_error(zj.full_params(layered), zj.full_params(plain), _params())
+    assert max(errors.values()) <= BF16_RTOL, errors
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
+    # Right after SPMD partitioning (XLA:CPU later runs bf16 collectives in f32): the blocks are
+    # gathered in the compute dtype and their gradients reduced in float32.
+    colls = _measure.collectives(step.jitted, layered, _batches()[0])
+    assert {c.dtype for c in colls if c.kind == "all-gather"} == {"bf16"}
+    assert {c.dtype for c in colls if c.kind == "reduce-scatter"} == {
+        c.dtype for c in _measure.collectives(_run(3, "plain", precision=precision, steps=1)[1].jitted, plain,
+                                              _batches()[0]) if c.kind == "reduce-scatter"
+    }  # fmt: skip
+
+
+FP16 = zj.Precision(compute_dtype=jnp.float16, loss_scale=zj.DynamicLossScale(initial=2.0**10, growth_interval=2))
+
+
+@pytest.mark.parametrize("poison", [jnp.inf, jnp.nan])
+def test_a_non_finite_fp16_step_is_skipped_exactly_as_with_gather_all(poison: float) -> None:
+    results = {}
+    for mode in ("plain", "apply_layers"):
+        policy = zj.ZeroPolicy(3, make_mesh(N), min_shard_size=0, precision=FP16)
+        tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+        state = zj.init_state(_params(), tx, policy)
+        step = zj.make_train_step(_loss(policy, mode), tx, policy, gather="all" if mode == "plain" else "manual")
+        batches = _batches(3)
+        state, _ = step(state, batches[0])
+        before = jax.tree.map(np.asarray, state.master)
+        batches[1]["x"] = batches[1]["x"].at[3, 0].set(poison)  # one row on one device
+        state, m = step(state, batches[1])
+        assert int(m["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**9
+        for a, b in zip(jax.tree.leaves(state.master), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)  # bitwise unchanged
+        state, m = step(state, batches[2])
+        assert int(m["skipped"]) == 0
+        results[mode] = zj.full_params(state)
+    errors = relative_update_error(results["apply_layers"], results["plain"], _params())
+    assert max(errors.values()) <= 1e-2, errors  # fp16 compute
+
+
+def test_the_tie_changes_no_bit() -> None:
+    values = jnp.array([1.5, -0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 1e-45, -3.0], jnp.float32)
+    for anchor in (jnp.array([2.0]), jnp.array([jnp.nan]), jnp.array([jnp.inf]), jnp.array([-0.0]), jnp.array([7])):
+        for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+            v = values.astype(dtype)
+            out = jax.jit(tie)(v, anchor)
+            np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(v).view(np.uint8))
+    ints = jnp.arange(3)
+    assert tie(ints, jnp.ones(2)) is ints  # non-float values pass through
+    assert tie(values, jnp.zeros((0,))) is values  # an anchor without elements ties nothing
+
+
+def _compiled(stage: int, depth: int, prefetch: int, mode: str = "apply_layers"):
+    policy = zj.ZeroPolicy(stage, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state = zj.init_state(_params(depth), tx, policy)
+    step = zj.make_train_step(_loss(policy, mode, prefetch), tx, policy, gather="all" if mode == "plain" else "manual")
+    return step.lower(state, _batches(1)[0]).compile()
+
+
+def _per_block(text: str, kind: str) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for line in text.splitlines():
+        if f" {kind}(" in line:
+            # The innermost name: block i's backward pass re-gathers block i - 1 (prefetch).
+            blocks = re.findall(r"zj_block(\d+)_(?:gather|reduce)", line)
+            if blocks:
+                counts[int(blocks[-1])] = counts.get(int(blocks[-1]), 0) + 1
+    return counts
+
+
+@pytest.mark.slow
+def test_stage3_keeps_one_block_whole_at_any_depth() -> None:
+    whole_block = (D * D + 2 * D) * 4
+    temps = {}
+    for depth in (4, 12):
+        for prefetch in (0, 1):
+            compiled = _compiled(3, depth, prefetch)
+            temps[depth, prefetch] = compiled.memory_analysis().temp_size_in_bytes
+            text = compiled.as_text()
+            # Forward gather + backward re-gather of w, b and g; one reduce-scatter each.
+            assert _per_block(text, "all-gather") == dict.fromkeys(range(depth), 6)
+            assert _per_block(text, "reduce-scatter") == dict.fromkeys(range(depth), 3)
+    plain = {depth: _compiled(3, depth, 1, "plain").memory_analysis().temp_size_in_bytes for depth in (4, 12)}
+    # gather="all" keeps every block whole (XLA hoists the gathers): temp grows with depth.
+    assert plain[12] - plain[4] >= 8 * whole_block
+    # Block-wise: 8 more blocks add only their gradient pieces (1/N of a block each) and one saved
+    # input each (2 rows per device), +30% ...
+    added = 8 * (whole_block / N + 16 // N * D * 4) * 1.3
+    assert temps[12, 0] - temps[4, 0] <= added
+    assert temps[12, 1] - temps[4, 1] <= added
+    # ... and prefetching one block ahead costs at most one whole block more.
+    assert 0 <= temps[12, 1] - temps[12, 0] <= whole_block * 1.05
+
+
+def test_closed_over_floats_and_heterogeneous_blocks_get_their_gradients() -> None:
+    def make():
+        return {
+            "scale": jnp.full((D,), 0.5),
+            "blocks": [{"w": jnp.eye(D) * 0.9}, {"w": jnp.eye(D) * 1.1, "v": jnp.ones((D, D)) / D}],
+        }
+
+    def first(p, x, scale):
+        return jnp.tanh(x @ p["w"]) * scale
+
+    def second(p, x):
+        return x @ p["w"] + x @ p["v"]
+
+    def loss_with(policy):
+        def loss_fn(params, batch):
+            scale = params["scale"]  # a whole (tiny) leaf, closed over by the first block
+            fns = [lambda p, x: first(p, x, scale), second]
+            out = zj.apply_layers(fns, params["blocks"], batch["x"], policy)
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        return loss_fn
+
+    ref, _ = reference_run(optax.adam(1e-2), make(), _batches(2), loss_with(None))
+    policy = zj.ZeroPolicy(3, make_mesh(N), min_shard_size=64)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state = zj.init_state(make(), tx, policy)
+    step = zj.make_train_step(loss_with(policy), tx, policy, gather="manual")
+    for batch in _batches(2):
+        state, _ = step(state, batch)
+    errors = relative_update_error(zj.full_params(state), ref, make())
+    assert max(errors.values()) <= FP32_RTOL, errors
+    assert float(jnp.abs(zj.full_params(state)["scale"] - 0.5).max()) > 1e-3  # it trained
+
+
+def test_frozen_and_integer_leaves_inside_blocks() -> None:
+    def make():
+        p = _params(3)
+        for blk in p["blocks"]:
+            blk["steps"] = jnp.arange(4, dtype=jnp.int32)
+        return p
+
+    def loss_with(policy, fn):
+        def loss_fn(params, batch):
+            x = zj.apply_layers(fn, params["blocks"], batch["x"], policy) if policy else functools.reduce(
+                lambda x, p: fn(p, x), params["blocks"], batch["x"])  # fmt: skip
+            return jnp.mean((x - batch["y"]) ** 2)
+
+        return loss_fn
+
+    def block(p, x):
+        return _block(p, x) + 0 * p["steps"][0]
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: "frozen" if "'g'" in str(path) else "train", params)
+
+    opt = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+    floats = _params(3)  # the reference differentiates float leaves only
+    ref, _ = reference_run(opt, floats, _batches(2), loss_with(None, _block))
+    policy = zj.ZeroPolicy(3, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(opt, policy)
+    state = zj.init_state(make(), tx, policy)
+    step = zj.make_train_step(loss_with(policy, block), tx, policy, gather="manual")
+    for batch in _batches(2):
+        state, _ = step(state, batch)
+    out = zj.full_params(state)
+    floats_out = {**out, "blocks": [{k: v for k, v in b.items() if k != "steps"} for b in out["blocks"]]}
+    trained = {k: v for k, v in relative_update_error(floats_out, ref, floats).items() if "'g'" not in k}
+    assert max(trained.values()) <= FP32_RTOL, trained
+    for blk, start in zip(out["blocks"], make()["blocks"], strict=True):
+        np.testing.assert_array_equal(np.asarray(blk["g"]), np.asarray(start["g"]))
+        np.testing.assert_array_equal(np.asarray(blk["steps"]), np.asarray(start["steps"]))
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_outside_a_step_it_says_pass_policy_none() -> None:
+    policy = zj.ZeroPolicy(3, make_mesh(N))
+    with pytest.raises(RuntimeError, match=r"zj.apply_layers was called outside a train step.*policy=None"):
+        zj.apply_layers(_block, _params()["blocks"], jnp.ones((2, D)), policy)
+    with pytest.raises(RuntimeError, match=r"zj.apply_layer was called outside a train step"):
+        zj.apply_layer(_block, _params()["blocks"][0], jnp.ones((2, D)), policy=policy)
+    # policy=None runs the same model on ordinary parameters.
+    out = zj.apply_layers(_block, _params()["blocks"], jnp.ones((2, D)), None)
+    expected = functools.reduce(lambda x, p: _block(p, x), _params()["blocks"], jnp.ones((2, D)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6)
+
+
+def _manual_step(loss_fn, stage: int = 3):
+    policy = zj.ZeroPolicy(stage, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state(_params(), tx, policy)
+    return policy, state, functools.partial(zj.make_train_step, tx=tx, policy=policy, gather="manual")
+
+
+def test_arrays_that_are_not_pieces_are_named() -> None:
+    policy = zj.ZeroPolicy(3, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state(_params(), tx, policy)
+
+    def loss_fn(params, batch):
+        computed = [{"w": jnp.ones((D, D)), "b": jnp.ones((D,)), "g": jnp.ones((D,))}]
+        return jnp.mean(zj.apply_layers(_block, computed, batch["x"], policy))
+
+    step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    expected = r"leaves '0/b' \(shape \(32,\)\), '0/g' \(shape \(32,\)\), '0/w' \(shape \(32, 32\)\) are not pieces"
+    with pytest.raises(ValueError, match=expected):
+        step(state, _batches(1)[0])
+
+
+@pytest.mark.parametrize("prefetch", [-1, 5, 1.0, True])
+def test_prefetch_must_be_an_int_up_to_the_number_of_blocks(prefetch) -> None:
+    policy = zj.ZeroPolicy(3, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state(_params(), tx, policy)
+    step = zj.make_train_step(_loss(policy, "apply_layers", prefetch), tx, policy, gather="manual")
+    with pytest.raises(ValueError, match=r"prefetch must be an int from 0 to the number of blocks \(4\)"):
+        step(state, _batches(1)[0])
+
+
+def test_layer_list_and_fn_list_are_checked() -> None:
+    with pytest.raises(TypeError, match=r"layers_params must be a list.*zj.scan_layers"):
+        zj.apply_layers(_block, {"w": jnp.ones((2, D, D))}, jnp.ones((2, D)), None)
+    with pytest.raises(ValueError, match=r"one function or a list of one per block; got 1 for 4 blocks"):
+        zj.apply_layers([_block], _params()["blocks"], jnp.ones((2, D)), None)
