@@ -333,3 +333,19 @@ def test_layer_list_and_fn_list_are_checked() -> None:
         zj.apply_layers(_block, {"w": jnp.ones((2, D, D))}, jnp.ones((2, D)), None)
     with pytest.raises(ValueError, match=r"one function or a list of one per block; got 1 for 4 blocks"):
         zj.apply_layers([_block], _params()["blocks"], jnp.ones((2, D)), None)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_manual_loss_that_touches_pieces_directly_is_an_error(stage: int) -> None:
+    policy = zj.ZeroPolicy(stage, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state(_params(2), tx, policy)
+
+    def loss_fn(params, batch):  # a weight-decay term over jax.tree.leaves reaches the pieces
+        decay = sum(jnp.sum(p**2) for p in jax.tree.leaves(params["blocks"][1]))
+        return _loss(policy, "apply_layers")(params, batch) + 1e-3 * decay
+
+    step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    expected = r"used the partitioned parameters 'blocks/1/b' \(in integer_pow\), 'blocks/1/g' .*'blocks/1/w'"
+    with pytest.raises(TypeError, match=expected + r".*silently wrong.*zj.gather\(params\['w'\], policy\)"):
+        step(state, _batches(1)[0])

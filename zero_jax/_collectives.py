@@ -151,18 +151,18 @@ def fetch_with_grad_slot(
     """
 
     @jax.custom_vjp
-    def use(src: jax.Array, slot: jax.Array) -> jax.Array:
+    def zero_jax_fetch(src: jax.Array, slot: jax.Array) -> jax.Array:
         del slot
         return fetch(src, layout, axis, gather=gather)
 
     def fwd(src: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
-        return use(src, slot), None
+        return zero_jax_fetch(src, slot), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
         return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis)
 
-    use.defvjp(fwd, bwd)
-    return use(source, slot)
+    zero_jax_fetch.defvjp(fwd, bwd)
+    return zero_jax_fetch(source, slot)
 
 
 def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName, dtype: object) -> jax.Array:

@@ -98,3 +98,44 @@ def output_dependencies(fn: Callable[..., Any], *args: PyTree) -> list[int]:
     """
     closed = jax.make_jaxpr(fn)(*jax.tree.map(abstract, args))
     return dependencies(closed.jaxpr, [1 << i for i in range(len(closed.jaxpr.invars))])
+
+
+def live_equations(jaxpr: Jaxpr) -> list[Any]:
+    """The equations whose results reach an output (or that have effects):
+    a traced program keeps dead code (values computed only for their shape)."""
+    live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return kept[::-1]
+
+
+def direct_uses(jaxpr: Jaxpr, watched: dict[Any, int], allowed: Callable[[Any], bool]) -> dict[int, set[str]]:
+    """Which equations consume the watched inputs other than through ``allowed`` ones.
+
+    ``watched`` maps input variables of ``jaxpr`` to an index. An equation
+    reading a watched variable is fine when ``allowed(eqn)``; a call (see
+    :data:`CALL_PARAMS`) is walked inside with its inputs renamed; any other
+    equation is a use, recorded by primitive name under the variable's index.
+
+    >>> import jax, jax.numpy as jnp
+    >>> closed = jax.make_jaxpr(lambda a, b: jax.jit(lambda x: x * 2)(a) + jnp.sin(b))(1.0, 2.0)
+    >>> v = closed.jaxpr.invars
+    >>> direct_uses(closed.jaxpr, {v[0]: 0, v[1]: 1}, lambda eqn: eqn.primitive.name == "sin")
+    {0: {'mul'}}
+    """
+    found: dict[int, set[str]] = {}
+    for eqn in live_equations(jaxpr):
+        hits = [(i, watched[v]) for i, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in watched]
+        if not hits or allowed(eqn):
+            continue
+        inner = _called(eqn)
+        if inner is not None:
+            for index, names in direct_uses(inner, {inner.invars[i]: k for i, k in hits}, allowed).items():
+                found.setdefault(index, set()).update(names)
+            continue
+        for _, k in hits:
+            found.setdefault(k, set()).add(eqn.primitive.name)
+    return found

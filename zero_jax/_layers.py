@@ -444,7 +444,9 @@ def _zero_scan(
     """The stage 2–3 schedule (see the module docstring)."""
     plan, diff, wholes = _scan_plan(treedef, nodes, axis, prefetch, depth)
     sharded = plan.sharded
-    fn, all_consts = jax.closure_convert(layer_fn, _fetch(plan, jnp.asarray(0), diff, wholes), carry)
+    with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)
+        example = _fetch(plan, jnp.asarray(0), diff, wholes)
+    fn, all_consts = jax.closure_convert(layer_fn, example, carry)
     # Values layer_fn closes over: float ones get gradients, the rest are fixed.
     is_float = [jnp.issubdtype(c.dtype, jnp.inexact) for c in all_consts]
     fixed = [c for c, f in zip(all_consts, is_float, strict=True) if not f]
@@ -454,7 +456,7 @@ def _zero_scan(
         return fn(params, c, *[next(floats) if f else next(others) for f in is_float])
 
     @jax.custom_vjp
-    def run(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> Any:
+    def zero_jax_scan(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> Any:
         return forward(diff, wholes, carry, float_consts)[0]
 
     def forward(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -482,6 +484,6 @@ def _zero_scan(
         g_diff = [None if g is None else jnp.flip(g, axis=0) for g in g_reversed]
         return g_diff, [None] * len(wholes), g_carry, g_consts
 
-    run.defvjp(forward, backward)
+    zero_jax_scan.defvjp(forward, backward)
     float_consts = tuple(c for c, f in zip(all_consts, is_float, strict=True) if f)
-    return run(diff, wholes, carry, float_consts)
+    return zero_jax_scan(diff, wholes, carry, float_consts)

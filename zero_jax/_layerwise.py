@@ -283,7 +283,7 @@ def _run_block(
         return jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: hasattr(p, "perturbed"))
 
     @jax.custom_vjp
-    def run(slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources):  # type: ignore[no-untyped-def]
+    def zero_jax_block(slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources):  # type: ignore[no-untyped-def]
         del slots, token_in, sources, prev_sources
         out = apply(ws, plain_f, arg_f, const_f)
         return out, _token_zeros(ws, axis) if prefetch else []
@@ -318,10 +318,11 @@ def _run_block(
         g_token = prev_block.wholes(prev_sources, policy, ct_out) if prev_block is not None else []
         return g_slots, g_plain, g_args, g_consts, g_token, None, None, None
 
-    run.defvjp(fwd, bwd, symbolic_zeros=True)
+    zero_jax_block.defvjp(fwd, bwd, symbolic_zeros=True)
     with jax.named_scope(f"zj_block{index}_compute"):
-        out, token = run(slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources),
-                     prev_sources)  # fmt: skip
+        out, token = zero_jax_block(
+            slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources), prev_sources
+        )
     call = _Call(index=index, trace=trace, token=token, block=block)
     return out, call
 

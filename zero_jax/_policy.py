@@ -22,16 +22,20 @@ from zero_jax._tree import KeyPath, PyTree, path_str, split_prefix, under, under
 FROZEN = (
     "ZeroPolicy is immutable: cannot {what} {name!r}. A policy is hashed as static pytree metadata of every "
     "state and compiled step made with it, so changing it in place would silently mismatch them. Build a new "
-    "policy instead: policy.replace({name}=...) (or zj.ZeroPolicy(...)).")
+    "policy instead: policy.replace({name}=...) (or zj.ZeroPolicy(...))."
+)
 STACKED_MATCHES_NOTHING = (
     "ZeroPolicy(stacked=...): the prefix{s} {which} matches no parameter. Top-level entries are {entries}; "
-    "pass one of those.")
+    "pass one of those."
+)
 BATCH_NOT_DIVISIBLE = (
     "{where}: {leaves}; the leading (batch) dimension must divide by the {n} devices of the batch "
-    "axes {axes}. Use a global batch size that is a multiple of {n}.")
+    "axes {axes}. Use a global batch size that is a multiple of {n}."
+)
 BATCH_NOT_MICROBATCHED = (
     "{where}: {leaves}: accum_steps={k} microbatches on each of {n} devices need a global batch that "
-    "is a multiple of {nk}. Change the batch size or accum_steps.")
+    "is a multiple of {nk}. Change the batch size or accum_steps."
+)
 
 
 def _listing(leaves: list[str]) -> str:
@@ -219,8 +223,18 @@ class ZeroPolicy:
         """A hashable fingerprint: two policies with equal keys lay state out alike."""
         devices = self.mesh.devices
         mesh = (tuple(self.mesh.axis_names), tuple(devices.shape), tuple(int(d.id) for d in devices.flat))
-        return (self.stage, self.axes, self.replica_axes, self.optimizer_over_replicas, *mesh, self.min_shard_size,
-                self.stacked, self.precision, self.offload_optimizer, self.offload_params)
+        return (
+            self.stage,
+            self.axes,
+            self.replica_axes,
+            self.optimizer_over_replicas,
+            *mesh,
+            self.min_shard_size,
+            self.stacked,
+            self.precision,
+            self.offload_optimizer,
+            self.offload_params,
+        )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ZeroPolicy) and other.key == self.key

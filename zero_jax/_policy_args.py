@@ -13,26 +13,33 @@ from zero_jax._precision import Precision
 
 BAD_STAGE = (
     "ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain data parallelism; 1 partitions "
-    "optimizer state, 2 also gradients, 3 also parameters.")
+    "optimizer state, 2 also gradients, 3 also parameters."
+)
 BAD_MESH = (
     "ZeroPolicy: mesh must be a jax.sharding.Mesh, got {kind}. "
-    "Make one with jax.make_mesh((jax.device_count(),), ('data',)).")
+    "Make one with jax.make_mesh((jax.device_count(),), ('data',))."
+)
 BAD_AXIS = (
     "ZeroPolicy: axis {axis!r} is not an axis of the mesh, whose axes are {names}. "
-    "Pass axis= one of those names (or a tuple of them).")
+    "Pass axis= one of those names (or a tuple of them)."
+)
 BAD_REPLICA_AXIS = (
     "ZeroPolicy: replica_axis {replica_axis!r} is not a set of axes of the mesh, whose axes are {names}. Pass the "
     "mesh axis that holds the replicas (e.g. 'replica'), or build the mesh with it: "
-    "jax.make_mesh((R, N), ('replica', 'data')).")
+    "jax.make_mesh((R, N), ('replica', 'data'))."
+)
 AXIS_TWICE = (
     "ZeroPolicy: {both} is both a partition axis (axis={axis!r}) and a replica axis "
-    "(replica_axis={replica_axis!r}); an axis either partitions state or replicates it.")
+    "(replica_axis={replica_axis!r}); an axis either partitions state or replicates it."
+)
 OVER_REPLICAS_STAGE_0 = (
     "ZeroPolicy: optimizer_over_replicas=True needs stage >= 1: stage 0 partitions no optimizer state. "
-    "Use stage=1 or higher, or drop optimizer_over_replicas.")
+    "Use stage=1 or higher, or drop optimizer_over_replicas."
+)
 OVER_REPLICAS_WITHOUT_REPLICAS = (
     "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
-    "well; pass replica_axis=... (the mesh axis holding the replicas).")
+    "well; pass replica_axis=... (the mesh axis holding the replicas)."
+)
 BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
 SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
 Problem = tuple[type[Exception], str]
@@ -45,8 +52,15 @@ def _names(value: Any) -> tuple[Any, ...]:
 
 
 def argument_problems(
-    stage: Any, mesh: Any, axis: Any, replica_axis: Any, optimizer_over_replicas: Any, min_shard_size: Any,
-    stacked: Any, precision: Any, **_offload_arguments: Any,
+    stage: Any,
+    mesh: Any,
+    axis: Any,
+    replica_axis: Any,
+    optimizer_over_replicas: Any,
+    min_shard_size: Any,
+    stacked: Any,
+    precision: Any,
+    **_offload_arguments: Any,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
     checked by ``check_options``), each with its exception type."""
