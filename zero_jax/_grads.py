@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
-from zero_jax._jaxpr import direct_uses
 from zero_jax._layers import Sharded, manual_gather_scope
 from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout, is_layout
+from zero_jax._piece_uses import check_only_gathered
 from zero_jax._policy import ZeroPolicy
 from zero_jax._state import leaf_values, per_leaf
 from zero_jax._tree import PyTree, path_str
@@ -169,41 +169,11 @@ def device_grads(plan: GradPlan, params: PyTree, batch: PyTree, scale: jax.Array
     return Grads(grads, jax.lax.pmean(loss, every), aux, squared_norm(plan, grads, scale), new_ms)
 
 
-PIECES_USED_DIRECTLY = (
-    "make_train_step(..., gather='manual'): loss_fn used the partitioned parameter{s} {leaves} directly instead "
-    "of through zj.gather, zj.apply_layer(s) or zj.scan_layers. Inside a manual step a partitioned leaf is "
-    "this device's piece (stage 3) and a gradient slot, not the parameter, so the result would be silently "
-    "wrong (a jax.tree.map or jax.tree.leaves over params reaches the pieces: a weight-decay term is the usual "
-    "culprit). Gather what you use first (w = zj.gather(params['w'], policy)), run blocks with "
-    "zj.apply_layers, or train with gather='all'."
-)
-
-#: Where the library's own code touches pieces: the gathers and their ties run
-#: under these name scopes (``_layerwise``, ``scan_layers``), and the custom
-#: VJPs of ``fetch_with_grad_slot``, ``scan_layers`` and ``apply_layer(s)`` are
-#: functions named ``zero_jax_*``.
-OWN_SCOPES = ("zj_block", "zero_jax")
-OWN_PIECE_USERS = frozenset({"all_gather", "pcast", "pvary", "device_put"})
-
-
-def _own_use(eqn: Any) -> bool:
-    if eqn.primitive.name in OWN_PIECE_USERS:
-        return True
-    if any(part.startswith(OWN_SCOPES) for part in str(eqn.source_info.name_stack).split("/")):
-        return True
-    if eqn.primitive.name != "custom_vjp_call":
-        return False
-    # The custom VJP's function name, as its traced program records it ("zero_jax_block at <file>:<line>").
-    info = getattr(getattr(eqn.params.get("call_jaxpr"), "jaxpr", None), "debug_info", None)
-    return str(getattr(info, "func_src_info", "")).startswith("zero_jax_")
-
-
 def check_pieces_are_gathered(
     plan: GradPlan, params: PyTree, diff: PyTree, batch: PyTree, scale: jax.Array, model_state: PyTree
 ) -> None:
-    """A manual step's loss may touch a partitioned leaf only through the
-    library's gathers: traced once more, abstractly, every other use of a
-    piece or a gradient slot is named in one error."""
+    """A manual step's loss may touch partitioned leaves only through the
+    library's gathers (see :func:`zero_jax._piece_uses.check_only_gathered`)."""
     if not plan.manual or not (plan.slots or plan.pieces):
         return
     k = plan.accum_steps
@@ -212,21 +182,7 @@ def check_pieces_are_gathered(
     def loss(p: PyTree, d: PyTree) -> Any:
         return micro_loss_fn(plan, p, scale)(d, micro_batch, model_state)[0]
 
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=is_layout)[0]]
-    layouts = jax.tree.leaves(plan.layouts, is_leaf=is_layout)
-    watched_params = [lay.dim is not None for lay in layouts]
-    diff_leaves = leaf_values(diff, plan.layouts)
-    watched_diff = [d is not None and plan.slots and lay.dim is not None for d, lay in zip(diff_leaves, layouts,
-                    strict=True) if d is not None]  # fmt: skip
-    diff_paths = [p for p, d in zip(paths, diff_leaves, strict=True) if d is not None]
-    closed = jax.make_jaxpr(loss)(params, diff)
-    invars = closed.jaxpr.invars
-    names = paths + diff_paths
-    watched = {v: i for i, (v, w) in enumerate(zip(invars, watched_params + watched_diff, strict=True)) if w}
-    bad = direct_uses(closed.jaxpr, watched, _own_use)
-    if bad:
-        leaves = sorted({f"'{names[i]}' (in {', '.join(sorted(ops))})" for i, ops in bad.items()})
-        raise TypeError(PIECES_USED_DIRECTLY.format(s="s" if len(leaves) > 1 else "", leaves=", ".join(leaves)))
+    check_only_gathered(loss, params, diff, plan.layouts, slots=plan.slots)
 
 
 def params_for_use(plan: GradPlan, params: PyTree) -> PyTree:
