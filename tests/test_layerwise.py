@@ -349,3 +349,37 @@ def test_a_manual_loss_that_touches_pieces_directly_is_an_error(stage: int) -> N
     expected = r"used the partitioned parameters 'blocks/1/b' \(in integer_pow\), 'blocks/1/g' .*'blocks/1/w'"
     with pytest.raises(TypeError, match=expected + r".*silently wrong.*zj.gather\(params\['w'\], policy\)"):
         step(state, _batches(1)[0])
+
+
+def _policy_run(policy, mode: str, steps: int = 2):
+    tx = zj.shard_optimizer(optax.sgd(0.1, momentum=0.9), policy)
+    state = zj.init_state(_params(), tx, policy)
+    step = zj.make_train_step(_loss(policy, mode), tx, policy, gather="all" if mode == "plain" else "manual")
+    for batch in _batches(steps):
+        state, metrics = step(state, batch)
+    return state, metrics
+
+
+@pytest.mark.parametrize("over_replicas", [False, True])
+def test_hybrid_meshes_equal_gather_all(over_replicas: bool) -> None:
+    mesh = make_mesh(8, ("replica", "data"), (2, 4))
+
+    def policy():
+        return zj.ZeroPolicy(3, mesh, "data", replica_axis="replica", optimizer_over_replicas=over_replicas,
+                             min_shard_size=0)  # fmt: skip
+
+    plain, m_plain = _policy_run(policy(), "plain")
+    layered, m = _policy_run(policy(), "apply_layers")
+    errors = relative_update_error(zj.full_params(layered), zj.full_params(plain), _params())
+    assert max(errors.values()) <= FP32_RTOL, errors
+    assert float(m["loss"]) == pytest.approx(float(m_plain["loss"]), rel=1e-6)
+
+
+def test_offloaded_pieces_train_the_same_bits() -> None:
+    def policy(**offload):
+        return zj.ZeroPolicy(3, make_mesh(N), min_shard_size=0, **offload)
+
+    base, _ = _policy_run(policy(), "apply_layers")
+    offloaded, _ = _policy_run(policy(offload_params=True, offload_optimizer=True), "apply_layers")
+    for a, b in zip(jax.tree.leaves(zj.full_params(offloaded)), jax.tree.leaves(zj.full_params(base)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

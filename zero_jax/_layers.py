@@ -142,8 +142,9 @@ class Sharded:
     def __jax_array__(self) -> jax.Array:
         raise TypeError(
             f"a partitioned parameter of shape {self.layout.shape} was used as an array: inside "
-            "make_train_step(..., gather='manual') call zj.gather(params_subtree, policy) (or "
-            "zj.scan_layers) to get whole parameters just before use."
+            "make_train_step(..., gather='manual') run blocks with zj.apply_layers(block_fn, blocks, x, policy) "
+            "(or zj.scan_layers for stacked ones) and call zj.gather(params_subtree, policy) for the rest, to get "
+            "whole parameters just before use."
         )
 
     def __repr__(self) -> str:

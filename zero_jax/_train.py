@@ -317,9 +317,12 @@ def make_train_step(
         stage 3 it gathers them inside ``jax.checkpoint``, so the backward
         pass gathers again rather than keeping the model alive).
         ``"manual"``: ``loss_fn`` receives the partitioned parameters and
-        gathers what it uses itself, layer by layer, with ``zj.gather`` and
-        ``zj.scan_layers`` (ZeRO-3 that never holds the whole model; in
-        stages 0–1 both are the identity / a plain scan).
+        gathers what it uses itself, block by block: ``zj.scan_layers`` for
+        stacked layers, ``zj.apply_layers`` / ``zj.apply_layer`` for a Python
+        loop over blocks (the adapters' ``layers=`` do it for an unchanged
+        model), ``zj.gather`` for the rest (ZeRO-3 that never holds the
+        whole model; in stages 0–1 they are plain calls). Touching a piece
+        any other way is an error that names the leaf.
       accum_steps: split each device's batch into this many microbatches,
         scanned inside the one compiled step; the update equals one step on
         the whole batch.
@@ -400,7 +403,7 @@ def _check_options(
     if gather not in ("all", "manual"):
         raise ValueError(
             f"make_train_step: gather must be 'all' (loss_fn gets whole parameters) or 'manual' "
-            f"(loss_fn gathers them with zj.gather / zj.scan_layers), got {gather!r}."
+            f"(loss_fn gathers them with zj.apply_layers / zj.scan_layers / zj.gather), got {gather!r}."
         )
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
