@@ -256,6 +256,23 @@ ROWS = [
         TypeError, "must return a float scalar", "shape (2, 8)", "jnp.mean"),
     row("step-manual-forgot-to-gather", manual_step(lambda p: loss_fn(p, batch())), TypeError,
         "a partitioned parameter of shape (16, 8) was used as an array", "zj.gather(params_subtree, policy)"),
+    row("step-manual-weight-decay-on-pieces", manual_step(lambda p: loss_fn(zj.gather(p, policy(3)), batch())
+        + sum(jnp.sum(x**2) for x in jax.tree.leaves(p))), TypeError,
+        "used the partitioned parameter", "'w' (in integer_pow)", "silently wrong", "zj.gather(params['w'], policy)"),
+    row("layers-outside-a-step", lambda: zj.apply_layers(lambda p, x: x @ p["w"], [params()], jnp.ones((2, 16)),
+        policy(3)), RuntimeError, "zj.apply_layers was called outside a train step", "policy=None"),
+    row("layer-outside-a-step", lambda: zj.apply_layer(lambda p, x: x @ p["w"], params(), jnp.ones((2, 16)),
+        policy=policy(3)), RuntimeError, "zj.apply_layer was called outside a train step"),
+    row("layers-not-a-list", lambda: zj.apply_layers(lambda p, x: x, params(), jnp.ones((2, 16)), None), TypeError,
+        "layers_params must be a list", "zj.scan_layers"),
+    row("layers-prefetch-negative", manual_step(lambda p: jnp.mean(zj.apply_layers(
+        lambda q, x: x @ q["w"] + q["b"], [p], batch()["x"], policy(3), prefetch=-1))), ValueError,
+        "prefetch must be an int from 0 to the number of blocks (1)", "-1"),
+    row("layers-prefetch-too-far", manual_step(lambda p: jnp.mean(zj.apply_layers(
+        lambda q, x: x @ q["w"] + q["b"], [p], batch()["x"], policy(3), prefetch=2))), ValueError,
+        "prefetch must be an int from 0 to the number of blocks (1)", "2"),
+    row("layers-one-block", manual_step(lambda p: jnp.mean(zj.apply_layers(
+        lambda q, x: x @ q["w"] + q["b"], [p], batch()["x"], policy(3)))), None),
     row("step-loss-int", lambda: M(lambda p, b: jnp.int32(1), tx(), policy())(state(), batch()), TypeError,
         "float scalar", "int32"),
     row("step-loss-triple", lambda: M(lambda p, b: (loss_fn(p, b), 1.0, 2.0), tx(), policy())(state(), batch()),

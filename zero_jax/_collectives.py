@@ -54,6 +54,20 @@ def _name(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else axes
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes over which ``x`` differs per device inside ``shard_map``."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return manual.varying if manual is not None else getattr(jax.typeof(x), "vma", frozenset())
+
+
+def sum_to_varying(ct: jax.Array, varying: frozenset[str]) -> jax.Array:
+    """A cotangent typed like a primal that varies over ``varying`` only:
+    summed over the other axes it varies over (the transpose of marking a
+    replicated value per-device)."""
+    extra = tuple(sorted(varying_axes(ct) - varying))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
 def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
     """Mark a replicated value as per-device inside ``shard_map``.
 
@@ -63,8 +77,7 @@ def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
     collective ourselves.
     """
     axes = _axes(axis).all
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    varying = manual.varying if manual is not None else getattr(jax.typeof(x), "vma", frozenset())
+    varying = varying_axes(x)
     missing = tuple(a for a in axes if a not in varying)
     if not missing:  # already per-device
         return x

@@ -261,6 +261,9 @@ def _run_block(
     arg_floats, arg_fixed = _split(arg_leaves)
     arg_is_float = [_is_float(a) for a in arg_leaves]
     const_floats, const_fixed = _split(consts)
+    # A value the same on every device (a constant, a replicated input) gets
+    # the sum over the devices of its per-device cotangents, as autodiff gives it.
+    varying = [[coll.varying_axes(x) for x in xs] for xs in (plain_floats, arg_floats, const_floats)]
     const_is_float = [_is_float(c) for c in consts]
     slot_dtypes = [None if s is None else s.dtype for s in block.slots]
     slots = [s for s in block.slots if s is not None]
@@ -314,6 +317,10 @@ def _run_block(
         # The block before this one runs its backward pass only once this
         # block's gradient is reduce-scattered (and its whole gradient freed).
         g_args = tie(g_args, g_slots)
+        g_plain, g_args, g_consts = (
+            [coll.sum_to_varying(g, v) for g, v in zip(gs, vs, strict=True)]
+            for gs, vs in zip((g_plain, g_args, g_consts), varying, strict=True)
+        )
         # Hand the block called before this one its re-gathered parameters.
         g_token = prev_block.wholes(prev_sources, policy, ct_out) if prev_block is not None else []
         return g_slots, g_plain, g_args, g_consts, g_token, None, None, None
