@@ -158,6 +158,13 @@ class LayerSchedule:
         layer-shaped gathered elements (a scan's queue included).
       where: the instruction at which ``max_alive`` is reached.
       prefetch: the prefetch it is judged against (``zj.audit(prefetch=)``).
+      judged: whether ``check()`` holds a stage-3 manual step to ``prefetch +
+        1`` layers: for blocks (``zj.apply_layer(s)``, the adapters, or
+        blocks gathered with ``zj.gather``), not for a program whose only
+        layers are ``zj.scan_layers`` scans: at prefetch >= 1 the scan's
+        backward prefetch queue is gathered before its loop and XLA hoists it
+        to the program's start (3 layers alive at prefetch 1), a known cost
+        reported here until the scan ties that gather to its loop's input.
     """
 
     blocks: tuple[BlockSchedule, ...]
@@ -165,11 +172,16 @@ class LayerSchedule:
     max_alive: int
     where: str
     prefetch: int
+    judged: bool = True
 
     def lines(self) -> list[str]:
         """The report's text for the schedule."""
-        out = [f"layer schedule: at most {self.max_alive} whole layer(s) alive at once (prefetch {self.prefetch}: "
-               f"limit {self.prefetch + 1}; layer {fmt_bytes(self.layer_bytes)}; at {self.where or '-'})"]  # fmt: skip
+        if not any(b.forward + b.backward for b in self.blocks):
+            out = ["layer schedule: no layer all-gathers (the parameters are whole)"]
+        else:
+            out = [f"layer schedule: at most {self.max_alive} whole layer(s) alive at once (prefetch {self.prefetch}: "
+                   f"limit {self.prefetch + 1}{'' if self.judged else ', scans: reported, not judged'}; layer "
+                   f"{fmt_bytes(self.layer_bytes)}; at {self.where or '-'})"]  # fmt: skip
         out += [
             f"  {b.name:<16} x{b.layers:<3} {b.weights} weight(s): all-gathers {b.forward} forward + {b.backward} "
             f"backward ({b.gathers_per_weight:g} per weight), reduce-scatters {b.reduce_scatters} "

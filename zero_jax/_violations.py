@@ -65,10 +65,11 @@ COMM_MESSAGE = (
 )
 
 LAYERS_MESSAGE = (
-    "the stage-3 step holds {alive} whole layers at once (at {where}; {layer} per layer), more than prefetch + 1 "
-    "= {limit}: the model is gathered ahead of use (XLA hoists the all-gathers of a Python loop of zj.gather to the "
-    "start of the program). Run each block through zj.apply_layers / zj.apply_layer (or zj.scan_layers for "
-    "stacked layers), or the adapters' layers=; pass zj.audit(..., prefetch=k) if the step prefetches k blocks."
+    "the stage-3 step holds {alive} whole layers at once (at {where} in the compiled schedule; {layer} per layer), "
+    "more than prefetch + 1 = {limit}: layers are gathered ahead of use (XLA hoists an all-gather whose operand does "
+    "not depend on the layer's input to the start of the program, e.g. zj.gather of each block in a Python loop). "
+    "Run each block through zj.apply_layers / zj.apply_layer (zj.scan_layers for stacked layers) or the adapters' "
+    "layers=; pass zj.audit(..., prefetch=k) if the step prefetches k blocks."
 )
 _BLOCK_SCOPE = re.compile(r"zj_block(\d+)_(gather|reduce)")
 
@@ -279,31 +280,44 @@ def comm_violation(comm: Communication, stage: int, tolerance: float) -> list[Vi
 
 class _Group(NamedTuple):
     """Layers the parameter tree declares (a scan's stacked leaves, or repeated
-    sibling blocks): the shapes one layer gathers and reduce-scatters."""
+    sibling blocks): the shapes one layer gathers and reduce-scatters, those
+    no other parameter has (``counted``, for the counts), and its size."""
 
     name: str
     layers: int
     gathered: set[tuple[int, ...]]
     pieces: set[tuple[int, ...]]
-    weights: int
+    counted: set[tuple[int, ...]]
+    weights: int  # partitioned leaves per layer whose shapes are counted
     elements: int
     bytes: int
+
+
+def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], others: list[LeafLayout], n: int) -> _Group:
+    """One group from its layers' leaf layouts (one layer) and the other parameters' layouts."""
+    taken = {lay.stored_shape for lay in others} | {shard_shape(lay, n) for lay in others}
+    mine = [lay for lay, _ in lays if lay.stored_shape not in taken and shard_shape(lay, n) not in taken]
+    mine = mine or [lay for lay, _ in lays]
+    return _Group(
+        name, layers, {lay.stored_shape for lay, _ in lays}, {shard_shape(lay, n) for lay, _ in lays},
+        {lay.stored_shape for lay in mine} | {shard_shape(lay, n) for lay in mine}, len(mine),
+        sum(math.prod(lay.stored_shape) for lay, _ in lays),
+        sum(math.prod(lay.stored_shape) * dt.itemsize for lay, dt in lays),
+    )  # fmt: skip
 
 
 def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
     """The scans (``stacked=`` prefixes) and repeated blocks (siblings named
     ``0, 1, …`` or ``h_0, h_1, …`` with identical leaves) of the parameters."""
     n, out = policy.num_shards, []
+    cut = [p for p in params if p.layout.partitioned]
     for prefix in policy.stacked:
-        members = [p for p in params if p.stacked and tuple(p.path.split("/"))[: len(prefix)] == prefix]
-        cut = [p for p in members if p.layout.partitioned]
-        if cut:
-            lays = [LeafLayout(p.layout.shape[1:], p.dtype, p.layout.dim - 1, p.layout.padded_size) for p in cut]
-            out.append(_Group(
-                f"scan {'/'.join(prefix)}/*", cut[0].layout.shape[0], {lay.stored_shape for lay in lays},
-                {shard_shape(lay, n) for lay in lays}, len(cut), sum(math.prod(lay.stored_shape) for lay in lays),
-                sum(math.prod(lay.stored_shape) * p.dtype.itemsize for lay, p in zip(lays, cut, strict=True)),
-            ))  # fmt: skip
+        members = [p for p in cut if p.stacked and tuple(p.path.split("/"))[: len(prefix)] == prefix]
+        lays = [(LeafLayout(p.layout.shape[1:], p.dtype, p.layout.dim - 1, p.layout.padded_size), p.dtype)
+                for p in members if p.layout.dim]  # fmt: skip
+        others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
+        if lays:
+            out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], lays, others, n))
     siblings: dict[tuple[str, ...], dict[str, list[ParamInfo]]] = {}
     for p in params:
         names = p.path.split("/")
@@ -314,13 +328,11 @@ def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
         structures = {
             tuple((q.path.split("/", len(parent) + 1)[-1], q.layout.shape) for q in b) for b in blocks.values()
         }
-        cut = [q for q in next(iter(blocks.values())) if q.layout.partitioned]
-        if len(blocks) >= 2 and len(structures) == 1 and cut:
-            out.append(_Group(
-                f"{'/'.join(parent)}/*", len(blocks), {q.layout.stored_shape for q in cut},
-                {shard_shape(q.layout, n) for q in cut}, len(cut), sum(math.prod(q.layout.stored_shape) for q in cut),
-                sum(math.prod(q.layout.stored_shape) * q.dtype.itemsize for q in cut),
-            ))  # fmt: skip
+        members = [q for b in blocks.values() for q in b]
+        lays = [(q.layout, q.dtype) for q in next(iter(blocks.values())) if q.layout.partitioned]
+        if len(blocks) >= 2 and len(structures) == 1 and lays:
+            others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
+            out.append(_group(f"{'/'.join(parent)}/*", len(blocks), lays, others, n))
     return out
 
 
@@ -335,7 +347,7 @@ def _scope(ins: Instruction) -> tuple[int, str] | None:
     return int(m.group(1)), "backward" if "transpose(" in ins.op_name[: m.start()] else "forward"
 
 
-def _count(hlo: str, groups: list[_Group]) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
+def _count(hlo: str, groups: list[_Group], gathers: bool) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
     """Per named block [weights, forward, backward, reduces, bytes, elements]
     and per group [forward, backward, reduces]: all-gather / reduce-scatter
     arrays per step (weights, bytes, elements: of one forward gather)."""
@@ -350,6 +362,8 @@ def _count(hlo: str, groups: list[_Group]) -> tuple[dict[int, list[int]], dict[s
                 continue
             k, scope = trips.get(comp, 1), _scope(ins)
             gather = ins.op != "reduce-scatter"
+            if gather and not gathers:  # stage 2: the update's all-gathers, not layers
+                continue
             if scope is not None:
                 row = named.setdefault(scope[0], [0, 0, 0, 0, 0, 0])
                 row[slot[scope[1]]] += k * len(ins.arrays)
@@ -359,7 +373,9 @@ def _count(hlo: str, groups: list[_Group]) -> tuple[dict[int, list[int]], dict[s
                     row[5] += ins.elements
                 continue
             for _, dims, _ in ins.arrays:
-                g = next((g for g in groups if dims in (g.gathered if gather else g.pieces)), None)
+                g = next(
+                    (g for g in groups if dims in g.counted and dims in (g.gathered if gather else g.pieces)), None
+                )
                 if g is not None:
                     unnamed[g.name][(1 if "transpose(" in ins.op_name else 0) if gather else 2] += k
     return named, unnamed
@@ -371,7 +387,7 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     if not policy.partitions_grads:
         return None
     groups = _layer_groups(params, policy)
-    named, unnamed = _count(hlo, groups)
+    named, unnamed = _count(hlo, groups, policy.partitions_params)
     blocks = [BlockSchedule(f"block {i}", 1, r[0], r[1], r[2], r[3], r[4]) for i, r in sorted(named.items())]
     blocks += [
         BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name], g.bytes) for g in groups if any(unnamed[g.name])
@@ -382,18 +398,21 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
 
     def classify(ins: Instruction) -> Any:
+        if not policy.partitions_params:
+            return None
         scope = _scope(ins)
         if scope is not None:
             return ("block", *scope)
         return "elements" if any(dims in shapes for _, dims, _ in ins.arrays) else None
 
     alive = _measure.layers_alive(hlo, classify, elements)
-    return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch)
+    judged = bool(named) or any(unnamed[g.name] != [0, 0, 0] for g in groups if not g.name.startswith("scan "))
+    return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, judged)
 
 
 def layer_violations(schedule: LayerSchedule | None, policy: ZeroPolicy, manual: bool) -> list[Violation]:
     """A stage-3 manual step holding more than ``prefetch + 1`` whole layers."""
-    if schedule is None or not manual or not policy.partitions_params:
+    if schedule is None or not schedule.judged or not manual or not policy.partitions_params:
         return []
     limit = schedule.prefetch + 1
     if schedule.max_alive <= limit:
