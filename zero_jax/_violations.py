@@ -347,10 +347,11 @@ def _scope(ins: Instruction) -> tuple[int, str] | None:
     return int(m.group(1)), "backward" if "transpose(" in ins.op_name[: m.start()] else "forward"
 
 
-def _count(hlo: str, groups: list[_Group], gathers: bool) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
-    """Per named block [weights, forward, backward, reduces, bytes, elements]
-    and per group [forward, backward, reduces]: all-gather / reduce-scatter
-    arrays per step (weights, bytes, elements: of one forward gather)."""
+def _count(hlo: str, groups: list[_Group], policy: ZeroPolicy) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
+    """Per named block [weights, forward, backward, reduces, bytes, elements,
+    weights, bytes] and per group [forward, backward, reduces]: all-gather /
+    reduce-scatter arrays per step (weights, bytes, elements: of one forward
+    gather; the last two: of one reduction, whole)."""
     comps, _ = _measure.scheduled_computations(hlo)
     trips = _measure.computation_trips(hlo)
     named: dict[int, list[int]] = {}
@@ -362,15 +363,18 @@ def _count(hlo: str, groups: list[_Group], gathers: bool) -> tuple[dict[int, lis
                 continue
             k, scope = trips.get(comp, 1), _scope(ins)
             gather = ins.op != "reduce-scatter"
-            if gather and not gathers:  # stage 2: the update's all-gathers, not layers
+            if gather and not policy.partitions_params:  # stage 2: the update's all-gathers, not layers
                 continue
             if scope is not None:
-                row = named.setdefault(scope[0], [0, 0, 0, 0, 0, 0])
+                row = named.setdefault(scope[0], [0] * 8)
                 row[slot[scope[1]]] += k * len(ins.arrays)
                 if scope[1] == "forward":
                     row[0] += len(ins.arrays)
                     row[4] += sum(b for _, _, b in ins.arrays)
                     row[5] += ins.elements
+                elif scope[1] == "reduce":
+                    row[6] += len(ins.arrays)
+                    row[7] += sum(b for _, _, b in ins.arrays) * policy.num_shards
                 continue
             for _, dims, _ in ins.arrays:
                 g = next(
@@ -387,8 +391,10 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     if not policy.partitions_grads:
         return None
     groups = _layer_groups(params, policy)
-    named, unnamed = _count(hlo, groups, policy.partitions_params)
-    blocks = [BlockSchedule(f"block {i}", 1, r[0], r[1], r[2], r[3], r[4]) for i, r in sorted(named.items())]
+    named, unnamed = _count(hlo, groups, policy)
+    blocks = [
+        BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
+    ]
     blocks += [
         BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name], g.bytes) for g in groups if any(unnamed[g.name])
     ]
