@@ -139,3 +139,17 @@ def test_prefetch_sets_the_limit_and_gather_all_steps_are_not_judged() -> None:
     assert run_audit(whole_loss, params, policy, gather="all").check().ok
     with pytest.raises(ValueError, match="prefetch must be a non-negative int"):
         run_audit(layerwise_loss(policy, 1), params, policy, prefetch=-1)
+
+
+def test_plan_reports_the_whole_layer_working_set_of_a_layerwise_step() -> None:
+    policy = zj.ZeroPolicy(3, make_mesh(8), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+    step = zj.make_train_step(layerwise_loss(policy, 1), tx, policy, gather="manual")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), blocks_params(6))
+    batch = {"x": jax.ShapeDtypeStruct((16, D), jnp.float32, sharding=policy.batch_sharding())}
+    result = zj.plan(step, zj.init_state(abstract, tx, policy), batch, grads=False)
+    assert result.layer_working_sets == {3: 2 * LAYER_BYTES}  # (prefetch 1 + 1) x one block, at any depth
+    (note,) = result.layer_notes()
+    assert note.startswith("stage 3 layer-wise: 6 layers of 4.12 KiB")
+    assert "(prefetch 1 + 1) x 4.12 KiB = 8.25 KiB" in note and "holds at most 2" in note
+    assert note in str(result)
