@@ -378,9 +378,10 @@ class Instruction:
         return sum(math.prod(dims) for _, dims, _ in self.arrays)
 
 
-def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
+def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str, dict[str, int]]:
     """Each computation's instructions in order (``is_scheduled=true``: the
-    order they run in), and the entry computation's name."""
+    order they run in), the entry computation's name, and how many times each
+    computation runs per step (loops' trip counts multiplied)."""
     comps: dict[str, list[Instruction]] = {}
     current, entry = None, ""
     for line in hlo.splitlines():
@@ -400,17 +401,10 @@ def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]
             m.group("name"), m.group("op"), tuple(_array_bytes(m.group("type"))),
             tuple(re.findall(r"%([\w.\-]+)", args)), op_name.group(1) if op_name else "", args, bool(m.group("root")),
         ))  # fmt: skip
-    return comps, entry
+    return comps, entry, _trip_counts(hlo)
 
 
-def computation_trips(hlo: str) -> dict[str, int]:
-    """Computation name -> how many times it runs per step (while loops' trip counts multiplied)."""
-    return _trip_counts(hlo)
-
-
-#: classify(all-gather) -> a layer's group key (``("block", 3, "forward")``),
-#: ``"elements"`` (an unnamed layer-shaped gather), or None (not a layer).
-Classify = Any
+Classify = Any  # all-gather -> group key ("block", 3, "forward"), "elements" (unnamed layer-shaped) or None
 Alive = collections.namedtuple("Alive", "layers where")  # the most whole layers alive at once, and where
 
 
@@ -469,8 +463,14 @@ def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
     carried from the previous trip: a prefetch queue) count their elements /
     ``layer_elements``, rounded down. At a while loop the count is what stays
     alive across the loop plus the most its body holds.
+
+    >>> lines = ["ENTRY %main (p: f32[2,8]) -> f32[2,8] {", "  %p = f32[2,8] parameter(0)",
+    ...          "  %g0 = f32[8,8] all-gather(%p)", "  %g1 = f32[8,8] all-gather(%p)",
+    ...          "  %d0 = f32[2,8] dot(%p, %g0)", "  ROOT %d1 = f32[2,8] dot(%d0, %g1)", "}"]
+    >>> layers_alive(chr(10).join(lines), lambda ins: "elements", 64)  # g0, g1 alive together from g1 to d0
+    Alive(layers=2, where='main/g1')
     """
-    comps, entry = scheduled_computations(hlo)
+    comps, entry, _ = scheduled_computations(hlo)
     bodies = _bodies(comps)
     memo: dict[str, Alive] = {}
 

@@ -352,8 +352,7 @@ def _count(hlo: str, groups: list[_Group], policy: ZeroPolicy) -> tuple[dict[int
     weights, bytes] and per group [forward, backward, reduces]: all-gather /
     reduce-scatter arrays per step (weights, bytes, elements: of one forward
     gather; the last two: of one reduction, whole)."""
-    comps, _ = _measure.scheduled_computations(hlo)
-    trips = _measure.computation_trips(hlo)
+    comps, _, trips = _measure.scheduled_computations(hlo)
     named: dict[int, list[int]] = {}
     unnamed = {g.name: [0, 0, 0] for g in groups}
     slot = {"forward": 1, "backward": 2, "reduce": 3}
