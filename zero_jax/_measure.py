@@ -397,8 +397,10 @@ def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str,
         rest = m.group("rest")
         op_name = _OP_NAME.search(rest)
         args = rest.split(", metadata=")[0]
+        arrays = _array_bytes(m.group("type"))
+        arrays = arrays[len(arrays) // 2 :] if m.group("op").endswith("-start") else arrays  # (operands, results)
         comps[current].append(Instruction(
-            m.group("name"), m.group("op"), tuple(_array_bytes(m.group("type"))),
+            m.group("name"), m.group("op"), tuple(arrays),
             tuple(re.findall(r"%([\w.\-]+)", args)), op_name.group(1) if op_name else "", args, bool(m.group("root")),
         ))  # fmt: skip
     return comps, entry, _trip_counts(hlo)
@@ -447,11 +449,6 @@ def _intervals(
     return span, size, root_slots
 
 
-def _bodies(comps: dict[str, list[Instruction]]) -> set[str]:
-    found = (re.search(r"body=%?([\w.\-]+)", i.attrs) for b in comps.values() for i in b if i.op == "while")
-    return {m.group(1) for m in found if m}
-
-
 def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
     """The largest number of whole layers alive at once in a scheduled
     (compiled) HLO module.
@@ -471,7 +468,8 @@ def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
     Alive(layers=2, where='main/g1')
     """
     comps, entry, _ = scheduled_computations(hlo)
-    bodies = _bodies(comps)
+    found = (re.search(r"body=%?([\w.\-]+)", i.attrs) for b in comps.values() for i in b if i.op == "while")
+    bodies = {m.group(1) for m in found if m}
     memo: dict[str, Alive] = {}
 
     def walk(name: str) -> Alive:
