@@ -153,3 +153,20 @@ def test_plan_reports_the_whole_layer_working_set_of_a_layerwise_step() -> None:
     assert note.startswith("stage 3 layer-wise: 6 layers of 4.12 KiB")
     assert "(prefetch 1 + 1) x 4.12 KiB = 8.25 KiB" in note and "holds at most 2" in note
     assert note in str(result)
+
+
+@pytest.mark.parametrize("accum_mode", ["partitioned", "local"])
+def test_accumulation_gathers_per_microbatch_or_once_by_design(accum_mode: str) -> None:
+    policy = zj.ZeroPolicy(3, make_mesh(8), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+    step = zj.make_train_step(
+        layerwise_loss(policy, 1), tx, policy, gather="manual", accum_steps=2, accum_mode=accum_mode
+    )
+    batch = {"x": jnp.ones((32, D), jnp.float32)}
+    report = zj.audit(step, zj.init_state(blocks_params(4), tx, policy), batch).check()
+    if accum_mode == "partitioned":  # each microbatch gathers every block twice and reduces it once
+        assert [(b.forward, b.backward, b.reduce_scatters) for b in report.layers.blocks] == [(4, 4, 4)] * 4
+        assert report.layers.blocks[0].gathers_per_weight == 4 and report.layers.max_alive == 2
+    else:  # local accumulation gathers the model once per step, by design: reported, not flagged
+        (group,) = report.layers.blocks
+        assert (group.forward, group.backward) == (8, 0) and report.layers.max_alive == 4

@@ -280,8 +280,9 @@ def audit(
         (``xla_backend_optimization_level=0``): the same HLO, buffer
         assignment and ``memory_analysis()``, about 3x faster on CPU.
       prefetch: how many blocks ahead the step's ``zj.apply_layers`` /
-        ``zj.scan_layers`` gather; a stage-3 ``gather="manual"`` step may hold
-        ``prefetch + 1`` whole layers at once (``report.layers``). ``None``:
+        ``zj.scan_layers`` gather; a stage-3 ``gather="manual"`` step (not
+        accumulating locally) may hold ``prefetch + 1`` whole layers at once
+        (``report.layers``). ``None``:
         1, the largest the library's layer primitives use unless told (their
         default); pass the step's own value if it prefetches more.
 
@@ -314,7 +315,9 @@ def audit(
     violations += comm_violation(comm, policy.stage, tolerance)
     violations += accum_violations(colls, loops, steps) if accum_mode == "local" and steps > 1 else []
     layers = layer_schedule(scheduled, params, policy, prefetch)
-    violations += layer_violations(layers, policy, getattr(train_step, "gather", "manual") != "all")
+    # gather="all" and local accumulation (one gather per step) hold the whole model by design.
+    layerwise = getattr(train_step, "gather", "manual") != "all" and not (accum_mode == "local" and steps > 1)
+    violations += layer_violations(layers, policy, layerwise)
     return AuditReport(
         stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
         formula=_formula(phi, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
