@@ -11,7 +11,13 @@ the audit reads them there:
   on their shardings), and ``compiled.memory_analysis()``;
 * communication: every collective of the program right after SPMD
   partitioning, with the trip counts of the loops around it, beside the
-  stage's theory (:mod:`zero_jax._violations`).
+  stage's theory (:mod:`zero_jax._violations`);
+* the per-layer schedule (``report.layers``, stages 2–3): for each block
+  (``zj.apply_layer(s)``, named ``zj_block<i>_*`` in the compiled program),
+  scan (``zj.scan_layers``) or repeated block of the parameter tree, the
+  all-gathers and reduce-scatters per step, and the most whole layers alive
+  at once in the compiled (scheduled) program; a stage-3 manual step holding
+  more than ``prefetch + 1`` fails the check.
 
 ``report.check()`` raises :class:`AuditError` listing every violation. The
 report types live in :mod:`zero_jax._report`.
