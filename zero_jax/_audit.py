@@ -11,7 +11,13 @@ the audit reads them there:
   on their shardings), and ``compiled.memory_analysis()``;
 * communication: every collective of the program right after SPMD
   partitioning, with the trip counts of the loops around it, beside the
-  stage's theory (:mod:`zero_jax._violations`).
+  stage's theory (:mod:`zero_jax._violations`);
+* the per-layer schedule (``report.layers``, stages 2–3): for each block
+  (``zj.apply_layer(s)``, named ``zj_block<i>_*`` in the compiled program),
+  scan (``zj.scan_layers``) or repeated block of the parameter tree, the
+  all-gathers and reduce-scatters per step, and the most whole layers alive
+  at once in the compiled (scheduled) program; a stage-3 manual step holding
+  more than ``prefetch + 1`` fails the check.
 
 ``report.check()`` raises :class:`AuditError` listing every violation. The
 report types live in :mod:`zero_jax._report`.
@@ -57,6 +63,8 @@ from zero_jax._violations import (
     comm_violation,
     communication,
     is_float,
+    layer_schedule,
+    layer_violations,
     partitioned_categories,
     replicated_violations,
     stacked_paths,
@@ -239,6 +247,7 @@ def audit(
     accum_steps: int | None = None,
     reduce_dtype: Any = None,
     fast_compile: bool = True,
+    prefetch: int | None = None,
 ) -> AuditReport:
     """Compile ``train_step(state, batch)`` and report what it holds and sends.
 
@@ -276,6 +285,12 @@ def audit(
       fast_compile: compile with LLVM optimisation off
         (``xla_backend_optimization_level=0``): the same HLO, buffer
         assignment and ``memory_analysis()``, about 3x faster on CPU.
+      prefetch: how many blocks ahead the step's ``zj.apply_layers`` /
+        ``zj.scan_layers`` gather; a stage-3 ``gather="manual"`` step (not
+        accumulating locally) may hold ``prefetch + 1`` whole layers at once
+        (``report.layers``). ``None``:
+        1, the largest the library's layer primitives use unless told (their
+        default); pass the step's own value if it prefetches more.
 
     Returns:
       An :class:`AuditReport`; ``report.check()`` raises on violations.
@@ -287,10 +302,11 @@ def audit(
         raise ValueError(f"audit: tolerance must be in [0, 1), got {tolerance!r}.")
     policy.check_batch(batch, where="audit")
     accum_mode, steps = _accumulation(train_step, accum_mode, accum_steps)
+    prefetch = _prefetch(prefetch)
 
     abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
     options = dict(_measure.FAST_COMPILE) if fast_compile else {}
-    memory, colls, loops = _program(train_step, state, batch, policy, options)
+    memory, colls, loops, scheduled = _program(train_step, state, batch, policy, options)
     leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options)
     params = _param_infos(train_step, state, policy)
     phi = sum(math.prod(p.layout.shape) for p in params)
@@ -304,37 +320,39 @@ def audit(
     violations += all_reduce_violations(colls, loops, params, min_shard_size, policy)
     violations += comm_violation(comm, policy.stage, tolerance)
     violations += accum_violations(colls, loops, steps) if accum_mode == "local" and steps > 1 else []
+    layers = layer_schedule(scheduled, params, policy, prefetch)
+    # gather="all" and local accumulation (one gather per step) hold the whole model by design.
+    layerwise = getattr(train_step, "gather", "manual") != "all" and not (accum_mode == "local" and steps > 1)
+    violations += layer_violations(layers, policy, layerwise)
     return AuditReport(
-        stage=policy.stage,
-        num_devices=policy.num_shards,
-        num_params=phi,
-        **_state_bytes(leaves, totals),
-        formula=_formula(phi, policy, per_param),
-        bytes_per_param=per_param,
-        leaves=tuple(leaves),
+        stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
+        formula=_formula(phi, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
         replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
-        memory=memory,
-        collectives=colls,
-        loops=loops,
-        comm=comm,
-        comm_per_axis=_measure.ring_bytes_per_axis(colls, policy.mesh),
-        violations=tuple(violations),
-        min_shard_size=min_shard_size,
-        tolerance=tolerance,
-        accum_mode=accum_mode,
-        accum_steps=steps,
-        abstract=abstract,
-    )
+        memory=memory, collectives=colls, loops=loops, comm=comm,
+        comm_per_axis=_measure.ring_bytes_per_axis(colls, policy.mesh), violations=tuple(violations),
+        min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
+        abstract=abstract, layers=layers,
+    )  # fmt: skip
 
 
 def _program(
     train_step: Any, state: Any, batch: Any, policy: ZeroPolicy, options: dict[str, Any]
-) -> tuple[dict[str, int], tuple[Collective, ...], dict[str, tuple[int, ...]]]:
-    """Compile once: ``memory_analysis()``, the post-SPMD collectives and their loop nesting."""
+) -> tuple[dict[str, int], tuple[Collective, ...], dict[str, tuple[int, ...]], str]:
+    """Compile once: ``memory_analysis()``, the post-SPMD collectives and their
+    loop nesting, and the compiled (scheduled) program's text."""
     compiled, hlo = _measure.compile_with_hlo(train_step.lower(state, batch), options)
-    memory = _measure.memory(compiled)
+    memory, scheduled = _measure.memory(compiled), compiled.as_text()
     del compiled
-    return memory, tuple(_measure.parse_collectives(hlo, policy.mesh.size)), _measure.loop_nesting(hlo)
+    return memory, tuple(_measure.parse_collectives(hlo, policy.mesh.size)), _measure.loop_nesting(hlo), scheduled
+
+
+def _prefetch(prefetch: int | None) -> int:
+    """The prefetch to judge a layer-wise step by (None: 1, the primitives' default)."""
+    if prefetch is None:
+        return 1
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"audit: prefetch must be a non-negative int (or None for 1), got {prefetch!r}.")
+    return prefetch
 
 
 def _state_bytes(leaves: list[LeafBytes], totals: Totals) -> dict[str, dict[str, int]]:

@@ -345,3 +345,154 @@ def resident_bytes_by_kind(tree: Any) -> dict[tuple[Any, str], int]:
         for shard in leaf.addressable_shards:
             out[(shard.device, kind)] += shard.data.nbytes
     return dict(out)
+
+
+# -- the schedule of a compiled program (for zj.audit's layer schedule) -----------------------------------------
+
+_SCHEDULED = re.compile(
+    r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+#: Ops whose result holds the same (gathered) data as their operand: a layer
+#: stays whole while any of them is alive.
+_ALIASES = frozenset({
+    "bitcast", "bitcast-convert", "copy", "copy-start", "copy-done", "reshape", "transpose", "convert", "slice",
+    "tuple", "get-tuple-element", "all-gather-done", "optimization-barrier",
+})  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a compiled (scheduled) HLO computation."""
+
+    name: str
+    op: str
+    arrays: tuple[tuple[str, tuple[int, ...], int], ...]  # (dtype, dims, bytes) of each result array
+    operands: tuple[str, ...]
+    op_name: str  # the JAX name stack (``jit(step)/.../zj_block3_gather/all_gather``)
+    attrs: str  # the rest of the line (``index=``, ``body=``, ``kind=``)
+    root: bool
+
+    @property
+    def elements(self) -> int:
+        return sum(math.prod(dims) for _, dims, _ in self.arrays)
+
+
+def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str, dict[str, int]]:
+    """Each computation's instructions in order (``is_scheduled=true``: the
+    order they run in), the entry computation's name, and how many times each
+    computation runs per step (loops' trip counts multiplied)."""
+    comps: dict[str, list[Instruction]] = {}
+    current, entry = None, ""
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+            entry = current if line.lstrip().startswith("ENTRY") else entry
+            continue
+        m = _SCHEDULED.match(line)
+        if m is None or current is None:
+            continue
+        rest = m.group("rest")
+        op_name = _OP_NAME.search(rest)
+        args = rest.split(", metadata=")[0]
+        arrays = _array_bytes(m.group("type"))
+        arrays = arrays[len(arrays) // 2 :] if m.group("op").endswith("-start") else arrays  # (operands, results)
+        comps[current].append(Instruction(
+            m.group("name"), m.group("op"), tuple(arrays),
+            tuple(re.findall(r"%([\w.\-]+)", args)), op_name.group(1) if op_name else "", args, bool(m.group("root")),
+        ))  # fmt: skip
+    return comps, entry, _trip_counts(hlo)
+
+
+Classify = Any  # all-gather -> group key ("block", 3, "forward"), "elements" (unnamed layer-shaped) or None
+Alive = collections.namedtuple("Alive", "layers where")  # the most whole layers alive at once, and where
+
+
+def _intervals(
+    instrs: list[Instruction], classify: Classify, carried: set[int]
+) -> tuple[dict[Any, list[int]], dict[Any, int], set[int]]:
+    """Per group [first def, last use] and its elements; the ROOT tuple slots
+    holding gathered data (``carried``: the body parameter's slots that do)."""
+    holders: dict[str, frozenset[Any]] = {}
+    span: dict[Any, list[int]] = {}
+    size: dict[Any, int] = {}
+    end, root_slots = len(instrs), set[int]()
+    params = {ins.name for ins in instrs if ins.op == "parameter"}
+    for t, ins in enumerate(instrs):
+        groups: set[Any] = set()
+        if ins.op in ("all-gather", "all-gather-start"):
+            key = classify(ins)
+            if key is not None:
+                groups.add(("elements", ins.name) if key == "elements" else key)
+                size[("elements", ins.name)] = ins.elements
+        elif ins.op == "get-tuple-element" and carried and ins.operands and ins.operands[0] in params:
+            slot = re.search(r"index=(\d+)", ins.attrs)
+            if slot and int(slot.group(1)) in carried:
+                groups.add(("carry", ins.name))
+                size[("carry", ins.name)] = ins.elements
+        for i, operand in enumerate(ins.operands):
+            got = holders.get(operand)
+            if got is None:
+                continue
+            for g in got:
+                span[g][1] = max(span[g][1], end if ins.root else t)
+            if ins.op in _ALIASES:
+                groups |= got
+            if ins.root and ins.op == "tuple":
+                root_slots.add(i)
+        for g in groups:
+            span.setdefault(g, [t, end if ins.root else t])
+        if groups:
+            holders[ins.name] = frozenset(groups)
+    return span, size, root_slots
+
+
+def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
+    """The largest number of whole layers alive at once in a scheduled
+    (compiled) HLO module.
+
+    Walks each computation in schedule order, tracking every gathered
+    buffer ``classify`` names from its all-gather to its last use (through
+    bitcasts, copies, slices, tuples). A named group alive counts one layer;
+    unnamed layer-shaped gathers (and, in a loop body, the gathered layers
+    carried from the previous trip: a prefetch queue) count their elements /
+    ``layer_elements``, rounded down. At a while loop the count is what stays
+    alive across the loop plus the most its body holds.
+
+    >>> lines = ["ENTRY %main (p: f32[2,8]) -> f32[2,8] {", "  %p = f32[2,8] parameter(0)",
+    ...          "  %g0 = f32[8,8] all-gather(%p)", "  %g1 = f32[8,8] all-gather(%p)",
+    ...          "  %d0 = f32[2,8] dot(%p, %g0)", "  ROOT %d1 = f32[2,8] dot(%d0, %g1)", "}"]
+    >>> layers_alive(chr(10).join(lines), lambda ins: "elements", 64)  # g0, g1 alive together from g1 to d0
+    Alive(layers=2, where='main/g1')
+    """
+    comps, entry, _ = scheduled_computations(hlo)
+    found = (re.search(r"body=%?([\w.\-]+)", i.attrs) for b in comps.values() for i in b if i.op == "while")
+    bodies = {m.group(1) for m in found if m}
+    memo: dict[str, Alive] = {}
+
+    def walk(name: str) -> Alive:
+        if name in memo:
+            return memo[name]
+        memo[name] = Alive(0, "")  # recursion guard
+        instrs = comps.get(name, [])
+        slots: set[int] = set()
+        span, size, new = _intervals(instrs, classify, slots)
+        while name in bodies and not new <= slots:  # the slots carried from trip to trip: to a fixed point
+            slots |= new
+            span, size, new = _intervals(instrs, classify, slots)
+        best = Alive(0, "")
+        for t, ins in enumerate(instrs):
+            body = re.search(r"body=%?([\w.\-]+)", ins.attrs) if ins.op == "while" else None
+            inner = walk(body.group(1)).layers if body else 0
+            # Buffers handed to the loop are counted inside it (as carried layers).
+            alive = [g for g, (a, b) in span.items() if a <= t <= b and (b > t or not inner)]
+            named = sum(1 for g in alive if g[0] not in ("elements", "carry"))
+            whole = sum(size.get(g, 0) for g in alive) // max(layer_elements, 1)
+            if named + whole + inner > best.layers:
+                best = Alive(named + whole + inner, f"{name}/{ins.name}")
+        memo[name] = best
+        return best
+
+    return walk(entry)

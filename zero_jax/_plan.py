@@ -81,6 +81,34 @@ class Plan:
         return {s: None if self.device_bytes is None else p <= self.device_bytes for s, p in self.peaks.items()}
 
     @property
+    def layer_working_sets(self) -> dict[int, int]:
+        """stage -> the whole layers a layer-wise step may hold at once, in
+        bytes per device: (prefetch + 1) x the largest block's gathered bytes,
+        for the stages whose compiled step gathers blocks (``report.layers``;
+        part of the compiled peak, and what grows with the block size, not
+        the depth)."""
+        return {
+            r.stage: (r.layers.prefetch + 1) * r.layers.layer_bytes
+            for r in self.reports
+            if r.layers is not None and any(b.forward for b in r.layers.blocks)
+        }
+
+    def layer_notes(self) -> list[str]:
+        """One line per layer-wise stage: blocks, working set, layers alive in the compiled schedule."""
+        out = []
+        for r in self.reports:
+            if r.stage not in self.layer_working_sets or r.layers is None:
+                continue
+            s, lay = r.layers, fmt_bytes(r.layers.layer_bytes)
+            working = fmt_bytes(self.layer_working_sets[r.stage])
+            out.append(
+                f"stage {r.stage} layer-wise: {sum(b.layers for b in s.blocks)} layers of {lay}; whole-layer working "
+                f"set (prefetch {s.prefetch} + 1) x {lay} = {working} of the peak; the compiled schedule holds at "
+                f"most {s.max_alive}"
+            )
+        return out
+
+    @property
     def recommended(self) -> int | None:
         """The lowest planned stage whose compiled peak fits ``device_bytes``."""
         return next((s for s, ok in sorted(self.fits.items()) if ok), None)
@@ -102,6 +130,7 @@ class Plan:
                 f"{'-' if fit is None else 'yes' if fit else 'no':>5} {fmt_bytes(r.comm.measured):>11} "
                 f"{r.comm.ratio:>7.3f}"
             )
+        lines.extend(self.layer_notes())
         if self.device_bytes is not None:
             rec = self.recommended
             lines.append(f"recommended: stage {rec}" if rec is not None else "recommended: none fits")

@@ -29,6 +29,7 @@ GRADIENT_ALL_REDUCE = "gradient-sized all-reduce"
 REPLICATED_LEAF = "partitionable leaf replicated"
 COMM_OVER_THEORY = "communication over theory"
 REDUCE_IN_ACCUM_LOOP = "collective inside the accumulation loop"
+LAYERS_ALIVE = "more whole layers alive than prefetch + 1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,91 @@ class AuditError(AssertionError):
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockSchedule:
+    """What the compiled step gathers and reduces for one block, or for every
+    layer of a scan (``layers`` > 1; counts are totals over them), per step.
+
+    Attributes:
+      name: ``"block 3"`` (a ``zj.apply_layer(s)`` block, named in the HLO by
+        its ``zj_block3_*`` scopes), ``"scan layers/*"`` (``zj.scan_layers``
+        over a stacked prefix) or ``"blocks/*"`` (repeated blocks of the
+        parameter tree gathered some other way, e.g. ``zj.gather``).
+      layers: how many layers the counts are over.
+      weights: partitioned leaves per layer.
+      forward, backward: all-gather executions per step (backward: the
+        re-gathers of the backward pass).
+      reduce_scatters: gradient reduce-scatter executions per step.
+      bytes: one layer's gathered (whole) bytes.
+    """
+
+    name: str
+    layers: int
+    weights: int
+    forward: int
+    backward: int
+    reduce_scatters: int
+    bytes: int
+
+    @property
+    def gathers_per_weight(self) -> float:
+        """All-gathers per weight per layer per step (ZeRO-3: 2, forward + backward)."""
+        return (self.forward + self.backward) / max(self.layers * self.weights, 1)
+
+    @property
+    def reduces_per_weight(self) -> float:
+        """Reduce-scatters per weight per layer per step (1 when reduced once)."""
+        return self.reduce_scatters / max(self.layers * self.weights, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+    """The per-layer schedule of a step, read from the compiled program.
+
+    Attributes:
+      blocks: one :class:`BlockSchedule` per block (or scan).
+      layer_bytes: the largest block's gathered bytes.
+      max_alive: the largest number of whole layers alive at once, from a walk
+        of the compiled program's schedule (see
+        :func:`zero_jax._measure.layers_alive`): each block's gathered buffers
+        from the all-gather to their last use; a whole layer is one block's
+        gather (forward or backward copy), or a layer's worth of unnamed
+        layer-shaped gathered elements (a scan's queue included).
+      where: the instruction at which ``max_alive`` is reached.
+      prefetch: the prefetch it is judged against (``zj.audit(prefetch=)``).
+      judged: whether ``check()`` holds a stage-3 manual step to ``prefetch +
+        1`` layers: for blocks (``zj.apply_layer(s)``, the adapters, or
+        blocks gathered with ``zj.gather``), not for a program whose only
+        layers are ``zj.scan_layers`` scans: at prefetch >= 1 the scan's
+        backward prefetch queue is gathered before its loop and XLA hoists it
+        to the program's start (3 layers alive at prefetch 1), a known cost
+        reported here until the scan ties that gather to its loop's input.
+    """
+
+    blocks: tuple[BlockSchedule, ...]
+    layer_bytes: int
+    max_alive: int
+    where: str
+    prefetch: int
+    judged: bool = True
+
+    def lines(self) -> list[str]:
+        """The report's text for the schedule."""
+        if not any(b.forward + b.backward for b in self.blocks):
+            out = ["layer schedule: no layer all-gathers (the parameters are whole)"]
+        else:
+            out = [f"layer schedule: at most {self.max_alive} whole layer(s) alive at once (prefetch {self.prefetch}: "
+                   f"limit {self.prefetch + 1}{'' if self.judged else ', scans: reported, not judged'}; layer "
+                   f"{fmt_bytes(self.layer_bytes)}; at {self.where or '-'})"]  # fmt: skip
+        out += [
+            f"  {b.name:<16} x{b.layers:<3} {b.weights} weight(s): all-gathers {b.forward} forward + {b.backward} "
+            f"backward ({b.gathers_per_weight:g} per weight), reduce-scatters {b.reduce_scatters} "
+            f"({b.reduces_per_weight:g} per weight), {fmt_bytes(b.bytes)} per layer"
+            for b in self.blocks
+        ]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class AuditReport:
     """What a compiled step holds and sends, beside its stage's contract.
 
@@ -135,6 +221,9 @@ class AuditReport:
         axes each collective spans (``"data"``; on a hybrid mesh also
         ``"replica"`` and ``"replica+data"``): what crosses the slow axis.
       violations: what ``check()`` raises about.
+      layers: the per-layer schedule (:class:`LayerSchedule`) when the step
+        runs blocks (``zj.apply_layer(s)``, ``zj.scan_layers``, or repeated
+        blocks of the parameter tree) in stages 2–3; else None.
       abstract: measured on ``ShapeDtypeStruct`` inputs (bytes from shardings).
     """
 
@@ -159,6 +248,7 @@ class AuditReport:
     accum_steps: int = 1
     abstract: bool = False
     host_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    layers: LayerSchedule | None = None
 
     @property
     def ok(self) -> bool:
@@ -225,6 +315,7 @@ class AuditReport:
             lines.append(
                 "  by mesh axes: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(self.comm_per_axis.items()))
             )
+        lines.extend(self.layers.lines() if self.layers is not None else [])
         if self.violations:
             lines.append(f"VIOLATIONS ({len(self.violations)}):")
             lines.extend(f"  - {v}" for v in self.violations)

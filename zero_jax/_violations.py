@@ -13,21 +13,26 @@ Floor 6 (with ``_audit``): imports the policy, the partition rules and the repor
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._measure import DTYPE_BYTES, Collective, ring_bytes
+from zero_jax import _measure
+from zero_jax._measure import DTYPE_BYTES, Collective, Instruction, ring_bytes
 from zero_jax._partition import REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
 from zero_jax._policy import ZeroPolicy
 from zero_jax._report import (
     COMM_OVER_THEORY,
     GRADIENT_ALL_REDUCE,
+    LAYERS_ALIVE,
     REDUCE_IN_ACCUM_LOOP,
     REPLICATED_LEAF,
+    BlockSchedule,
     Communication,
+    LayerSchedule,
     LeafBytes,
     Violation,
 )
@@ -58,6 +63,15 @@ COMM_MESSAGE = (
     "{tolerance:.0%}). See report.collective_summary() for what moves; gradients reduced once per microbatch or "
     "whole-gradient all-reduces are the usual cause."
 )
+
+LAYERS_MESSAGE = (
+    "the stage-3 step holds {alive} whole layers at once (at {where} in the compiled schedule; {layer} per layer), "
+    "more than prefetch + 1 = {limit}: layers are gathered ahead of use (XLA hoists an all-gather whose operand does "
+    "not depend on the layer's input to the start of the program, e.g. zj.gather of each block in a Python loop). "
+    "Run each block through zj.apply_layers / zj.apply_layer (zj.scan_layers for stacked layers) or the adapters' "
+    "layers=; pass zj.audit(..., prefetch=k) if the step prefetches k blocks."
+)
+_BLOCK_SCOPE = re.compile(r"zj_block(\d+)_(gather|reduce)")
 
 
 class ParamInfo(NamedTuple):
@@ -259,3 +273,156 @@ def comm_violation(comm: Communication, stage: int, tolerance: float) -> list[Vi
         tolerance=tolerance,
     )  # fmt: skip
     return [Violation(COMM_OVER_THEORY, "communication", message)]
+
+
+# -- the per-layer schedule -------------------------------------------------------------------------------------
+
+
+class _Group(NamedTuple):
+    """Layers the parameter tree declares (a scan's stacked leaves, or repeated
+    sibling blocks): the shapes one layer gathers and reduce-scatters, those
+    no other parameter has (``counted``, for the counts), and its size."""
+
+    name: str
+    layers: int
+    gathered: set[tuple[int, ...]]
+    pieces: set[tuple[int, ...]]
+    counted: set[tuple[int, ...]]
+    weights: int  # partitioned leaves per layer whose shapes are counted
+    elements: int
+    bytes: int
+
+
+def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], others: list[LeafLayout], n: int) -> _Group:
+    """One group from its layers' leaf layouts (one layer) and the other parameters' layouts."""
+    taken = {lay.stored_shape for lay in others} | {shard_shape(lay, n) for lay in others}
+    mine = [lay for lay, _ in lays if lay.stored_shape not in taken and shard_shape(lay, n) not in taken]
+    mine = mine or [lay for lay, _ in lays]
+    return _Group(
+        name, layers, {lay.stored_shape for lay, _ in lays}, {shard_shape(lay, n) for lay, _ in lays},
+        {lay.stored_shape for lay in mine} | {shard_shape(lay, n) for lay in mine}, len(mine),
+        sum(math.prod(lay.stored_shape) for lay, _ in lays),
+        sum(math.prod(lay.stored_shape) * dt.itemsize for lay, dt in lays),
+    )  # fmt: skip
+
+
+def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
+    """The scans (``stacked=`` prefixes) and repeated blocks (siblings named
+    ``0, 1, …`` or ``h_0, h_1, …`` with identical leaves) of the parameters."""
+    n, out = policy.num_shards, []
+    cut = [p for p in params if p.layout.partitioned]
+    for prefix in policy.stacked:
+        members = [p for p in cut if p.stacked and tuple(p.path.split("/"))[: len(prefix)] == prefix]
+        lays = [(LeafLayout(p.layout.shape[1:], p.dtype, p.layout.dim - 1, p.layout.padded_size), p.dtype)
+                for p in members if p.layout.dim]  # fmt: skip
+        others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
+        if lays:
+            out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], lays, others, n))
+    siblings: dict[tuple[str, ...], dict[str, list[ParamInfo]]] = {}
+    for p in params:
+        names = p.path.split("/")
+        j = next((j for j, nm in enumerate(names) if re.fullmatch(r"\d+|.+_\d+", nm)), None)
+        if not p.stacked and j is not None:
+            siblings.setdefault(tuple(names[:j]), {}).setdefault(names[j], []).append(p)
+    for parent, blocks in siblings.items():
+        structures = {
+            tuple((q.path.split("/", len(parent) + 1)[-1], q.layout.shape) for q in b) for b in blocks.values()
+        }
+        members = [q for b in blocks.values() for q in b]
+        lays = [(q.layout, q.dtype) for q in next(iter(blocks.values())) if q.layout.partitioned]
+        if len(blocks) >= 2 and len(structures) == 1 and lays:
+            others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
+            out.append(_group(f"{'/'.join(parent)}/*", len(blocks), lays, others, n))
+    return out
+
+
+def _scope(ins: Instruction) -> tuple[int, str] | None:
+    """(block index, "forward" | "backward" | "reduce") of a named collective, or None."""
+    found = list(_BLOCK_SCOPE.finditer(ins.op_name))
+    if not found:
+        return None
+    m = found[-1]
+    if m.group(2) == "reduce":
+        return int(m.group(1)), "reduce"
+    return int(m.group(1)), "backward" if "transpose(" in ins.op_name[: m.start()] else "forward"
+
+
+def _count(hlo: str, groups: list[_Group], policy: ZeroPolicy) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
+    """Per named block [weights, forward, backward, reduces, bytes, elements,
+    weights, bytes] and per group [forward, backward, reduces]: all-gather /
+    reduce-scatter arrays per step (weights, bytes, elements: of one forward
+    gather; the last two: of one reduction, whole)."""
+    comps, _, trips = _measure.scheduled_computations(hlo)
+    named: dict[int, list[int]] = {}
+    unnamed = {g.name: [0, 0, 0] for g in groups}
+    slot = {"forward": 1, "backward": 2, "reduce": 3}
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            if ins.op not in ("all-gather", "all-gather-start", "reduce-scatter"):
+                continue
+            k, scope = trips.get(comp, 1), _scope(ins)
+            gather = ins.op != "reduce-scatter"
+            if gather and not policy.partitions_params:  # stage 2: the update's all-gathers, not layers
+                continue
+            if scope is not None:
+                row = named.setdefault(scope[0], [0] * 8)
+                row[slot[scope[1]]] += k * len(ins.arrays)
+                if scope[1] == "forward":
+                    row[0] += len(ins.arrays)
+                    row[4] += sum(b for _, _, b in ins.arrays)
+                    row[5] += ins.elements
+                elif scope[1] == "reduce":
+                    row[6] += len(ins.arrays)
+                    row[7] += sum(b for _, _, b in ins.arrays) * policy.num_shards
+                continue
+            for _, dims, _ in ins.arrays:
+                g = next(
+                    (g for g in groups if dims in g.counted and dims in (g.gathered if gather else g.pieces)), None
+                )
+                if g is not None:
+                    unnamed[g.name][(1 if "transpose(" in ins.op_name else 0) if gather else 2] += k
+    return named, unnamed
+
+
+def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefetch: int) -> LayerSchedule | None:
+    """The per-layer schedule of a compiled (scheduled) stage-2/3 program, or
+    None when it runs no blocks (see :class:`LayerSchedule`)."""
+    if not policy.partitions_grads:
+        return None
+    groups = _layer_groups(params, policy)
+    named, unnamed = _count(hlo, groups, policy)
+    blocks = [
+        BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
+    ]
+    blocks += [
+        BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name], g.bytes) for g in groups if any(unnamed[g.name])
+    ]
+    if not blocks:
+        return None
+    shapes = set().union(*(g.gathered for g in groups))
+    elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
+
+    def classify(ins: Instruction) -> Any:
+        if not policy.partitions_params:
+            return None
+        scope = _scope(ins)
+        if scope is not None:
+            return ("block", *scope)
+        return "elements" if any(dims in shapes for _, dims, _ in ins.arrays) else None
+
+    alive = _measure.layers_alive(hlo, classify, elements)
+    judged = bool(named) or any(unnamed[g.name] != [0, 0, 0] for g in groups if not g.name.startswith("scan "))
+    return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, judged)
+
+
+def layer_violations(schedule: LayerSchedule | None, policy: ZeroPolicy, manual: bool) -> list[Violation]:
+    """A stage-3 manual step holding more than ``prefetch + 1`` whole layers."""
+    if schedule is None or not schedule.judged or not manual or not policy.partitions_params:
+        return []
+    limit = schedule.prefetch + 1
+    if schedule.max_alive <= limit:
+        return []
+    message = LAYERS_MESSAGE.format(
+        alive=schedule.max_alive, where=schedule.where, layer=fmt_bytes(schedule.layer_bytes), limit=limit
+    )
+    return [Violation(LAYERS_ALIVE, schedule.where or "layers", message)]
