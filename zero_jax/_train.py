@@ -317,12 +317,10 @@ def make_train_step(
         stage 3 it gathers them inside ``jax.checkpoint``, so the backward
         pass gathers again rather than keeping the model alive).
         ``"manual"``: ``loss_fn`` receives the partitioned parameters and
-        gathers what it uses itself, block by block: ``zj.scan_layers`` for
-        stacked layers, ``zj.apply_layers`` / ``zj.apply_layer`` for a Python
-        loop over blocks (the adapters' ``layers=`` do it for an unchanged
-        model), ``zj.gather`` for the rest (ZeRO-3 that never holds the
-        whole model; in stages 0–1 they are plain calls). Touching a piece
-        any other way is an error that names the leaf.
+        gathers what it uses, block by block: ``zj.scan_layers`` (stacked),
+        ``zj.apply_layers`` (a Python loop; the adapters' ``layers=``),
+        ``zj.gather`` for the rest (ZeRO-3 that never holds the whole model;
+        plain calls in stages 0–1). Touching a piece otherwise is an error.
       accum_steps: split each device's batch into this many microbatches,
         scanned inside the one compiled step; the update equals one step on
         the whole batch.
