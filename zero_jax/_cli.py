@@ -312,6 +312,8 @@ def _compiled_table(out: Console, n: int, mem: float, model: dict[str, Any], sta
             "[green]ok[/green]" if r.ok else f"[red]{len(r.violations)} violation(s)[/red]",
         )  # fmt: skip
     out.print(table)
+    for line in result.layer_notes():
+        out.print(line)
     rec = result.recommended
     verdict = f"stage {rec} is the lowest that fits" if rec is not None else "no stage fits"
     out.print(f"[bold]Compiled: {verdict}.[/bold]")
