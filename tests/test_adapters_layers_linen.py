@@ -1,0 +1,141 @@
+"""layers= for unscanned models: the block matcher (plain pytrees) and from_linen(..., layers=...)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zero_jax as zj
+from tests._models import make_mesh, reference_run, relative_update_error
+from zero_jax._layers import Sharded
+from zero_jax._layerwise import LayerChain
+from zero_jax.adapters._blocks import Blocks, block_params, find_blocks, gather_outside, inside, repeated_groups
+
+
+def _tree(depth: int = 12, d: int = 4) -> dict:
+    return {
+        "wte": jnp.zeros((10, d)),
+        "h": {
+            str(i): {"attn": {"q": jnp.zeros((d, d)), "k": jnp.zeros((d, d))}, "b": jnp.zeros(d)} for i in range(depth)
+        },
+        "ln_f": {"scale": jnp.ones(d)},
+    }
+
+
+def test_auto_finds_numeric_siblings_in_call_order() -> None:
+    blocks = find_blocks(_tree(), "auto", where="t")
+    assert blocks.paths == tuple(f"h/{i}" for i in range(12))  # h/2 before h/10
+    assert blocks.count == 12 and blocks.bytes_per_layer == (16 + 16 + 4) * 4
+    assert str(blocks) == "12 blocks at h/0 … h/11, 144 B each"
+    assert [sorted(p) for p in block_params(_tree(), blocks)] == [["attn", "b"]] * 12
+    assert inside("h/3/attn/q", blocks) and not inside("h", blocks) and not inside("ln_f/scale", blocks)
+
+
+def test_auto_lists_and_underscore_names_and_the_biggest_group() -> None:
+    params = {
+        "layers_0": {"w": jnp.zeros((8, 8))},
+        "layers_1": {"w": jnp.zeros((8, 8))},
+        "layers_10": {"w": jnp.zeros((8, 8))},
+        "norms": [{"s": jnp.zeros(8)} for _ in range(3)],
+    }
+    blocks = find_blocks(params, "auto", where="t")
+    assert blocks.paths == ("layers_0", "layers_1", "layers_10")
+    assert "also found 'norms/*' (3 blocks: norms/0 … norms/2)" in blocks.note and blocks.note in str(blocks)
+    assert find_blocks(params, "norms/*", where="t").paths == ("norms/0", "norms/1", "norms/2")
+    assert [g[0] for g in repeated_groups(params)] == [("layers_0",), ("norms", "0")]
+
+
+def test_pattern_and_class_matching() -> None:
+    assert find_blocks(_tree(3), "h/*", where="t").paths == ("h/0", "h/1", "h/2")
+    assert find_blocks(_tree(3), "h/*/attn", where="t").paths == ("h/0/attn", "h/1/attn", "h/2/attn")
+
+    class Block: ...
+
+    class Sub(Block): ...
+
+    classes = {"h/0": Block, "h/1": Sub, "h/2": Block, "ln_f": object, "h/0/attn": object}
+    assert find_blocks(_tree(3), Block, where="t", classes=classes).paths == ("h/0", "h/1", "h/2")
+    assert find_blocks(_tree(3), (Sub,), where="t", classes=classes).paths == ("h/1",)
+
+
+def test_bad_layers_errors_name_what_they_saw() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"layers='blocks/\*' matches no block.*Repeated subtrees found: 'h/\*' \(12 blocks: h/0 … h/11\)",
+    ):
+        find_blocks(_tree(), "blocks/*", where="t")
+    with pytest.raises(ValueError, match="have no repeated subtrees"):
+        find_blocks({"w": jnp.zeros(3), "v": {"a": jnp.zeros(2)}}, "auto", where="t")
+    odd = _tree(3)
+    odd["h"]["2"]["b"] = jnp.zeros(5)
+    with pytest.raises(
+        ValueError, match=r"different structure: 'h/0' and 'h/2' differ \('b' is \(4,\) float32 vs \(5,\) float32\)"
+    ):
+        find_blocks(odd, "h/*", where="t")
+    with pytest.raises(
+        ValueError,
+        match=r"'x/0' and 'x/ln_f' differ \(only the first has 'attn/k'.*only the second has 'scale'",
+    ):
+        find_blocks({"x": {"0": _tree(1)["h"]["0"], "ln_f": _tree(1)["ln_f"]}}, "x/*", where="t")
+
+    class Block: ...
+
+    with pytest.raises(ValueError, match=r"matches blocks inside other matched blocks: 'h/0/attn' inside 'h/0'"):
+        find_blocks(
+            _tree(2), Block, where="t", classes={"h/0": Block, "h/1": Block, "h/0/attn": Block, "h/1/attn": Block}
+        )
+    with pytest.raises(ValueError, match="gives no submodule classes"):
+        find_blocks(_tree(2), Block, where="t")
+    with pytest.raises(TypeError, match="layers must be 'auto', a key-path pattern"):
+        find_blocks(_tree(2), 3, where="t")
+    assert isinstance(find_blocks(_tree(2), "auto", where="t"), Blocks)
+
+
+def _mlp_tree(depth: int = 3, d: int = 16, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    w = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32)  # noqa: E731
+    return {"embed": w(d, d), "h": [{"w": w(d, d), "b": jnp.zeros(d)} for _ in range(depth)], "head": w(d, 4)}
+
+
+def _dict_loss(params: dict, batch: dict) -> jax.Array:
+    x = batch["x"] @ params["embed"]
+    for p in params["h"]:
+        x = jnp.tanh(x @ p["w"] + p["b"])
+    return jnp.mean((x @ params["head"] - batch["y"]) ** 2)
+
+
+def test_gather_outside_keeps_block_pieces_and_matches_optax() -> None:
+    params = _mlp_tree()
+    blocks = find_blocks(params, "auto", where="t")
+    seen = {}
+
+    def loss_fn(params: dict, batch: dict) -> jax.Array:
+        outside = gather_outside(params, blocks, "t")
+        seen["embed"], seen["h"] = type(outside["embed"]), type(outside["h"][0]["w"])
+        chain = LayerChain(zj.ZeroPolicy(3, mesh, min_shard_size=0), block_params(outside, blocks), 1)
+        x = batch["x"] @ outside["embed"]
+        for i in range(blocks.count):
+            x = chain.call(i, lambda p, x: jnp.tanh(x @ p["w"] + p["b"]), x)
+        return jnp.mean((x @ outside["head"] - batch["y"]) ** 2)
+
+    mesh = make_mesh(8)
+    policy = zj.ZeroPolicy(3, mesh, min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    rng = np.random.default_rng(1)
+    batches = [
+        {
+            "x": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32),
+        }
+        for _ in range(2)
+    ]
+    state = zj.init_state(params, tx, policy)
+    for b in batches:
+        state, _ = step(state, b)
+    assert seen["embed"] is not Sharded and seen["h"] is Sharded
+    ref, _ = reference_run(optax.adam(1e-2), params, batches, _dict_loss)
+    assert max(relative_update_error(zj.full_params(state), ref, params).values()) <= 1e-5
