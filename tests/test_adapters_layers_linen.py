@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import make_mesh, reference_run, relative_update_error
 
 import zero_jax as zj
-from tests._models import make_mesh, reference_run, relative_update_error
 from zero_jax._layers import Sharded
 from zero_jax._layerwise import LayerChain
 from zero_jax.adapters._blocks import Blocks, block_params, find_blocks, gather_outside, inside, repeated_groups
