@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -37,10 +37,17 @@ from zero_jax._units import fmt_bytes
 __all__ = [
     "Blocks",
     "block_params",
+    "check_layer_options",
+    "classes_by_auto_name",
+    "describe_group",
     "find_blocks",
     "gather_outside",
+    "group_pattern",
     "inside",
+    "instances_in",
     "repeated_groups",
+    "split_arrays",
+    "subtree_paths",
 ]
 
 Path = tuple[str, ...]
@@ -188,13 +195,15 @@ def repeated_groups(params: PyTree) -> list[tuple[Path, ...]]:
     return sorted(found, key=lambda g: (-len(g) * _bytes(g[0], leaves), _natural(g[0])))
 
 
-def _group_text(group: tuple[Path, ...]) -> str:
+def describe_group(group: tuple[Path, ...]) -> str:
+    """``"'h/*' (12 blocks: h/0 … h/11)"``: a group of :func:`repeated_groups` as messages name it."""
     parent, stem = _join(group[0][:-1]) if len(group[0]) > 1 else "", _stem(group[0][-1])
     pattern = f"{parent}/{stem}*" if parent else f"{stem}*"
     return f"{pattern!r} ({len(group)} blocks: {_join(group[0])} … {_join(group[-1])})"
 
 
-def _pattern_of(group: tuple[Path, ...]) -> str:
+def group_pattern(group: tuple[Path, ...]) -> str:
+    """The ``layers=`` pattern that matches a group of :func:`repeated_groups` (``"h/*"``)."""
     return _join((*group[0][:-1], f"{_stem(group[0][-1])}*"))
 
 
@@ -243,10 +252,16 @@ def _check_matches(matched: list[Path], layers: Any, leaves: Mapping[Path, Any],
             )
 
 
+def subtree_paths(params: PyTree) -> list[str]:
+    """The key path of every subtree (internal node) of ``params`` that holds a leaf."""
+    nodes, leaves = _index(params)
+    return [_join(p) for p in nodes if p and _signature(p, leaves)]
+
+
 def _no_match(params: PyTree, layers: Any, where: str) -> ValueError:
     groups = repeated_groups(params)
-    text = CANDIDATES.format(groups=", ".join(_group_text(g) for g in groups)) if groups else NO_CANDIDATES
-    example = _pattern_of(groups[0]) if groups else "h/*"
+    text = CANDIDATES.format(groups=", ".join(describe_group(g) for g in groups)) if groups else NO_CANDIDATES
+    example = group_pattern(groups[0]) if groups else "h/*"
     return ValueError(NO_MATCH.format(where=where, layers=layers, candidates=text, example=example))
 
 
@@ -277,7 +292,7 @@ def find_blocks(params: PyTree, layers: Any, *, where: str, classes: Mapping[str
             raise _no_match(params, layers, where)
         matched = list(groups[0])
         if len(groups) > 1:
-            others = ", ".join(_group_text(g) for g in groups[1:4])
+            others = ", ".join(describe_group(g) for g in groups[1:4])
             note = f"auto: the repeated group with the most parameter bytes; also found {others}"
     elif isinstance(layers, str) and _split(layers):
         matched = _match_pattern(layers, nodes)
@@ -332,3 +347,77 @@ def gather_outside(params: PyTree, blocks: Blocks, where: str) -> PyTree:
         return x
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_leaf)
+
+
+LAYERS_STACKED = (
+    "{where}: block '{block}' lies in the stacked= subtree '{prefix}'. A subtree is either stacked (one scan over a "
+    "leading layer axis, run by scan_layers) or a set of unscanned blocks (layers=), not both."
+)
+BAD_PREFETCH = (
+    "{where}: prefetch must be an int from 0 to the number of blocks ({count}), got {got!r}. 1 overlaps the next "
+    "block's gather with this block's compute; 0 gathers each block only when it runs."
+)
+
+
+def check_layer_options(blocks: Blocks, stacked: tuple[str, ...], prefetch: Any, where: str) -> None:
+    """``layers=`` blocks outside every ``stacked=`` subtree, and ``prefetch``
+    an int from 0 to the number of blocks."""
+    for path in blocks.paths:
+        for prefix in stacked:
+            names, pre = _split(path), _split(prefix)
+            if names[: len(pre)] == pre or pre[: len(names)] == names:
+                raise ValueError(LAYERS_STACKED.format(where=where, block=path, prefix=prefix))
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= blocks.count:
+        raise ValueError(BAD_PREFETCH.format(where=where, count=blocks.count, got=prefetch))
+
+
+def split_arrays(args: Any, kwargs: Any) -> tuple[list[Any], Callable[[list[Any]], tuple[Any, Any]]]:
+    """A block call's ``(args, kwargs)`` as its array leaves (what may go
+    through the per-block primitive) and ``rebuild(arrays) -> (args,
+    kwargs)`` with every other leaf (``deterministic=True``, sizes, strings)
+    left as the static Python value it was.
+
+    >>> import jax.numpy as jnp
+    >>> arrays, rebuild = split_arrays((jnp.ones(2), 3), {"deterministic": True})
+    >>> len(arrays), rebuild([jnp.zeros(2)])[1]
+    (1, {'deterministic': True})
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+
+    def rebuild(arrays: list[Any]) -> tuple[Any, Any]:
+        it = iter(arrays)
+        return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)])
+
+    return [x for x, a in zip(leaves, is_array, strict=True) if a], rebuild
+
+
+def classes_by_auto_name(params: PyTree, classes: tuple[type, ...]) -> dict[str, type]:
+    """Key path -> class for subtrees named as Linen names an unnamed
+    submodule of a class (``Block_3`` is a ``Block``).
+
+    >>> class Block: ...
+    >>> found = classes_by_auto_name({"Block_0": {"w": np.zeros(2)}, "Dense_0": {"w": np.zeros(2)}}, (Block,))
+    >>> {path: cls.__name__ for path, cls in found.items()}
+    {'Block_0': 'Block'}
+    """
+    found: dict[str, type] = {}
+    for path in subtree_paths(params):
+        name = path.rsplit("/", 1)[-1]
+        for cls in classes:
+            if name.startswith(f"{cls.__name__}_") and name[len(cls.__name__) + 1 :].isdigit():
+                found.setdefault(path, cls)
+    return found
+
+
+def instances_in(values: Any, kind: type) -> list[Any]:
+    """The ``kind`` instances among ``values``, looking into lists, tuples and dicts."""
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, kind):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += instances_in(v, kind)
+        elif isinstance(v, Mapping):
+            out += instances_in(v.values(), kind)
+    return out
