@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +140,91 @@ def test_gather_outside_keeps_block_pieces_and_matches_optax() -> None:
     assert seen["embed"] is not Sharded and seen["h"] is Sharded
     ref, _ = reference_run(optax.adam(1e-2), params, batches, _dict_loss)
     assert max(relative_update_error(zj.full_params(state), ref, params).values()) <= 1e-5
+
+
+# -- from_linen(..., layers=...) ---------------------------------------------------------
+
+
+class Block(nn.Module):
+    d: int
+    bn: bool = False
+    drop: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        h = nn.Dense(2 * self.d)(nn.LayerNorm()(x))
+        if self.bn:
+            h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(h)
+        h = jnp.tanh(h)
+        if self.drop:
+            h = nn.Dropout(self.drop)(h, deterministic=not train)
+        return x + nn.Dense(self.d)(h)
+
+
+class Net(nn.Module):
+    """Unscanned, as people write it: h_0 ... h_N in a Python loop."""
+
+    depth: int = 3
+    d: int = 16
+    bn: bool = False
+    drop: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        x = nn.Dense(self.d, name="embed")(x)
+        for i in range(self.depth):
+            x = Block(self.d, self.bn, self.drop, name=f"h_{i}")(x, train=train)
+        return nn.Dense(4, name="head")(nn.LayerNorm(name="ln_f")(x))
+
+
+def _batches(n: int = 2, seed: int = 1) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _net(**kw):
+    net = Net(**kw)
+    return net, net.init(jax.random.key(0), jnp.ones((2, 8)))
+
+
+def _loss_of(net):
+    def loss(variables, batch):
+        return jnp.mean((net.apply(variables, batch["x"]) - batch["y"]) ** 2)
+
+    return loss
+
+
+def _train(adapted, stage, batches, *, precision=None, **step_kw):
+    policy = adapted.policy(stage, make_mesh(8), min_shard_size=0, precision=precision)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state = adapted.init_state(tx, policy)
+    step = adapted.make_train_step(tx, policy, **step_kw)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    return state, step, losses
+
+
+@pytest.mark.parametrize(("stage", "accum"), [(2, 1), (3, 1), (2, 2), (3, 2)])
+def test_linen_layerwise_equals_gather_all_and_optax(stage: int, accum: int) -> None:
+    net, variables = _net()
+    adapted = zj.adapters.from_linen(net, variables, _loss_of(net), layers="auto")
+    batches = _batches()
+    layerwise, step, losses = _train(adapted, stage, batches, accum_steps=accum)
+    assert step.gather == "manual"  # the default with layers=
+    whole, _, losses_all = _train(adapted, stage, batches, accum_steps=accum, gather="all")
+    ref, ref_losses = reference_run(
+        optax.adam(1e-2), variables["params"], batches, lambda p, b: _loss_of(net)({"params": p}, b)
+    )
+    start = variables["params"]
+    assert max(relative_update_error(zj.full_params(layerwise), zj.full_params(whole), start).values()) <= 1e-5
+    assert max(relative_update_error(zj.full_params(layerwise), ref, start).values()) <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, losses_all, rtol=1e-6)
