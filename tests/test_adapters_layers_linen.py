@@ -228,3 +228,57 @@ def test_linen_layerwise_equals_gather_all_and_optax(stage: int, accum: int) -> 
     assert max(relative_update_error(zj.full_params(layerwise), ref, start).values()) <= 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(losses, losses_all, rtol=1e-6)
+
+
+def test_linen_layerwise_bf16_compute_equals_gather_all() -> None:
+    net, variables = _net()
+    adapted = zj.adapters.from_linen(net, variables, _loss_of(net), layers="h_*")
+    batches, bf16 = _batches(), zj.Precision(compute_dtype=jnp.bfloat16)
+    layerwise, _, losses = _train(adapted, 3, batches, precision=bf16)
+    whole, _, losses_all = _train(adapted, 3, batches, precision=bf16, gather="all")
+    gap = relative_update_error(zj.full_params(layerwise), zj.full_params(whole), variables["params"])
+    # Same bf16 ops in the same order (the recompute is the forward again): equal to bf16 rounding of the
+    # per-block vs whole-model gradient reduction, stated at 1e-3 (measured: see the report).
+    assert max(gap.values()) <= 1e-3, max(gap.values())
+    np.testing.assert_allclose(losses, losses_all, rtol=1e-3)
+
+
+def test_linen_batch_norm_inside_blocks_updates_like_gather_all() -> None:
+    net, variables = _net(bn=True)
+
+    def loss(variables, batch):
+        pred, updates = net.apply(variables, batch["x"], train=True, mutable=["batch_stats"])
+        return jnp.mean((pred - batch["y"]) ** 2), updates
+
+    adapted = zj.adapters.from_linen(net, variables, loss, mutable="batch_stats", layers="auto")
+    assert adapted.stateful and adapted.layers.count == 3
+    batches = _batches()
+    layerwise, _, losses = _train(adapted, 3, batches)
+    whole, _, losses_all = _train(adapted, 3, batches, gather="all")
+    np.testing.assert_allclose(losses, losses_all, rtol=1e-6)
+    for a, b, s in zip(
+        jax.tree.leaves(layerwise.model_state), jax.tree.leaves(whole.model_state),
+        jax.tree.leaves(variables["batch_stats"]), strict=True,
+    ):  # fmt: skip
+        assert not np.allclose(a, s)  # the statistics moved
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert (
+        max(relative_update_error(zj.full_params(layerwise), zj.full_params(whole), variables["params"]).values())
+        <= 1e-5
+    )
+
+
+def test_linen_dropout_inside_blocks_runs() -> None:
+    net, variables = _net(drop=0.5)
+
+    def loss(variables, batch):
+        rng = jax.random.fold_in(jax.random.key(0), jnp.sum(batch["x"]).astype(jnp.int32))
+        pred = net.apply(variables, batch["x"], train=True, rngs={"dropout": rng})
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    adapted = zj.adapters.from_linen(net, variables, loss, layers="auto")
+    state, step, losses = _train(adapted, 3, _batches())
+    assert all(np.isfinite(losses))
+    moved = relative_update_error(zj.full_params(state), variables["params"], variables["params"])
+    assert min(moved.values()) > 0  # every leaf trained (inf: the update vs a zero "reference update")
+    assert "zj_block2_gather" in step.jitted.lower(state, _batches(1)[0]).as_text(debug_info=True)

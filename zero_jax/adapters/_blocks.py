@@ -331,18 +331,22 @@ def inside(path: str | Path, blocks: Blocks | None) -> bool:
     return blocks is not None and any(names[: len(b)] == b for b in map(_split, blocks.paths))
 
 
-def gather_outside(params: PyTree, blocks: Blocks, where: str) -> PyTree:
+def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[str, ...] = ()) -> PyTree:
     """In a manual-gather step: every ``zj.Sharded`` leaf outside the blocks
-    gathered whole (with the step's policy); the blocks' leaves stay pieces
-    for the per-block primitive. Whole parameters pass through."""
+    (and outside the subtrees ``keep`` names: ``stacked=`` prefixes for
+    ``scan_layers``) gathered whole (with the step's policy); the blocks'
+    leaves stay pieces for the per-block primitive. Whole parameters pass
+    through."""
     if not any(_is_leaf(x) for x in jax.tree.leaves(params, is_leaf=_is_leaf)):
         return params
     policy = _layers.current_scope().policy
     if policy is None:  # pragma: no cover - Sharded nodes only exist inside a manual step
         raise RuntimeError(f"{where}: got partitioned parameters outside a train step.")
 
+    kept = blocks._replace(paths=blocks.paths + tuple(keep))
+
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if _is_leaf(x) and not inside(tuple(key_name(k) for k in path), blocks):
+        if _is_leaf(x) and not inside(tuple(key_name(k) for k in path), kept):
             return _layers.gather(x, policy)
         return x
 

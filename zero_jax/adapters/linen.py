@@ -397,7 +397,7 @@ class _Runner:
             params = gather_unstacked(params, self.prefixes, _WHERE)
             with explain_unscanned_pieces(params, self.prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
                 return run(_box(params, self.prefixes))
-        params = gather_unstacked(gather_outside(params, self.blocks, _WHERE), self.prefixes, _WHERE)
+        params = gather_outside(params, self.blocks, _WHERE, keep=self.prefixes)
         chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
         index = {tuple(split_prefix(p)): i for i, p in enumerate(self.blocks.paths)}
         with (
