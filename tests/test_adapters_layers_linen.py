@@ -13,7 +13,15 @@ from _models import make_mesh, reference_run, relative_update_error
 import zero_jax as zj
 from zero_jax._layers import Sharded
 from zero_jax._layerwise import LayerChain
-from zero_jax.adapters._blocks import Blocks, block_params, find_blocks, gather_outside, inside, repeated_groups
+from zero_jax.adapters._blocks import (
+    Blocks,
+    block_params,
+    check_layer_options,
+    find_blocks,
+    gather_outside,
+    inside,
+    repeated_groups,
+)
 
 
 def _tree(depth: int = 12, d: int = 4) -> dict:
@@ -88,7 +96,7 @@ def test_bad_layers_errors_name_what_they_saw() -> None:
         find_blocks(
             _tree(2), Block, where="t", classes={"h/0": Block, "h/1": Block, "h/0/attn": Block, "h/1/attn": Block}
         )
-    with pytest.raises(ValueError, match="gives no submodule classes"):
+    with pytest.raises(ValueError, match="no submodule of that class is known before the model runs"):
         find_blocks(_tree(2), Block, where="t")
     with pytest.raises(TypeError, match="layers must be 'auto', a key-path pattern"):
         find_blocks(_tree(2), 3, where="t")
@@ -168,12 +176,13 @@ class Net(nn.Module):
     d: int = 16
     bn: bool = False
     drop: float = 0.0
+    named: bool = True  # h_0 ... h_N, else Linen's automatic Block_0 ... Block_N
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         x = nn.Dense(self.d, name="embed")(x)
         for i in range(self.depth):
-            x = Block(self.d, self.bn, self.drop, name=f"h_{i}")(x, train=train)
+            x = Block(self.d, self.bn, self.drop, name=f"h_{i}" if self.named else None)(x, train=train)
         return nn.Dense(4, name="head")(nn.LayerNorm(name="ln_f")(x))
 
 
@@ -282,3 +291,120 @@ def test_linen_dropout_inside_blocks_runs() -> None:
     moved = relative_update_error(zj.full_params(state), variables["params"], variables["params"])
     assert min(moved.values()) > 0  # every leaf trained (inf: the update vs a zero "reference update")
     assert "zj_block2_gather" in step.jitted.lower(state, _batches(1)[0]).as_text(debug_info=True)
+
+
+class GPT2Block(nn.Module):
+    d: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        return x + nn.Dense(self.d, name="mlp")(nn.LayerNorm(name="ln_1")(x))
+
+
+class GPT2BlockCollection(nn.Module):
+    """Written as Hugging Face writes FlaxGPT2BlockCollection."""
+
+    n: int
+    d: int
+
+    def setup(self) -> None:
+        self.blocks = [GPT2Block(self.d, name=str(i)) for i in range(self.n)]
+
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        for block in self.blocks:
+            x = block(x, deterministic=deterministic)
+        return x
+
+
+class GPT2Module(nn.Module):
+    n: int = 12
+    d: int = 16
+
+    def setup(self) -> None:
+        self.wte = nn.Dense(self.d)
+        self.h = GPT2BlockCollection(self.n, self.d)
+        self.ln_f = nn.LayerNorm()
+        self.lm_head = nn.Dense(4)
+
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        return self.lm_head(self.ln_f(self.h(self.wte(x), deterministic=deterministic)))
+
+
+class FakePretrained:
+    """What from_linen reads of a FlaxPreTrainedModel: .module and .params."""
+
+    def __init__(self, n: int = 12) -> None:
+        self.module = GPT2Module(n)
+        self.params = self.module.init(jax.random.key(0), jnp.ones((2, 8)))["params"]
+
+
+def test_hugging_face_like_model_with_layers_auto() -> None:
+    hf = FakePretrained()
+
+    def loss(variables, batch):
+        return jnp.mean((hf.module.apply(variables, batch["x"], deterministic=False) - batch["y"]) ** 2)
+
+    adapted = zj.adapters.from_linen(hf, loss, layers="auto")
+    assert adapted.layers.paths == tuple(f"h/{i}" for i in range(12))  # h/2 before h/10
+    assert adapted.layers.bytes_per_layer == (16 * 16 + 16 + 16 + 16) * 4
+    assert str(adapted.layers) == "12 blocks at h/0 … h/11, 1.19 KiB each"
+    assert zj.adapters.from_linen(hf, loss, layers=GPT2Block).layers.paths == adapted.layers.paths
+    hf = FakePretrained(3)
+    adapted = zj.adapters.from_linen(hf, loss, layers="auto")
+    batches = _batches()
+    layerwise, _, _ = _train(adapted, 3, batches)
+    whole, _, _ = _train(adapted, 3, batches, gather="all")
+    assert max(relative_update_error(zj.full_params(layerwise), zj.full_params(whole), hf.params).values()) <= 1e-5
+
+
+def test_compact_blocks_by_class_and_pattern() -> None:
+    size = (16 * 2 + 16 * 32 + 32 + 32 * 16 + 16) * 4
+    net, variables = _net(depth=2)
+    assert zj.adapters.from_linen(net, variables, _loss_of(net), layers="h_*").layers == Blocks(("h_0", "h_1"), 2, size)
+    with pytest.raises(ValueError, match=r"no submodule of that class is known.*such as 'h_\*'"):
+        zj.adapters.from_linen(net, variables, _loss_of(net), layers=Block)  # compact, named h_i: not visible
+    net, variables = _net(depth=2, named=False)
+    for layers in (Block, (Block,), "auto"):
+        adapted = zj.adapters.from_linen(net, variables, _loss_of(net), layers=layers)
+        assert adapted.layers == Blocks(("Block_0", "Block_1"), 2, size)
+    assert zj.adapters.from_linen(net, variables, _loss_of(net)).layers is None
+
+
+def test_gather_all_requested_explicitly_wins_over_layers() -> None:
+    net, variables = _net()
+    adapted = zj.adapters.from_linen(net, variables, _loss_of(net), layers="auto")
+    state, step, _ = _train(adapted, 3, _batches(1), gather="all")
+    assert step.gather == "all"
+    assert "zj_block" not in step.jitted.lower(state, _batches(1)[0]).compile().as_text()  # plain calls
+
+
+def test_layers_bad_input_errors() -> None:
+    net, variables = _net()
+    with pytest.raises(ValueError, match=r"layers='blocks/\*' matches no block.*'h_\*' \(3 blocks: h_0 … h_2\)"):
+        zj.adapters.from_linen(net, variables, _loss_of(net), layers="blocks/*")
+    with pytest.raises(ValueError, match=r"'h_0' and 'head' differ"):
+        zj.adapters.from_linen(net, variables, _loss_of(net), layers="h*")
+    for bad in (-1, 4, 1.5):
+        with pytest.raises(
+            ValueError, match=rf"prefetch must be an int from 0 to the number of blocks \(3\), got {bad}"
+        ):
+            zj.adapters.from_linen(net, variables, _loss_of(net), layers="auto", prefetch=bad)
+    with pytest.raises(ValueError, match="block 'h/0' lies in the stacked= subtree 'h'"):
+        check_layer_options(Blocks(("h/0", "h/1"), 2, 4), ("h",), 1, "t")
+
+
+def test_manual_gather_on_undeclared_unscanned_blocks_points_to_layers_auto() -> None:
+    net, variables = _net()
+    adapted = zj.adapters.from_linen(net, variables, _loss_of(net))
+    with pytest.raises(
+        ValueError, match=r"blocks are unscanned and undeclared: 'h_\*' \(3 blocks: h_0 … h_2\).*layers='auto'"
+    ):
+        _train(adapted, 3, _batches(1), gather="manual")
+    _train(adapted, 3, _batches(1))  # gather="all" is fine
+
+
+def test_stacked_given_for_unscanned_blocks_says_so() -> None:
+    hf = FakePretrained(3)
+    with pytest.raises(ValueError, match=r"stacked='h' names unscanned blocks: h/0 … h/2 .*layers='h/\*'") as e:
+        zj.adapters.from_linen(hf, lambda v, b: 0.0, stacked="h")
+    assert "layers disagree on depth" not in str(e.value)

@@ -106,8 +106,9 @@ BAD_LAYERS = (
     "class or a tuple of classes; got {got}."
 )
 NO_CLASSES = (
-    "{where}: layers={layers!r} names module classes, but this model gives no submodule classes to match; pass a "
-    "key-path pattern such as {example!r} or 'auto'."
+    "{where}: layers={layers!r} names module classes, but no submodule of that class is known before the model "
+    "runs (Linen: read from setup() submodules and from automatic names like Block_0; a compact submodule given "
+    "its own name is not). Pass a key-path pattern such as {example!r}, or 'auto'."
 )
 
 
@@ -215,9 +216,11 @@ def _match_pattern(pattern: str, nodes: Mapping[Path, Any]) -> list[Path]:
 def _match_classes(
     layers: Any, classes: Mapping[str, type] | None, nodes: Mapping[Path, Any], where: str
 ) -> list[Path]:
-    if not classes:
-        raise ValueError(NO_CLASSES.format(where=where, layers=layers, example="h/*"))
     wanted = layers if isinstance(layers, tuple) else (layers,)
+    if not any(isinstance(c, type) and issubclass(c, wanted) for c in (classes or {}).values()):
+        groups = repeated_groups(nodes[()])
+        example = group_pattern(groups[0]) if groups else "h/*"
+        raise ValueError(NO_CLASSES.format(where=where, layers=layers, example=example))
     return [
         _split(path)
         for path, cls in classes.items()

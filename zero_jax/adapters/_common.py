@@ -153,8 +153,8 @@ _DEPTHS = (
 )
 UNSCANNED_STACK = (
     "stacked={prefix!r} names unscanned blocks: {first} … {last} ({count} sibling subtrees of identical structure, "
-    "no common leading layer axis: their leading sizes are hidden sizes, not a layer count). Drop {prefix!r} from "
-    "stacked= and pass layers={pattern!r} (or layers='auto') to gather them block by block."
+    "not one stack with a leading layer axis: their leading sizes are hidden sizes, not a layer count). Drop "
+    "{prefix!r} from stacked= and pass layers={pattern!r} (or layers='auto') to gather them block by block."
 )
 
 
@@ -170,17 +170,19 @@ def _stack_problem(prefix: str, param_leaves: list[Any], other_leaves: list[Any]
     for p, x in mine:
         shape = _shape(x)
         depths.setdefault(shape[0] if shape else None, []).append(f"'{path_str(p)}' {shape}")
-    if len(depths) == 1 and None not in depths:
-        return None
-    unscanned = _unscanned_under(names, mine)
+    consistent = len(depths) == 1 and None not in depths
+    # Unscanned blocks: a depth disagreement, or list entries (0, 1, ...) whose hidden sizes happen to agree.
+    unscanned = _unscanned_under(names, mine, numbered_only=consistent)
     if unscanned is not None:
         return unscanned, False
+    if consistent:
+        return None
     (common, _), *_ = sorted(depths.items(), key=lambda kv: -len(kv[1]))
     odd = [f"{leaf} (depth {d})" for d, leaves in depths.items() if d != common for leaf in leaves]
     return _DEPTHS.format(prefix=prefix, common=common, example=depths[common][0], odd=", ".join(odd)), True
 
 
-def _unscanned_under(names: tuple[str, ...], leaves: list[Any]) -> str | None:
+def _unscanned_under(names: tuple[str, ...], leaves: list[Any], *, numbered_only: bool) -> str | None:
     """The message for a ``stacked=`` prefix whose children are unscanned blocks, or None."""
     n = len(names)
     tree: dict[str, Any] = {}
@@ -190,7 +192,7 @@ def _unscanned_under(names: tuple[str, ...], leaves: list[Any]) -> str | None:
         for k in parents:
             node = node.setdefault(k, {})
         node[last] = x
-    groups = [g for g in repeated_groups(tree) if len(g[0]) == 1]
+    groups = [g for g in repeated_groups(tree) if len(g[0]) == 1 and (g[0][0].isdigit() or not numbered_only)]
     if not groups:
         return None
     g = groups[0]
