@@ -7,7 +7,7 @@ Nothing here imports Flax or Equinox.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -322,6 +322,36 @@ def scan_stacked(
         body, scanned, (carry, jnp.zeros((), jnp.float32)), policy, prefetch=prefetch, remat=remat
     )
     return out
+
+
+NOT_OUT_UPDATES = (
+    "{where}: with mutable={mutables} the loss must return (out, updates), updates being the dict of updated "
+    "collections that module.apply(variables, x, mutable=[...]) returns besides its output; got {got}."
+)
+EXTRA_COLLECTIONS = (
+    "{where}: the loss returned updated {extra}, which {verb} not in mutable={mutables}: add {them} to mutable= "
+    "to carry {them}, or leave {them} out of what the loss returns."
+)
+
+
+def carried_updates(
+    result: Any, mutables: tuple[str, ...], model_state: PyTree, where: str, thaw: Callable[[Any], Any]
+) -> tuple[Any, PyTree]:
+    """A stateful loss's ``(out, updates)`` -> ``(out, new model state)``: every
+    ``mutable=`` collection, updated or as it was (``thaw``: Flax's
+    ``unfreeze``, for a FrozenDict of updates)."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+        raise TypeError(NOT_OUT_UPDATES.format(where=where, mutables=list(mutables), got=type(result).__name__))
+    out, updates = result
+    extra = sorted(set(updates) - set(mutables))
+    if extra:
+        one = len(extra) == 1
+        shown = ("collection " if one else "collections ") + ", ".join(repr(c) for c in extra)
+        verb, them = ("is", "it") if one else ("are", "them")
+        raise ValueError(
+            EXTRA_COLLECTIONS.format(where=where, extra=shown, verb=verb, them=them, mutables=list(mutables))
+        )
+    return out, {c: thaw(updates[c]) if c in updates else model_state[c] for c in mutables}
 
 
 NOT_FLOAT = (
