@@ -259,6 +259,7 @@ def test_linen_layerwise_bf16_compute_equals_gather_all() -> None:
     np.testing.assert_allclose(losses, losses_all, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_linen_batch_norm_inside_blocks_updates_like_gather_all() -> None:
     net, variables = _net(bn=True)
 
