@@ -254,8 +254,8 @@ def test_linen_layerwise_bf16_compute_equals_gather_all() -> None:
     whole, _, losses_all = _train(adapted, 3, batches, precision=bf16, gather="all")
     gap = relative_update_error(zj.full_params(layerwise), zj.full_params(whole), variables["params"])
     # Same bf16 ops in the same order (the recompute is the forward again): equal to bf16 rounding of the
-    # per-block vs whole-model gradient reduction, stated at 1e-3 (measured: see the report).
-    assert max(gap.values()) <= 1e-3, max(gap.values())
+    # per-block vs whole-model gradient reduction: stated at 1e-4.
+    assert max(gap.values()) <= 1e-4, max(gap.values())  # measured: 0.0 (bitwise equal)
     np.testing.assert_allclose(losses, losses_all, rtol=1e-3)
 
 
