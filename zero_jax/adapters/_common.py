@@ -7,7 +7,7 @@ Nothing here imports Flax or Equinox.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +18,8 @@ from zero_jax._layers import Sharded
 from zero_jax._policy import ZeroPolicy
 from zero_jax._state import TrainState, full_params, init_state
 from zero_jax._train import make_train_step
-from zero_jax._tree import PyTree, path_str, split_prefix, under, under_any
+from zero_jax._tree import PyTree, key_names, path_str, split_prefix, under, under_any
+from zero_jax.adapters._blocks import Blocks, describe_group, group_pattern, repeated_groups
 
 
 class Adapted(NamedTuple):
@@ -53,6 +54,15 @@ class Adapted(NamedTuple):
         ``zj.init_state(..., model_state=...)``. ``None`` when there is none.
       stateful: whether ``loss_fn`` has the stateful signature (pass it to
         ``make_train_step(..., stateful=...)``).
+      layers: the blocks ``layers=`` matched (a :class:`~zero_jax.adapters._blocks.Blocks`:
+        ``paths``, ``count``, ``bytes_per_layer``; ``print`` it for a summary), each
+        run block-wise (gathered just before its call, in both passes) by a
+        ``gather="manual"`` step; ``None`` without ``layers=``.
+
+    With ``layers`` set, :meth:`make_train_step` builds a ``gather="manual"``
+    step unless told otherwise: an explicit ``gather="all"`` wins (the step
+    hands whole parameters and every block runs as a plain call, as without
+    ``layers=``), which is how to compare the two.
 
     :meth:`init_state` and :meth:`make_train_step` pass ``model_state`` and
     ``stateful`` through, so one training loop serves every model.
@@ -65,13 +75,17 @@ class Adapted(NamedTuple):
     to_model: Callable[[Any], Any]
     model_state: PyTree = None
     stateful: bool = False
+    layers: Blocks | None = None
 
     def init_state(self, tx: Any, policy: ZeroPolicy) -> TrainState:
         """``zj.init_state(self.params, tx, policy, model_state=self.model_state)``."""
         return init_state(self.params, tx, policy, model_state=self.model_state)
 
     def make_train_step(self, tx: Any, policy: ZeroPolicy, **kwargs: Any) -> Any:
-        """``zj.make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)``."""
+        """``zj.make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)``, with
+        ``gather="manual"`` by default when :attr:`layers` is set (an explicit ``gather=`` wins)."""
+        if self.layers is not None:
+            kwargs.setdefault("gather", "manual")
         return make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)
 
     def policy(self, stage: int, mesh: jax.sharding.Mesh, axis: str | Sequence[str] = "data", **kwargs: Any):
@@ -137,6 +151,11 @@ _DEPTHS = (
     "the stacked layers under {prefix!r} disagree on depth: most leaves have {common} layers (e.g. {example}), "
     "but {odd}. Every leaf of a stack needs the same leading layer axis."
 )
+UNSCANNED_STACK = (
+    "stacked={prefix!r} names unscanned blocks: {first} … {last} ({count} sibling subtrees of identical structure, "
+    "not one stack with a leading layer axis: their leading sizes are hidden sizes, not a layer count). Drop "
+    "{prefix!r} from stacked= and pass layers={pattern!r} (or layers='auto') to gather them block by block."
+)
 
 
 def _stack_problem(prefix: str, param_leaves: list[Any], other_leaves: list[Any]) -> tuple[str, bool] | None:
@@ -151,11 +170,36 @@ def _stack_problem(prefix: str, param_leaves: list[Any], other_leaves: list[Any]
     for p, x in mine:
         shape = _shape(x)
         depths.setdefault(shape[0] if shape else None, []).append(f"'{path_str(p)}' {shape}")
-    if len(depths) == 1 and None not in depths:
+    consistent = len(depths) == 1 and None not in depths
+    # Unscanned blocks: a depth disagreement, or list entries (0, 1, ...) whose hidden sizes happen to agree.
+    unscanned = _unscanned_under(names, mine, numbered_only=consistent)
+    if unscanned is not None:
+        return unscanned, False
+    if consistent:
         return None
     (common, _), *_ = sorted(depths.items(), key=lambda kv: -len(kv[1]))
     odd = [f"{leaf} (depth {d})" for d, leaves in depths.items() if d != common for leaf in leaves]
     return _DEPTHS.format(prefix=prefix, common=common, example=depths[common][0], odd=", ".join(odd)), True
+
+
+def _unscanned_under(names: tuple[str, ...], leaves: list[Any], *, numbered_only: bool) -> str | None:
+    """The message for a ``stacked=`` prefix whose children are unscanned blocks, or None."""
+    n = len(names)
+    tree: dict[str, Any] = {}
+    for p, x in leaves:
+        node = tree
+        *parents, last = key_names(p)[n:] or ("",)
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = x
+    groups = [g for g in repeated_groups(tree) if len(g[0]) == 1 and (g[0][0].isdigit() or not numbered_only)]
+    if not groups:
+        return None
+    g = groups[0]
+    prefix = "/".join(names)
+    pattern = f"{prefix}/{group_pattern(g)}"
+    first, last = f"{prefix}/{g[0][0]}", f"{prefix}/{g[-1][0]}"
+    return UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(g), pattern=pattern)
 
 
 def check_stacked(
@@ -176,6 +220,28 @@ def active_policy() -> ZeroPolicy | None:
     """The policy of the manual-gather step being traced, or None (outside a
     step, or a step that hands ``loss_fn`` whole parameters)."""
     return _layers.current_scope().policy
+
+
+UNDECLARED_BLOCKS = (
+    "{where}: under make_train_step(..., gather='manual') this model's parameters reach it as partitioned pieces, "
+    "and its blocks are unscanned and undeclared: {groups}. Without layers= (or stacked=) the step would gather "
+    "every parameter once and keep it whole through the backward pass (no memory saved over gather='all'). Pass "
+    "layers='auto' (or layers={pattern!r}) to the adapter to gather them block by block, or train with "
+    "gather='all'."
+)
+
+
+def check_declared_blocks(params: PyTree, groups: Sequence[tuple[tuple[str, ...], ...]], where: str) -> None:
+    """A stage-3 manual step on a model with repeated unscanned blocks and
+    neither ``layers=`` nor ``stacked=`` (``groups``: :func:`repeated_groups`
+    of its parameters) would hold the whole model: say to pass ``layers=``."""
+    policy = active_policy()
+    if not groups or policy is None or not policy.partitions_params:
+        return
+    if not any(is_sharded(x) for x in jax.tree.leaves(params, is_leaf=is_sharded)):
+        return
+    shown = ", ".join(describe_group(g) for g in groups[:3])
+    raise ValueError(UNDECLARED_BLOCKS.format(where=where, groups=shown, pattern=group_pattern(groups[0])))
 
 
 def gather_unstacked(params: PyTree, prefixes: tuple[str, ...], where: str) -> PyTree:
@@ -256,6 +322,53 @@ def scan_stacked(
         body, scanned, (carry, jnp.zeros((), jnp.float32)), policy, prefetch=prefetch, remat=remat
     )
     return out
+
+
+NOT_OUT_UPDATES = (
+    "{where}: with mutable={mutables} the loss must return (out, updates), updates being the dict of updated "
+    "collections that module.apply(variables, x, mutable=[...]) returns besides its output; got {got}."
+)
+EXTRA_COLLECTIONS = (
+    "{where}: the loss returned updated {extra}, which {verb} not in mutable={mutables}: add {them} to mutable= "
+    "to carry {them}, or leave {them} out of what the loss returns."
+)
+
+
+def carried_updates(
+    result: Any, mutables: tuple[str, ...], model_state: PyTree, where: str, thaw: Callable[[Any], Any]
+) -> tuple[Any, PyTree]:
+    """A stateful loss's ``(out, updates)`` -> ``(out, new model state)``: every
+    ``mutable=`` collection, updated or as it was (``thaw``: Flax's
+    ``unfreeze``, for a FrozenDict of updates)."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+        raise TypeError(NOT_OUT_UPDATES.format(where=where, mutables=list(mutables), got=type(result).__name__))
+    out, updates = result
+    extra = sorted(set(updates) - set(mutables))
+    if extra:
+        one = len(extra) == 1
+        shown = ("collection " if one else "collections ") + ", ".join(repr(c) for c in extra)
+        verb, them = ("is", "it") if one else ("are", "them")
+        raise ValueError(
+            EXTRA_COLLECTIONS.format(where=where, extra=shown, verb=verb, them=them, mutables=list(mutables))
+        )
+    return out, {c: thaw(updates[c]) if c in updates else model_state[c] for c in mutables}
+
+
+NOT_FLOAT = (
+    "{where}: {leaves}. Only floating-point arrays can be trained: keep non-float state in another collection "
+    "(self.variable('state', ...)), not in 'params'."
+)
+
+
+def check_trainable_floats(trained: PyTree, where: str) -> None:
+    """Every trained variable is a float array; all that are not, named in one error."""
+    bad = [
+        f"trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    if bad:
+        raise ValueError(NOT_FLOAT.format(where=where, leaves="; ".join(bad)))
 
 
 def describe(leaf: Any) -> str:

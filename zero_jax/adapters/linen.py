@@ -58,6 +58,30 @@ Batch norm in training mode: ``mutable=`` names the collections the loss updates
 >>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
 >>> sorted(adapted.to_model(state))  # with the updated batch statistics
 ['batch_stats', 'params']
+
+An unscanned model, as people write one (a Python loop over blocks), trained
+block by block: ``layers="auto"`` finds ``Dense_0 … Dense_2`` and the step
+gathers each just before its call, in both passes.
+
+>>> class Deep(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         for _ in range(3):
+...             x = jnp.tanh(nn.Dense(4)(x))
+...         return x
+>>> deep = Deep()
+>>> variables = deep.init(jax.random.key(0), jnp.ones((1, 4)))
+>>> def deep_loss(variables, batch):
+...     return jnp.mean((deep.apply(variables, batch["x"]) - batch["y"]) ** 2)
+>>> adapted = zj.adapters.from_linen(deep, variables, deep_loss, layers="auto")
+>>> print(adapted.layers)
+3 blocks at Dense_0 … Dense_2, 80 B each
+>>> policy = adapted.policy(stage=3, mesh=policy.mesh, min_shard_size=0)
+>>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+>>> step = adapted.make_train_step(tx, policy)  # gather="manual"
+>>> state, metrics = step(adapted.init_state(tx, policy), {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 4))})
+>>> bool(metrics["finite"])
+True
 """
 
 from __future__ import annotations
@@ -67,14 +91,29 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax.core import unfreeze
 
-from zero_jax._tree import PyTree, path_str, split_prefix, under_any
+from zero_jax._layerwise import LayerChain
+from zero_jax._tree import PyTree, split_prefix, under_any
+from zero_jax.adapters._blocks import (
+    Blocks,
+    block_params,
+    check_layer_options,
+    classes_by_auto_name,
+    find_blocks,
+    gather_outside,
+    instances_in,
+    repeated_groups,
+    split_arrays,
+)
 from zero_jax.adapters._common import (
     Adapted,
+    active_policy,
+    carried_updates,
+    check_declared_blocks,
     check_stacked,
+    check_trainable_floats,
     describe,
     explain_unscanned_pieces,
     gather_unstacked,
@@ -97,10 +136,6 @@ _DEPTH_FIX = (
 _INIT_HINT = "variables = module.init(jax.random.key(0), example_input)"
 
 
-_NOT_FLOAT = (
-    "{where}: {leaves}. Only floating-point arrays can be trained: keep non-float state in another collection "
-    "(self.variable('state', ...)), not in 'params'."
-)
 _NO_PRETRAINED_PARAMS = (
     "{where}: {name} looks like a Hugging Face Flax model (its .module is a Linen {module}), but its .params "
     "cannot be read ({error}). Pass the parameters yourself: from_linen(model.module, {{'params': params}}, loss)."
@@ -181,17 +216,6 @@ def _check_collections(
             )
 
 
-def _check_trainable_floats(trained: PyTree) -> None:
-    """Every trained variable is a float array; all that are not, named in one error."""
-    bad = [
-        f"trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array"
-        for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]
-        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact)
-    ]
-    if bad:
-        raise ValueError(_NOT_FLOAT.format(where=_WHERE, leaves="; ".join(bad)))
-
-
 def from_linen(
     module: nn.Module,
     variables: Mapping[str, Any] | None = None,
@@ -200,6 +224,8 @@ def from_linen(
     trainable: str | Sequence[str] = "params",
     stacked: str | Sequence[str] = (),
     mutable: str | Sequence[str] = (),
+    layers: Any = None,
+    prefetch: int = 1,
 ) -> Adapted:
     """Adapt a Flax Linen module: ``loss(variables, batch) -> loss`` (or
     ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
@@ -225,6 +251,20 @@ def from_linen(
         ``module.apply(..., mutable=...)`` returned. Train with
         ``adapted.init_state`` / ``adapted.make_train_step`` (or pass
         ``model_state=`` / ``stateful=True`` yourself).
+      layers: the model's unscanned blocks, to gather one at a time (ZeRO-3
+        that never holds the whole model, for the model as written: a Python
+        loop over ``self.h[i]`` or ``h_0 … h_N``): ``"auto"`` (sibling
+        submodules named ``<name><number>`` with identical parameters,
+        repeated at least twice), a key-path pattern with ``*``
+        (``"transformer/h/*"``, ``"layers_*"``) or a module class (tuple of
+        classes). Inside a ``gather="manual"`` step (the default of
+        ``adapted.make_train_step`` then) each call of a matched block is
+        intercepted (``nn.intercept_methods``) and run by
+        ``zj.apply_layer``'s per-block primitive; everything else (embeddings,
+        final norm, head) is gathered when the loss starts. Found blocks:
+        ``adapted.layers``. Outside such a step the blocks run as written.
+      prefetch: with ``layers=``: how many blocks ahead to gather (0 to the
+        number of blocks).
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``params`` is the trained
@@ -239,70 +279,42 @@ def from_linen(
     _check_collections(module, variables, collections, mutables)
     trained = {c: variables[c] for c in collections}
     rest = {c: v for c, v in variables.items() if c not in collections}
-    _check_trainable_floats(trained)
+    check_trainable_floats(trained, _WHERE)
     unwrap = len(collections) == 1
     params = trained[collections[0]] if unwrap else trained
     prefixes = normalize_prefixes(stacked, _WHERE)
     # Only the trained collection is checked: nn.scan may broadcast other collections (variable_broadcast).
     check_stacked(params, {}, prefixes, _WHERE, _DEPTH_FIX)
+    blocks = _find_layers(module, variables, params, layers, prefetch, unwrap, prefixes)
+    undeclared = repeated_groups(params) if blocks is None and not prefixes else []
+    run = _Runner(blocks, prefetch, collections[0], prefixes, undeclared)
 
     def as_variables(params: PyTree) -> dict[str, Any]:
         return {**rest, **({collections[0]: params} if unwrap else dict(params))}
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
-        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
-            return loss(as_variables(_box(params, prefixes)), batch)
+        return run(params, lambda p: loss(as_variables(p), batch))
 
     if not mutables:
 
         def to_model(state_or_params: Any) -> dict[str, Any]:
             return as_variables(params_of(state_or_params))
 
-        return Adapted(params, loss_fn, prefixes, rest, to_model)
+        return Adapted(params, loss_fn, prefixes, rest, to_model, layers=blocks)
 
     initial = {c: unfreeze(variables[c]) for c in mutables}
 
     def stateful_loss_fn(params: PyTree, model_state: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
-        with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
-            result = loss({**as_variables(_box(params, prefixes)), **model_state}, batch)
-        return _carried_updates(result, mutables, model_state)
+        result = run(params, lambda p: loss({**as_variables(p), **model_state}, batch))
+        return carried_updates(result, mutables, model_state, _WHERE, unfreeze)
 
     def to_stateful_model(state_or_params: Any, model_state: PyTree = None) -> dict[str, Any]:
         ms = model_state_of(state_or_params, model_state, initial)
         return {**as_variables(params_of(state_or_params)), **ms}
 
     return Adapted(
-        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True
+        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True, blocks
     )
-
-
-_NOT_OUT_UPDATES = (
-    "{where}: with mutable={mutables} the loss must return (out, updates), updates being the dict of updated "
-    "collections that module.apply(variables, x, mutable=[...]) returns besides its output; got {got}."
-)
-_EXTRA_COLLECTIONS = (
-    "{where}: the loss returned updated {extra}, which {verb} not in mutable={mutables}: add {them} to mutable= "
-    "to carry {them}, or leave {them} out of what the loss returns."
-)
-
-
-def _carried_updates(result: Any, mutables: tuple[str, ...], model_state: PyTree) -> tuple[Any, PyTree]:
-    """A stateful loss's ``(out, updates)`` -> ``(out, new model state)``: every
-    ``mutable=`` collection, updated or as it was."""
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
-        raise TypeError(_NOT_OUT_UPDATES.format(where=_WHERE, mutables=list(mutables), got=type(result).__name__))
-    out, updates = result
-    extra = sorted(set(updates) - set(mutables))
-    if extra:
-        one = len(extra) == 1
-        shown = ("collection " if one else "collections ") + ", ".join(repr(c) for c in extra)
-        verb, them = ("is", "it") if one else ("are", "them")
-        raise ValueError(
-            _EXTRA_COLLECTIONS.format(where=_WHERE, extra=shown, verb=verb, them=them, mutables=list(mutables))
-        )
-    return out, {c: unfreeze(updates[c]) if c in updates else model_state[c] for c in mutables}
 
 
 class _Pieces:
@@ -321,6 +333,115 @@ def _box(params: PyTree, prefixes: tuple[str, ...]) -> PyTree:
         return _Pieces(x) if is_sharded(x) and under_any(path, map(split_prefix, prefixes)) else x
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
+
+
+_LAYERS_COLLECTIONS = (
+    "{where}: layers= needs one trainable collection (the blocks are found in it), got trainable={collections}. "
+    "Train one collection, or drop layers=."
+)
+
+
+def _block_classes(module: nn.Module, variables: Mapping[str, Any], params: PyTree, layers: Any) -> dict[str, type]:
+    """Key path -> class of the submodules a class ``layers=`` can match:
+    those ``setup`` defines (read from the bound module) and compact ones by
+    Linen's automatic names (``Block_3`` is a ``Block``)."""
+    wanted = layers if isinstance(layers, tuple) else (layers,)
+    if not all(isinstance(c, type) for c in wanted):
+        return {}
+    found: dict[str, type] = {}
+    pending = [module.bind(variables)]
+    while pending:
+        parent = pending.pop()
+        getattr(parent, "__zero_jax_setup__", None)  # runs a Linen module's lazy setup()
+        for child in instances_in(vars(parent).values(), nn.Module):
+            if child.scope is not None and child.path[:-1] == parent.path:
+                found["/".join(child.path)] = type(child)
+                pending.append(child)
+    return {**classes_by_auto_name(params, wanted), **found}
+
+
+def _find_layers(
+    module: nn.Module, variables: Mapping[str, Any], params: PyTree, layers: Any, prefetch: Any, unwrap: bool,
+    prefixes: tuple[str, ...],
+) -> Blocks | None:  # fmt: skip
+    """``layers=`` resolved to the blocks of ``params`` (None without it), every problem named."""
+    if layers is None:
+        return None
+    if not unwrap:
+        raise ValueError(_LAYERS_COLLECTIONS.format(where=_WHERE, collections=sorted(params)))
+    classes = _block_classes(module, variables, params, layers)
+    blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
+    check_layer_options(blocks, prefixes, prefetch, _WHERE)
+    return blocks
+
+
+class _Runner:
+    """How the adapted loss runs the user's: pieces outside the blocks (and
+    stacks) gathered, block pieces boxed for ``module.apply``, and each call
+    of a block intercepted into one :class:`~zero_jax._layerwise.LayerChain`
+    per trace; a plain call outside a manual step."""
+
+    def __init__(
+        self, blocks: Blocks | None, prefetch: int, collection: str, prefixes: tuple[str, ...], undeclared: list[Any]
+    ) -> None:
+        self.blocks, self.prefetch, self.collection = blocks, prefetch, collection
+        self.prefixes, self.undeclared = prefixes, undeclared
+
+    def __call__(self, params: PyTree, run: Callable[[PyTree], Any]) -> Any:
+        check_declared_blocks(params, self.undeclared, _WHERE)
+        policy = active_policy()
+        pieces = any(is_sharded(x) for x in jax.tree.leaves(params, is_leaf=is_sharded))
+        if self.blocks is None or policy is None or not pieces:
+            params = gather_unstacked(params, self.prefixes, _WHERE)
+            with explain_unscanned_pieces(params, self.prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
+                return run(_box(params, self.prefixes))
+        params = gather_outside(params, self.blocks, _WHERE, keep=self.prefixes)
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
+        index = {tuple(split_prefix(p)): i for i, p in enumerate(self.blocks.paths)}
+        with (
+            nn.intercept_methods(_Interceptor(chain, index, self.collection)),
+            explain_unscanned_pieces(params, self.prefixes, _WHERE, "zj.adapters.linen.ScanLayers"),
+        ):
+            return run(_box(params, self.prefixes + self.blocks.paths))
+
+
+class _Interceptor:
+    """``nn.intercept_methods`` hook: a matched block's ``__call__`` becomes
+    ``chain.call(i, ...)``, the block run functionally on its whole
+    parameters (an unbound clone's ``apply``) with its other collections, RNG
+    keys and the call's array arguments passed through the chain, static
+    arguments closed over, and updated mutable collections written back."""
+
+    def __init__(self, chain: LayerChain, index: Mapping[tuple[str, ...], int], collection: str) -> None:
+        self.chain, self.index, self.collection = chain, index, collection
+        self.running = False  # inside a block's functional apply: its submodules run as written
+
+    def __call__(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        i = None if self.running or context.method_name != "__call__" else self.index.get(tuple(module.path))
+        if i is None or module.is_initializing():
+            return next_fun(*args, **kwargs)
+        arrays, rebuild = split_arrays(args, kwargs)
+        state = {c: v for c, v in module.variables.items() if c != self.collection}
+        mutable = [c for c in state if module.is_mutable_collection(c)]
+        keys = {n: module.make_rng(n) for n in sorted(getattr(module.scope, "rngs", {})) if n != "params"}
+        clone = module.clone(parent=None)
+
+        def layer_fn(p: PyTree, arrays: list[Any], state: PyTree, keys: PyTree) -> Any:
+            call_args, call_kwargs = rebuild(arrays)
+            self.running = True
+            try:
+                out = clone.apply({self.collection: p, **state}, *call_args, rngs=keys, mutable=mutable or False,
+                                  **call_kwargs)  # fmt: skip
+            finally:
+                self.running = False
+            return out if mutable else (out, {})
+
+        out, updates = self.chain.call(i, layer_fn, arrays, state, keys)
+        for collection, tree in updates.items():
+            for name, value in tree.items():
+                module.put_variable(collection, name, value)
+        return out
 
 
 class ScanLayers(nn.Module):
