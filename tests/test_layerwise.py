@@ -383,3 +383,33 @@ def test_offloaded_pieces_train_the_same_bits() -> None:
     offloaded, _ = _policy_run(policy(offload_params=True, offload_optimizer=True), "apply_layers")
     for a, b in zip(jax.tree.leaves(zj.full_params(offloaded)), jax.tree.leaves(zj.full_params(base)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_integer_and_key_values_pass_through_blocks() -> None:
+    def blk(p, carry):  # a carry with a counter and a PRNG key, as models thread them
+        x, n, key = carry
+        key, sub = jax.random.split(key)
+        return jnp.tanh(x @ p["w"] + 1e-2 * jax.random.normal(sub, (D,))), n + 1, key  # same on every device
+
+    def loss_with(policy):
+        def loss_fn(params, batch):
+            start = (batch["x"], jnp.int32(0), jax.random.key(0))
+            if policy is None:
+                x, n, _ = functools.reduce(lambda c, p: blk(p, c), params["blocks"], start)
+            else:
+                x, n, _ = zj.apply_layers(blk, params["blocks"], start, policy)
+            return jnp.mean((x - batch["y"]) ** 2) * (n / 3)
+
+        return loss_fn
+
+    make = lambda: {"blocks": [{"w": jnp.eye(D) * 0.9 + 0.01} for _ in range(3)]}  # noqa: E731
+    ref, _ = reference_run(optax.adam(1e-2), make(), _batches(2), loss_with(None))
+    for stage in (2, 3):
+        policy = zj.ZeroPolicy(stage, make_mesh(N), min_shard_size=0)
+        tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+        state = zj.init_state(make(), tx, policy)
+        step = zj.make_train_step(loss_with(policy), tx, policy, gather="manual")
+        for batch in _batches(2):
+            state, _ = step(state, batch)
+        errors = relative_update_error(zj.full_params(state), ref, make())
+        assert max(errors.values()) <= FP32_RTOL, (stage, errors)

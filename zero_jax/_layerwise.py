@@ -274,39 +274,42 @@ def _run_block(
     prev_block = previous.block if chained else None
     prev_sources = list(previous.block.sources) if chained else []
 
-    def params_of(ws: Sequence[Any], plain_f: Sequence[Any]) -> PyTree:
-        plain = iter(_merge(plain_is_float, plain_f, plain_fixed))
-        return block.tree(ws, [None if p is None else next(plain) for p in block.plain])
+    # Values that are not differentiated (integers, keys) enter the custom VJP
+    # as inputs too: its backward pass is traced later and may not close over them.
+    fixed = (plain_fixed, arg_fixed, const_fixed)
 
-    def apply(ws: Sequence[Any], plain_f: Sequence[Any], arg_f: Sequence[Any], const_f: Sequence[Any]) -> Any:
-        a = jax.tree.unflatten(arg_def, _merge(arg_is_float, arg_f, arg_fixed))
-        return fn(params_of(ws, plain_f), *a, *_merge(const_is_float, const_f, const_fixed))
+    def apply(ws: Sequence[Any], plain_f: Sequence[Any], arg_f: Sequence[Any], const_f: Sequence[Any],
+              fixed: tuple[list[Any], ...]) -> Any:  # fmt: skip
+        plain = iter(_merge(plain_is_float, plain_f, fixed[0]))
+        params = block.tree(ws, [None if p is None else next(plain) for p in block.plain])
+        a = jax.tree.unflatten(arg_def, _merge(arg_is_float, arg_f, fixed[1]))
+        return fn(params, *a, *_merge(const_is_float, const_f, fixed[2]))
 
     def unwrap(tree: Any) -> Any:
         return jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: hasattr(p, "perturbed"))
 
     @jax.custom_vjp
-    def zero_jax_block(slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources):  # type: ignore[no-untyped-def]
+    def zero_jax_block(slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources, fixed):  # type: ignore[no-untyped-def]
         del slots, token_in, sources, prev_sources
-        out = apply(ws, plain_f, arg_f, const_f)
+        out = apply(ws, plain_f, arg_f, const_f, fixed)
         return out, _token_zeros(ws, axis) if prefetch else []
 
     def fwd(*primals):  # type: ignore[no-untyped-def]
-        slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources = unwrap(primals)
+        slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources, fixed = unwrap(primals)
         del slots, token_in
-        out = apply(ws, plain_f, arg_f, const_f)
+        out = apply(ws, plain_f, arg_f, const_f, fixed)
         token = _token_zeros(ws, axis) if prefetch else []
         # Only the inputs are kept (and the pieces, which the step holds anyway).
-        return (out, token), (plain_f, arg_f, const_f, sources, prev_sources)
+        return (out, token), (plain_f, arg_f, const_f, sources, prev_sources, fixed)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]
-        plain_f, arg_f, const_f, sources, prev_sources = res
+        plain_f, arg_f, const_f, sources, prev_sources, fixed = res
         ct_out, ct_token = cts
         ct_out = jax.tree.map(lambda c: _instantiate(c, axis), ct_out, is_leaf=lambda x: isinstance(x, SymbolicZero))
         handed = ct_token if prefetch and not any(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
             ct_token, is_leaf=lambda x: isinstance(x, SymbolicZero))) else None  # fmt: skip
         ws = handed if handed is not None else block.wholes(sources, policy, ct_out)
-        _, vjp = jax.vjp(apply, ws, plain_f, arg_f, const_f)
+        _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):
             g_slots = [
@@ -323,12 +326,12 @@ def _run_block(
         )
         # Hand the block called before this one its re-gathered parameters.
         g_token = prev_block.wholes(prev_sources, policy, ct_out) if prev_block is not None else []
-        return g_slots, g_plain, g_args, g_consts, g_token, None, None, None
+        return g_slots, g_plain, g_args, g_consts, g_token, None, None, None, None
 
     zero_jax_block.defvjp(fwd, bwd, symbolic_zeros=True)
     with jax.named_scope(f"zj_block{index}_compute"):
         out, token = zero_jax_block(
-            slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources), prev_sources
+            slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources), prev_sources, fixed
         )
     call = _Call(index=index, trace=trace, token=token, block=block)
     return out, call
