@@ -68,6 +68,7 @@ With an ``eqx.nn.State``:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,9 +77,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._tree import PyTree, path_str
+from zero_jax._layerwise import LayerChain
+from zero_jax._tree import PyTree, path_str, split_prefix, under
+from zero_jax.adapters._blocks import (
+    Blocks,
+    block_params,
+    check_layer_options,
+    find_blocks,
+    gather_outside,
+    repeated_groups,
+    split_arrays,
+)
 from zero_jax.adapters._common import (
+    UNSCANNED_STACK,
     Adapted,
+    active_policy,
+    check_declared_blocks,
     check_stacked,
     describe,
     explain_unscanned_pieces,
@@ -221,6 +235,197 @@ NO_ARRAYS = (
 )
 
 
+
+def _check_not_unscanned(params: PyTree, prefixes: tuple[str, ...]) -> None:
+    """A ``stacked=`` prefix whose children are list items (no layer axis, whatever their leading sizes) is
+    an error pointing to ``layers=``."""
+    pairs = jax.tree_util.tree_flatten_with_path(params)[0]
+    for prefix in prefixes:
+        names = split_prefix(prefix)
+        keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
+        index = sorted(getattr(k, "idx", getattr(k, "key", None)) for k in keys)
+        if len(index) >= 2 and all(type(i) is int for i in index):
+            first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
+            text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
+            raise ValueError(f"{_WHERE}: {text}")
+
+
+def _modules(tree: Any, prefix: tuple[Any, ...] = ()) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    """Every ``eqx.Module`` inside ``tree`` (not ``tree`` itself) by path name: its key path and the module."""
+    out = {}
+    for path, node in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is not tree and isinstance(x, eqx.Module)
+    )[0]:
+        if isinstance(node, eqx.Module):
+            out[path_str(prefix + path)] = (prefix + path, node)
+            out.update(_modules(node, prefix + path))
+    return out
+
+
+def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The node of ``tree`` at a key path."""
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            tree = getattr(tree, k.name)
+        else:
+            tree = tree[k.idx if isinstance(k, jax.tree_util.SequenceKey) else k.key]
+    return tree
+
+
+def _encode(x: Any) -> Any:
+    """An integer or bool array as float32, exactly (32-bit ones as their high and low 16 bits): it then
+    enters and leaves the per-block custom VJP as a float (non-float values are closed over there, and an
+    integer a previous block returned, batch norm's counter, would leak)."""
+    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    if x.dtype.itemsize < 4:
+        return x.astype(jnp.float32)
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
+
+
+def _decode(f: Any, like: Any) -> Any:
+    """:func:`_encode` undone: ``f`` back to the dtype of ``like``."""
+    if not hasattr(like, "dtype") or f.dtype == like.dtype:
+        return f
+    if like.dtype.itemsize < 4:
+        return f.astype(like.dtype)
+    return jax.lax.bitcast_convert_type((f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32), like.dtype)
+
+def _batched(x: Any) -> bool:
+    """Whether ``x`` is batched by an enclosing ``jax.vmap`` (a probe whose vmap rule records it)."""
+    seen = []
+
+    @jax.custom_batching.custom_vmap
+    def probe(a: Any) -> Any:
+        return a
+
+    @probe.def_vmap
+    def rule(axis_size: int, in_batched: list[bool], a: Any) -> tuple[Any, bool]:
+        seen.append(in_batched[0])
+        return a, in_batched[0]
+
+    probe(jax.lax.stop_gradient(x))
+    return bool(seen and seen[0])
+
+
+def _encode(x: Any) -> Any:
+    """An integer or bool array as float32, exactly (32-bit ones as their high and low 16 bits), so that
+    it enters and leaves the chain's custom VJP as a float (non-float values would be closed over)."""
+    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key
+    ):
+        return x
+    if x.dtype.itemsize < 4:
+        return x.astype(jnp.float32)
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
+
+
+def _decode(f: Any, like: Any) -> Any:
+    """:func:`_encode` undone: ``f`` back to the dtype of ``like``."""
+    if f is like or not hasattr(like, "dtype") or f.dtype == like.dtype:
+        return f
+    if like.dtype.itemsize < 4:
+        return f.astype(like.dtype)
+    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(u, like.dtype)
+
+
+def _call_block(chain: LayerChain, index: int, static: Any, *args: Any, **kwargs: Any) -> Any:
+    """Block ``index`` called through the chain: its arrays (inputs, state, keys) are the chain's args."""
+    arrays, rebuild = split_arrays(args, kwargs)
+    kinds: list[Any] = []
+
+    def layer_fn(p: Any, *xs: Any) -> Any:
+        a, kw = rebuild([_decode(x, y) for x, y in zip(xs, arrays, strict=True)])
+        kinds[:] = [_combine(p, static)(*a, **kw)]
+        return jax.tree.map(_encode, kinds[0])
+
+    return jax.tree.map(_decode, _chained(chain, index, static, layer_fn, [_encode(x) for x in arrays]), kinds[0])
+
+
+def _chained(chain: LayerChain, index: int, static: Any, layer_fn: Callable[..., Any], arrays: list[Any]) -> Any:
+    """``chain.call(index, layer_fn, *arrays)``, or under ``jax.vmap`` one call on the whole batch."""
+    if not any(map(_batched, arrays)):
+        return chain.call(index, layer_fn, *arrays)
+    names = [m.axis_name for m in [static, *(n for _, n in _modules(static).values())] if hasattr(m, "axis_name")]
+    axis = names[0] if names else None
+    block, block_def = jax.tree.flatten(chain.layers[index], is_leaf=is_sharded)
+    shapes = [(x.shape, (x.arrays[0] if is_sharded(x) else x).dtype) for x in block]
+    flags: list[Any] = []
+
+    @jax.custom_batching.custom_vmap
+    def call(*a: Any) -> Any:  # the unbatched meaning, traced for its shapes only
+        return layer_fn(jax.tree.unflatten(block_def, [jnp.zeros(s, d) for s, d in shapes]), *a)
+
+    @call.def_vmap
+    def rule(axis_size: int, in_batched: list[bool], *a: Any) -> tuple[Any, Any]:
+        in_axes = [0 if b else None for b in in_batched]
+
+        def on_batch(p: Any, *xs: Any) -> Any:
+            run = functools.partial(layer_fn, p)
+            seen: list[Any] = []
+
+            def probe(*x: Any) -> Any:
+                out = run(*x)
+                seen.append(jax.tree.map(_batched, out))
+                return out
+
+            jax.eval_shape(jax.vmap(probe, in_axes=in_axes, axis_name=axis), *xs)
+            flags[:] = seen
+            out_axes = jax.tree.map(lambda b: 0 if b else None, seen[0])
+            return jax.vmap(run, in_axes=in_axes, out_axes=out_axes, axis_name=axis)(*xs)
+
+        return chain.call(index, on_batch, *a), flags[0]
+
+    return call(*arrays)
+
+
+class _Routed(eqx.Module):
+    """Stands in for a matched block while a manual step traces the loss."""
+
+    call: Callable[..., Any] = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+
+class _Layerwise:
+    """The blocks ``layers=`` matched and how a manual step runs them: one
+    :class:`LayerChain` per trace of the loss, each block replaced (``eqx.tree_at``)
+    by a :class:`_Routed` calling it through the chain, the rest gathered on use."""
+
+    def __init__(self, model: Any, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any) -> None:
+        self.prefixes, self.prefetch = prefixes, prefetch
+        self.undeclared = repeated_groups(params) if layers is None and not prefixes else []
+        self.blocks: Blocks | None = None
+        if layers is None:
+            return
+        modules = _modules(model)
+        classes = {name: type(node) for name, (_, node) in modules.items()}
+        self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
+        check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
+        odd = [p for p in self.blocks.paths if p not in modules]
+        if odd:
+            raise ValueError(NOT_MODULES.format(where=_WHERE, layers=layers, paths=odd))
+        self.keys = [modules[p][0] for p in self.blocks.paths]
+
+    def model(self, params: PyTree, static: Any) -> tuple[PyTree, Any]:
+        """The params the loss sees (gathered where used whole) and the model to call it on."""
+        policy = active_policy()
+        if self.blocks is None or policy is None:
+            check_declared_blocks(params, self.undeclared, _WHERE)
+            params = gather_unstacked(params, self.prefixes, _WHERE)
+            return params, _combine(params, static)
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
+        outside = gather_outside(params, self.blocks, _WHERE)
+        routed = [_Routed(functools.partial(_call_block, chain, i, _at(static, k))) for i, k in enumerate(self.keys)]
+        return outside, eqx.tree_at(lambda m: [_at(m, k) for k in self.keys], _combine(outside, static), routed)
+
+
+NOT_MODULES = "{where}: layers={layers!r} matched {paths}, which are not Equinox modules; match whole blocks."
+
 def from_equinox(
     model: eqx.Module,
     loss: Callable[[eqx.Module, PyTree], Any],
@@ -228,6 +433,8 @@ def from_equinox(
     trainable: Any = eqx.is_inexact_array,
     stacked: str | Sequence[str] = (),
     state: Any = None,
+    layers: Any = None,
+    prefetch: int = 1,
 ) -> Adapted:
     """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or
     ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
@@ -262,24 +469,26 @@ def from_equinox(
     params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)
     prefixes = normalize_prefixes(stacked, _WHERE)
     others = eqx.filter(static, eqx.is_array)
+    _check_not_unscanned(params, prefixes)
     check_stacked(params, others, prefixes, _WHERE, _DEPTH_FIX)
+    lw = _Layerwise(model, params, layers, prefixes, prefetch)
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, m = lw.model(params, static)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
-            return loss(_combine(params, static), batch)
+            return loss(m, batch)
 
     def to_model(state_or_params: Any) -> Any:
         return _combine(params_of(state_or_params), static)
 
     if state is None:
-        return Adapted(params, loss_fn, prefixes, static, to_model)
+        return Adapted(params, loss_fn, prefixes, static, to_model, layers=lw.blocks)
     _check_state(state)
 
     def stateful_loss_fn(params: PyTree, model_state: Any, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, m = lw.model(params, static)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
-            result = loss(_combine(params, static), _states_as(model_state, _CarriedState), batch)
+            result = loss(m, _states_as(model_state, _CarriedState), batch)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
                 f"{_WHERE}: with state= the loss must return (out, new_state), out being the loss (or "
@@ -292,7 +501,8 @@ def from_equinox(
         return to_model(state_or_params), model_state_of(state_or_params, model_state, state)
 
     return Adapted(
-        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, static, to_stateful_model, state, True
+        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, static, to_stateful_model, state, True,
+        layers=lw.blocks,
     )
 
 

@@ -61,17 +61,32 @@ With batch norm in training mode the running statistics are model state:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from zero_jax._layers import current_scope, trace_scope
-from zero_jax._tree import PyTree, path_str
+from zero_jax._layerwise import LayerChain
+from zero_jax._tree import PyTree, path_str, split_prefix, under
+from zero_jax.adapters._blocks import (
+    Blocks,
+    block_params,
+    check_layer_options,
+    find_blocks,
+    gather_outside,
+    repeated_groups,
+    split_arrays,
+)
 from zero_jax.adapters._common import (
+    UNSCANNED_STACK,
     Adapted,
+    active_policy,
+    check_declared_blocks,
     check_stacked,
     describe,
     explain_unscanned_pieces,
@@ -235,6 +250,136 @@ def _check_inputs(model: Any, loss: Any, state_updates: Any) -> None:
         raise ValueError(f"{_WHERE}: state_updates must be 'carry', 'discard' or 'error', got {state_updates!r}.")
 
 
+
+def check_not_unscanned(params: PyTree, prefixes: tuple[str, ...], where: str) -> None:
+    """A ``stacked=`` prefix whose children are list items (no layer axis, whatever their leading sizes) is
+    an error pointing to ``layers=``."""
+    pairs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
+    for prefix in prefixes:
+        names = split_prefix(prefix)
+        keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
+        index = sorted(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
+        if len(index) >= 2 and all(type(i) is int for i in index):
+            first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
+            text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
+            raise ValueError(f"{where}: {text}")
+
+
+def encode(x: Any) -> Any:
+    """An integer or bool array as float32, exactly (32-bit ones as their high and low 16 bits): it then
+    enters and leaves the per-block custom VJP as a float (non-float values are closed over there, and an
+    integer a previous block returned, an RNG count, would leak)."""
+    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    if x.dtype.itemsize < 4:
+        return x.astype(jnp.float32)
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
+
+
+def decode(f: Any, like: Any) -> Any:
+    """:func:`encode` undone: ``f`` back to the dtype of ``like``."""
+    if not hasattr(like, "dtype") or f.dtype == like.dtype:
+        return f
+    if like.dtype.itemsize < 4:
+        return f.astype(like.dtype)
+    return jax.lax.bitcast_convert_type((f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32), like.dtype)
+
+
+def _get(parent: Any, key: Any) -> Any:
+    return parent[key] if isinstance(key, int) else getattr(parent, key)
+
+
+def _put(parent: Any, key: Any, value: Any) -> None:
+    if isinstance(key, int):
+        parent[key] = value
+    else:
+        setattr(parent, key, value)
+
+
+def _node(model: Any, keys: tuple[Any, ...]) -> Any:
+    for k in keys:
+        model = _get(model, k)
+    return model
+
+
+class _Routed:
+    """Stands in for block ``index`` while a manual step traces the loss: its
+    call runs through the chain, the block's non-trainable state passed in
+    and its update written back into the block."""
+
+    def __init__(self, block: nnx.Module, index: int, chain: LayerChain, spec: Any, not_trainable: Any) -> None:
+        self.block, self.index, self.chain, self.spec, self.not_trainable = block, index, chain, spec, not_trainable
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.block, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graphdef, rebuild = self.spec
+        rest, rest_def = jax.tree.flatten(nnx.state(self.block, self.not_trainable))
+        arrays, rebuild_args = split_arrays(args, kwargs)
+        carried = [k for k, x in enumerate(rest) if _carried(x)]
+
+        def layer_fn(p: PyTree, state: list[Any], *xs: Any) -> Any:
+            a, kw = rebuild_args([decode(x, y) for x, y in zip(xs, arrays, strict=True)])
+            state = [decode(x, y) for x, y in zip(state, rest, strict=True)]
+            block = nnx.merge(graphdef, rebuild(p), jax.tree.unflatten(rest_def, state))
+            out = block(*a, **kw)
+            new = jax.tree.leaves(nnx.state(block, self.not_trainable))
+            return out, [encode(new[k]) for k in carried]
+
+        out, new = self.chain.call(self.index, layer_fn, [encode(x) for x in rest], *map(encode, arrays))
+        if carried:
+            for k, v in zip(carried, new, strict=True):
+                rest[k] = decode(v, rest[k])
+            nnx.update(self.block, jax.tree.unflatten(rest_def, rest))
+        return out
+
+
+class _Layerwise:
+    """The blocks ``layers=`` matched and how a manual step runs them: one
+    :class:`LayerChain` per trace of the loss, each block's call routed
+    through it (:class:`_Routed`), everything else gathered on use."""
+
+    def __init__(self, model: nnx.Module, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any,
+                 trainable: Any) -> None:  # fmt: skip
+        self.prefixes, self.prefetch, self.not_trainable = prefixes, prefetch, nnx.Not(trainable)
+        modules = {"/".join(map(str, p)): tuple(p) for p, n in nnx.iter_graph(model) if p and isinstance(n, nnx.Module)}
+        self.undeclared = repeated_groups(params) if layers is None and not prefixes else []
+        self.blocks: Blocks | None = None
+        if layers is None:
+            return
+        classes = {name: type(_node(model, keys)) for name, keys in modules.items()}
+        self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
+        check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
+        self.keys = [modules[p] for p in self.blocks.paths]  # every subtree with parameters is a module's
+        self.specs = []
+        for keys in self.keys:
+            block_def, block_state, _ = nnx.split(_node(model, keys), trainable, ...)
+            self.specs.append((block_def, _Rebuild(block_state)))
+
+    def prepare(self, params: PyTree) -> tuple[PyTree, Callable[[nnx.Module], Any]]:
+        """The params to merge the model from, and the context to run the loss on it in."""
+        policy = active_policy()
+        if self.blocks is None or policy is None:
+            check_declared_blocks(params, self.undeclared, _WHERE)
+            return gather_unstacked(params, self.prefixes, _WHERE), lambda m: contextlib.nullcontext()
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
+        return gather_outside(params, self.blocks, _WHERE), lambda m: self._route(m, chain)
+
+    @contextlib.contextmanager
+    def _route(self, m: nnx.Module, chain: LayerChain) -> Iterator[None]:
+        placed = []
+        for i, (keys, spec) in enumerate(zip(self.keys, self.specs, strict=True)):
+            parent = _node(m, keys[:-1])
+            placed.append((parent, keys[-1], _get(parent, keys[-1])))
+            _put(parent, keys[-1], _Routed(placed[-1][2], i, chain, spec, self.not_trainable))
+        try:
+            yield
+        finally:
+            for parent, key, block in placed:
+                _put(parent, key, block)
+
 def from_nnx(
     model: nnx.Module,
     loss: Callable[[nnx.Module, PyTree], Any],
@@ -242,6 +387,8 @@ def from_nnx(
     trainable: Any = nnx.Param,
     stacked: str | tuple[str, ...] = (),
     state_updates: _StateUpdates = "carry",
+    layers: Any = None,
+    prefetch: int = 1,
 ) -> Adapted:
     """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``)
     becomes ``loss_fn(params, batch)`` for ``zj.make_train_step``.
@@ -274,7 +421,9 @@ def from_nnx(
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
     _check_trainable_floats(params)
+    check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
+    lw = _Layerwise(model, params, layers, prefixes, prefetch, trainable)
     rebuild_params, rebuild_rest = _Rebuild(param_state), _Rebuild(rest)
     carried_pairs = _carried_pairs(rest) if state_updates == "carry" else []
     model_state = _nest(carried_pairs) if carried_pairs else None
@@ -282,25 +431,25 @@ def from_nnx(
     carried_paths = frozenset(path_str(p) for p, _ in carried_pairs)
     not_trainable = nnx.Not(trainable)
 
-    def run(m: nnx.Module, params: PyTree, batch: PyTree) -> Any:
-        with trace_scope(state_updates=state_updates):
+    def run(m: nnx.Module, params: PyTree, batch: PyTree, route: Any) -> Any:
+        with trace_scope(state_updates=state_updates), route(m):
             with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.nnx.scan_layers"):
                 return loss(m, batch)
 
     def plain_loss_fn(params: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, route = lw.prepare(params)
         m = nnx.merge(graphdef, rebuild_params(params), rebuild_rest())
         before = _snapshot(m)
-        out = run(m, params, batch)
+        out = run(m, params, batch, route)
         if state_updates == "error":
             _check_unchanged(before, m, _WHERE)
         return out
 
     def stateful_loss_fn(params: PyTree, model_state: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, route = lw.prepare(params)
         m = nnx.merge(graphdef, rebuild_params(params), rebuild_rest.with_values(_flat(model_state)))
         before = _snapshot(m)
-        out = run(m, params, batch)
+        out = run(m, params, batch, route)
         _check_unchanged(before, m, _WHERE, carried_paths)  # keys and other constants
         after = _flat(nnx.to_pure_dict(nnx.state(m, not_trainable)))
         new = _nest([(p, after[k]) for (p, _), k in zip(carried_pairs, carried_keys, strict=True)])
@@ -321,6 +470,7 @@ def from_nnx(
         to_model,
         model_state,
         stateful,
+        layers=lw.blocks,
     )
 
 
