@@ -1,32 +1,27 @@
 """Equinox models under ZeRO: ``from_equinox`` and the layer-wise ``scan_layers``.
 
-The model is split once with ``eqx.partition(model, trainable)``: the leaves
-the filter selects (``eqx.is_inexact_array`` by default: every float array)
-are ``params``, an Equinox module with an empty placeholder where the other
-leaves were (``None`` would read as a frozen gradient);
-everything else (integer arrays, float arrays the filter leaves out, and
-non-array leaves: activation functions, Python numbers, strings) is
-``non_trainable``, held constant by ``loss_fn``. ``loss_fn(params, batch)``
-rebuilds the model with ``eqx.combine`` and calls ``loss(model, batch)``.
-Equinox never updates a model in place, so nothing can be lost silently.
+The model is split once with ``eqx.partition(model, trainable)``: the leaves the filter selects
+(``eqx.is_inexact_array`` by default: every float array) are ``params``, an Equinox module with an empty placeholder
+where the other leaves were (``None`` would read as a frozen gradient); everything else (integer arrays, float
+arrays the filter leaves out, and non-array leaves: activation functions, Python numbers, strings) is
+``non_trainable``, held constant by ``loss_fn``. ``loss_fn(params, batch)`` rebuilds the model with ``eqx.combine``
+and calls ``loss(model, batch)``. Equinox never updates a model in place, so nothing can be lost silently.
 
-Stateful layers (``eqx.nn.BatchNorm``, made with ``eqx.nn.make_with_state``)
-keep their state in an ``eqx.nn.State``: pass it as
-``from_equinox(model, loss, state=state)`` with ``loss(model, state, batch) ->
-(out, new_state)`` (the usual Equinox way of threading it). It becomes the
-adapter's ``model_state`` (``TrainState.model_state``): each device updates
-it from its slice of the batch and the step averages float values over the
-devices (data-parallel batch norm; integer and bool values, such as the
-``"ema"`` mode's first-step flag, must agree and are taken as their maximum);
-``to_model(train_state)`` returns ``(model, state)``. Every ``BatchNorm``
-mode works, the default one included.
+Stateful layers (``eqx.nn.BatchNorm``, made with ``eqx.nn.make_with_state``) keep their state in an
+``eqx.nn.State``: pass it as ``from_equinox(model, loss, state=state)`` with ``loss(model, state, batch) -> (out,
+new_state)`` (the usual Equinox way of threading it). It becomes the adapter's ``model_state``
+(``TrainState.model_state``): each device updates it from its slice of the batch and the step averages float values
+over the devices (data-parallel batch norm; integer and bool values, such as the ``"ema"`` mode's first-step flag,
+must agree and are taken as their maximum); ``to_model(train_state)`` returns ``(model, state)``. Every
+``BatchNorm`` mode works, the default one included.
 
-A filter that marks a leaf trainable which is not a float array is an error
-naming the leaf (gradients and optimizer state exist only for float arrays).
+A filter that marks a leaf trainable which is not a float array is an error naming the leaf (gradients and optimizer
+state exist only for float arrays).
 
-Layer-wise ZeRO-3: layers stacked with ``eqx.filter_vmap`` over a layer axis
-are declared with ``stacked=``; running them with :func:`scan_layers` lets a
-``make_train_step(..., gather="manual")`` step gather one layer at a time.
+Layer-wise ZeRO-3: layers stacked with ``eqx.filter_vmap`` over a layer axis are declared with ``stacked=``; running
+them with :func:`scan_layers` lets a ``make_train_step(..., gather="manual")`` step gather one layer at a time.
+Unscanned blocks (a list of layers called in a loop) are named with ``layers=``: a manual step (then the default)
+swaps each for a stand-in that runs it through ``zj.apply_layer``'s chain, once on the whole batch under vmap.
 
 >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
 >>> import equinox as eqx
@@ -115,9 +110,8 @@ _DEPTH_FIX = (
 
 
 class _Hole:
-    """Marks, in ``params``, a model leaf that is not trained. It has no
-    children, so it is no leaf; unlike ``eqx.partition``'s ``None`` it is not
-    mistaken for a frozen gradient (zero_jax's ``None``)."""
+    """Marks, in ``params``, a model leaf that is not trained. It has no children, so it is no leaf; unlike
+    ``eqx.partition``'s ``None`` it is not mistaken for a frozen gradient (zero_jax's ``None``)."""
 
     def __repr__(self) -> str:
         return "<non-trainable>"
@@ -137,13 +131,11 @@ def _combine(params: Any, static: Any) -> Any:
 
 
 def _in_step_like(old: Any, new: Any) -> Any:
-    """``new`` typed like the carried value ``old`` it replaces. Inside the
-    step's ``shard_map`` every traced value carries the device mesh in its
-    type, but a constant the model writes (``eqx.nn.BatchNorm``'s
-    ``jnp.array(False)`` "first time" flag in its default ``"ema"`` mode)
-    does not, and ``State.set`` refuses the difference. The constant is made
-    a traced value of the same shape, dtype and value; anything that really
-    differs is left for ``State.set`` to report."""
+    """``new`` typed like the carried value ``old`` it replaces. Inside the step's ``shard_map`` every traced value
+    carries the device mesh in its type, but a constant the model writes (``eqx.nn.BatchNorm``'s
+    ``jnp.array(False)`` "first time" flag in its default ``"ema"`` mode) does not, and ``State.set`` refuses the
+    difference. The constant is made a traced value of the same shape, dtype and value; anything that really differs
+    is left for ``State.set`` to report."""
     new = jnp.asarray(new)
     want, got = jax.eval_shape(lambda: old), jax.eval_shape(lambda: new)
     if want != got and (want.shape, want.dtype) == (got.shape, got.dtype):
@@ -152,10 +144,9 @@ def _in_step_like(old: Any, new: Any) -> Any:
 
 
 class _CarriedState(eqx.nn.State):
-    """The ``eqx.nn.State`` the loss sees inside a train step: ``set`` accepts
-    constants for traced values (:func:`_in_step_like`). ``substate`` and
-    ``update`` keep the type, so stateful layers nested in a submodule work
-    alike; the loss's returned state becomes a plain ``eqx.nn.State`` again."""
+    """The ``eqx.nn.State`` the loss sees inside a train step: ``set`` accepts constants for traced values
+    (:func:`_in_step_like`). ``substate`` and ``update`` keep the type, so stateful layers nested in a submodule
+    work alike; the loss's returned state becomes a plain ``eqx.nn.State`` again."""
 
     def set(self, item: Any, value: Any) -> eqx.nn.State:
         old = self.get(item)
@@ -182,8 +173,8 @@ def _as_state(state: Any, cls: type) -> Any:
 
 
 def _states_as(tree: Any, cls: type) -> Any:
-    """Every ``eqx.nn.State`` in ``tree`` as a ``cls`` (leaves untouched, so
-    the step still sees which values the loss returned unchanged)."""
+    """Every ``eqx.nn.State`` in ``tree`` as a ``cls`` (leaves untouched, so the step still sees which values the
+    loss returned unchanged)."""
     is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
     return jax.tree.map(lambda x: _as_state(x, cls), tree, is_leaf=is_state)
 
@@ -235,10 +226,8 @@ NO_ARRAYS = (
 )
 
 
-
 def _check_not_unscanned(params: PyTree, prefixes: tuple[str, ...]) -> None:
-    """A ``stacked=`` prefix whose children are list items (no layer axis, whatever their leading sizes) is
-    an error pointing to ``layers=``."""
+    """A ``stacked=`` prefix over list items (no layer axis, whatever their sizes) is an error naming ``layers=``."""
     pairs = jax.tree_util.tree_flatten_with_path(params)[0]
     for prefix in prefixes:
         names = split_prefix(prefix)
@@ -253,9 +242,8 @@ def _check_not_unscanned(params: PyTree, prefixes: tuple[str, ...]) -> None:
 def _modules(tree: Any, prefix: tuple[Any, ...] = ()) -> dict[str, tuple[tuple[Any, ...], Any]]:
     """Every ``eqx.Module`` inside ``tree`` (not ``tree`` itself) by path name: its key path and the module."""
     out = {}
-    for path, node in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: x is not tree and isinstance(x, eqx.Module)
-    )[0]:
+    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree and isinstance(x, eqx.Module))
+    for path, node in pairs[0]:
         if isinstance(node, eqx.Module):
             out[path_str(prefix + path)] = (prefix + path, node)
             out.update(_modules(node, prefix + path))
@@ -265,22 +253,16 @@ def _modules(tree: Any, prefix: tuple[Any, ...] = ()) -> dict[str, tuple[tuple[A
 def _at(tree: Any, path: tuple[Any, ...]) -> Any:
     """The node of ``tree`` at a key path."""
     for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            tree = getattr(tree, k.name)
-        else:
-            tree = tree[k.idx if isinstance(k, jax.tree_util.SequenceKey) else k.key]
+        tree = getattr(tree, k.name) if hasattr(k, "name") else tree[getattr(k, "idx", getattr(k, "key", None))]
     return tree
 
 
 def _encode(x: Any) -> Any:
-    """An integer or bool array as float32, exactly (32-bit ones as their high and low 16 bits): it then
-    enters and leaves the per-block custom VJP as a float (non-float values are closed over there, and an
-    integer a previous block returned, batch norm's counter, would leak)."""
+    """An integer or bool array as float32, exactly (as two 16-bit halves), to pass the per-block custom VJP as a
+    float: non-float values are closed over there, and an integer a previous block returned (a counter) leaks."""
     if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return x
-    if x.dtype.itemsize < 4:
-        return x.astype(jnp.float32)
-    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.int32) if x.dtype.itemsize < 4 else x, jnp.uint32)
     return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
 
 
@@ -288,9 +270,9 @@ def _decode(f: Any, like: Any) -> Any:
     """:func:`_encode` undone: ``f`` back to the dtype of ``like``."""
     if not hasattr(like, "dtype") or f.dtype == like.dtype:
         return f
-    if like.dtype.itemsize < 4:
-        return f.astype(like.dtype)
-    return jax.lax.bitcast_convert_type((f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32), like.dtype)
+    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(u, like.dtype if like.dtype.itemsize == 4 else jnp.int32).astype(like.dtype)
+
 
 def _batched(x: Any) -> bool:
     """Whether ``x`` is batched by an enclosing ``jax.vmap`` (a probe whose vmap rule records it)."""
@@ -307,29 +289,6 @@ def _batched(x: Any) -> bool:
 
     probe(jax.lax.stop_gradient(x))
     return bool(seen and seen[0])
-
-
-def _encode(x: Any) -> Any:
-    """An integer or bool array as float32, exactly (32-bit ones as their high and low 16 bits), so that
-    it enters and leaves the chain's custom VJP as a float (non-float values would be closed over)."""
-    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jax.dtypes.issubdtype(
-        x.dtype, jax.dtypes.prng_key
-    ):
-        return x
-    if x.dtype.itemsize < 4:
-        return x.astype(jnp.float32)
-    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
-
-
-def _decode(f: Any, like: Any) -> Any:
-    """:func:`_encode` undone: ``f`` back to the dtype of ``like``."""
-    if f is like or not hasattr(like, "dtype") or f.dtype == like.dtype:
-        return f
-    if like.dtype.itemsize < 4:
-        return f.astype(like.dtype)
-    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(u, like.dtype)
 
 
 def _call_block(chain: LayerChain, index: int, static: Any, *args: Any, **kwargs: Any) -> Any:
@@ -349,8 +308,9 @@ def _chained(chain: LayerChain, index: int, static: Any, layer_fn: Callable[...,
     """``chain.call(index, layer_fn, *arrays)``, or under ``jax.vmap`` one call on the whole batch."""
     if not any(map(_batched, arrays)):
         return chain.call(index, layer_fn, *arrays)
-    names = [m.axis_name for m in [static, *(n for _, n in _modules(static).values())] if hasattr(m, "axis_name")]
-    axis = names[0] if names else None
+    axis = next(
+        (m.axis_name for m in [static, *(n for _, n in _modules(static).values())] if hasattr(m, "axis_name")), None
+    )
     block, block_def = jax.tree.flatten(chain.layers[index], is_leaf=is_sharded)
     shapes = [(x.shape, (x.arrays[0] if is_sharded(x) else x).dtype) for x in block]
     flags: list[Any] = []
@@ -365,16 +325,13 @@ def _chained(chain: LayerChain, index: int, static: Any, layer_fn: Callable[...,
 
         def on_batch(p: Any, *xs: Any) -> Any:
             run = functools.partial(layer_fn, p)
-            seen: list[Any] = []
 
-            def probe(*x: Any) -> Any:
-                out = run(*x)
-                seen.append(jax.tree.map(_batched, out))
+            def probe(*x: Any) -> Any:  # which outputs vary over the batch (batch statistics do not)
+                flags[:] = [jax.tree.map(_batched, out := run(*x))]
                 return out
 
             jax.eval_shape(jax.vmap(probe, in_axes=in_axes, axis_name=axis), *xs)
-            flags[:] = seen
-            out_axes = jax.tree.map(lambda b: 0 if b else None, seen[0])
+            out_axes = jax.tree.map(lambda b: 0 if b else None, flags[0])
             return jax.vmap(run, in_axes=in_axes, out_axes=out_axes, axis_name=axis)(*xs)
 
         return chain.call(index, on_batch, *a), flags[0]
@@ -392,9 +349,8 @@ class _Routed(eqx.Module):
 
 
 class _Layerwise:
-    """The blocks ``layers=`` matched and how a manual step runs them: one
-    :class:`LayerChain` per trace of the loss, each block replaced (``eqx.tree_at``)
-    by a :class:`_Routed` calling it through the chain, the rest gathered on use."""
+    """The blocks ``layers=`` matched; in a manual step one :class:`LayerChain` per trace, each block replaced
+    (``eqx.tree_at``) by a :class:`_Routed` calling it through the chain, the rest gathered on use."""
 
     def __init__(self, model: Any, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any) -> None:
         self.prefixes, self.prefetch = prefixes, prefetch
@@ -406,8 +362,7 @@ class _Layerwise:
         classes = {name: type(node) for name, (_, node) in modules.items()}
         self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
         check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
-        odd = [p for p in self.blocks.paths if p not in modules]
-        if odd:
+        if odd := [p for p in self.blocks.paths if p not in modules]:
             raise ValueError(NOT_MODULES.format(where=_WHERE, layers=layers, paths=odd))
         self.keys = [modules[p][0] for p in self.blocks.paths]
 
@@ -426,6 +381,7 @@ class _Layerwise:
 
 NOT_MODULES = "{where}: layers={layers!r} matched {paths}, which are not Equinox modules; match whole blocks."
 
+
 def from_equinox(
     model: eqx.Module,
     loss: Callable[[eqx.Module, PyTree], Any],
@@ -436,28 +392,27 @@ def from_equinox(
     layers: Any = None,
     prefetch: int = 1,
 ) -> Adapted:
-    """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or
-    ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
-    ``zj.make_train_step``.
+    """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``) becomes ``loss_fn(params,
+    batch)`` for ``zj.make_train_step``.
 
     Args:
       model: an ``eqx.Module`` (any pytree works).
       loss: the mean loss of ``model`` over the batch it is given.
-      trainable: an Equinox filter: a function of a leaf, or a ``filter_spec``
-        pytree of bools / functions (as ``eqx.partition`` takes). Default:
-        every floating-point array. Every selected leaf must be a float array.
-      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of
-        subtrees made with ``eqx.filter_vmap``, sharing a leading layer axis.
-      state: the model's ``eqx.nn.State`` (from ``eqx.nn.make_with_state``),
-        or any pytree of arrays the loss updates. Then the loss is
-        ``loss(model, state, batch) -> (out, new_state)`` and ``state`` is
-        ``adapted.model_state``, carried from step to step: train with
-        ``adapted.init_state`` / ``adapted.make_train_step`` (or pass
-        ``model_state=`` / ``stateful=True`` yourself).
+      trainable: an Equinox filter: a function of a leaf, or a ``filter_spec`` pytree of bools / functions (as
+        ``eqx.partition`` takes). Default: every floating-point array. Every selected leaf must be a float array.
+      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of subtrees made with ``eqx.filter_vmap``,
+        sharing a leading layer axis.
+      state: the model's ``eqx.nn.State`` (from ``eqx.nn.make_with_state``), or any pytree of arrays the loss
+        updates. Then the loss is ``loss(model, state, batch) -> (out, new_state)`` and ``state`` is
+        ``adapted.model_state``, carried from step to step: train with ``adapted.init_state`` /
+        ``adapted.make_train_step`` (or pass ``model_state=`` / ``stateful=True`` yourself).
+      layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
+        class; reported as ``adapted.layers``. An ``eqx.nn.State`` passed to a block goes through its call and back.
+      prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
 
     Returns:
-      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model,
-      or ``(model, state)`` with a ``state=`` (a TrainState's updated one).
+      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model, or ``(model, state)`` with a
+      ``state=`` (a TrainState's updated one).
     """
     if not callable(loss):
         sig = "loss(model, batch)" if state is None else "loss(model, state, batch)"
@@ -501,7 +456,13 @@ def from_equinox(
         return to_model(state_or_params), model_state_of(state_or_params, model_state, state)
 
     return Adapted(
-        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, static, to_stateful_model, state, True,
+        params,
+        stateful_signature(stateful_loss_fn, _WHERE),
+        prefixes,
+        static,
+        to_stateful_model,
+        state,
+        True,
         layers=lw.blocks,
     )
 
@@ -514,15 +475,13 @@ def scan_layers(
     prefetch: int = 1,
     remat: bool = True,
 ) -> Any:
-    """``carry = fn(layer, carry)`` for each layer of ``layers``, an Equinox
-    module whose arrays are stacked on a leading layer axis
-    (``eqx.filter_vmap``): the drop-in for the usual
-    ``lax.scan`` over ``eqx.partition(layers, eqx.is_array)``.
+    """``carry = fn(layer, carry)`` for each layer of ``layers``, an Equinox module whose arrays are stacked on a
+    leading layer axis (``eqx.filter_vmap``): the drop-in for the usual ``lax.scan`` over ``eqx.partition(layers,
+    eqx.is_array)``.
 
-    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted
-    with ``stacked=`` naming this subtree, each layer's parameters are
-    gathered just before use and dropped after (``zj.scan_layers``).
-    Anywhere else it is a per-layer-checkpointed ``lax.scan``.
+    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted with ``stacked=`` naming this
+    subtree, each layer's parameters are gathered just before use and dropped after (``zj.scan_layers``). Anywhere
+    else it is a per-layer-checkpointed ``lax.scan``.
 
     >>> import jax, jax.numpy as jnp, equinox as eqx
     >>> from zero_jax.adapters import equinox as zj_eqx

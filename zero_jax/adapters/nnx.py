@@ -1,33 +1,27 @@
 """Flax NNX models under ZeRO: ``from_nnx`` and the layer-wise ``scan_layers``.
 
-The model is split once with ``nnx.split(model, trainable, ...)``: the
-trainable variables (``nnx.Param`` by default) become ``params``, a nested
-dict of arrays keyed by attribute path (``layers/lin/kernel``); everything
-else (``nnx.BatchStat``, RNG keys and counts, any other ``nnx.Variable``) is
-``non_trainable``. ``loss_fn(params, batch)`` merges a fresh model from both
-(``nnx.merge``) and calls ``loss(model, batch)``.
+The model is split once with ``nnx.split(model, trainable, ...)``: the trainable variables (``nnx.Param`` by
+default) become ``params``, a nested dict of arrays keyed by attribute path (``layers/lin/kernel``); everything else
+(``nnx.BatchStat``, RNG keys and counts, any other ``nnx.Variable``) is ``non_trainable``. ``loss_fn(params,
+batch)`` merges a fresh model from both (``nnx.merge``) and calls ``loss(model, batch)``.
 
-Non-trainable state is never trained and never partitioned: every device
-holds it whole. A loss that *updates* it (batch norm in training mode
-updating its running statistics, ``nnx.Dropout`` advancing the model's RNG
-counts) has its updates carried from step to step (``state_updates="carry"``,
-the default): the non-trainable arrays (every one but RNG keys, which NNX
-never changes) are the adapter's ``model_state``, held in
-``TrainState.model_state``, and ``loss_fn`` has the stateful signature
-(``adapted.stateful``). Each device updates them from its own slice of the
-batch and the step averages float values over the devices (data-parallel
-batch norm, as PyTorch DDP; RNG counts agree). A variable the loss leaves
-alone keeps its value bitwise. ``state_updates="discard"`` drops the updates
-on purpose (the model's state is then a constant; a discarded RNG count
-replays the same dropout mask every step) and ``"error"`` raises naming the
-variable the loss updated.
+Non-trainable state is never trained and never partitioned: every device holds it whole. A loss that *updates* it
+(batch norm in training mode updating its running statistics, ``nnx.Dropout`` advancing the model's RNG counts) has
+its updates carried from step to step (``state_updates="carry"``, the default): the non-trainable arrays (every one
+but RNG keys, which NNX never changes) are the adapter's ``model_state``, held in ``TrainState.model_state``, and
+``loss_fn`` has the stateful signature (``adapted.stateful``). Each device updates them from its own slice of the
+batch and the step averages float values over the devices (data-parallel batch norm, as PyTorch DDP; RNG counts
+agree). A variable the loss leaves alone keeps its value bitwise. ``state_updates="discard"`` drops the updates on
+purpose (the model's state is then a constant; a discarded RNG count replays the same dropout mask every step) and
+``"error"`` raises naming the variable the loss updated.
 
-Layer-wise ZeRO-3: stacked layers (made with ``nnx.vmap`` over a layer axis)
-are declared with ``stacked=`` so the policy never cuts that axis. Running
-the stack with :func:`scan_layers` instead of ``nnx.scan`` lets a
-``make_train_step(..., gather="manual")`` step gather one layer at a time
-(``zj.scan_layers``); elsewhere (``gather="all"``, evaluation) it is a plain
-scan, so one model runs everywhere.
+Layer-wise ZeRO-3: stacked layers (made with ``nnx.vmap`` over a layer axis) are declared with ``stacked=`` so the
+policy never cuts that axis. Running the stack with :func:`scan_layers` instead of ``nnx.scan`` lets a
+``make_train_step(..., gather="manual")`` step gather one layer at a time (``zj.scan_layers``); elsewhere
+(``gather="all"``, evaluation) it is a plain scan, so one model runs everywhere. Unscanned blocks (an ``nnx.List``
+of modules called in a Python loop) are named with ``layers=``: in a manual step (the default of
+``adapted.make_train_step`` then) each is swapped, in the rebuilt model, for a stand-in whose call runs the block
+through ``zj.apply_layer``'s chain (gathered just before use, in both passes); the model is not rewritten.
 
 >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
 >>> from flax import nnx
@@ -119,8 +113,8 @@ def _strip(path: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class _Rebuild:
-    """Turns a pure dict of (possibly Sharded) values back into an ``nnx.State``
-    of fresh Variables, so a merged model never aliases the template's."""
+    """Turns a pure dict of (possibly Sharded) values back into an ``nnx.State`` of fresh Variables, so a merged
+    model never aliases the template's."""
 
     def __init__(self, state: nnx.State) -> None:
         pairs, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -250,10 +244,8 @@ def _check_inputs(model: Any, loss: Any, state_updates: Any) -> None:
         raise ValueError(f"{_WHERE}: state_updates must be 'carry', 'discard' or 'error', got {state_updates!r}.")
 
 
-
 def check_not_unscanned(params: PyTree, prefixes: tuple[str, ...], where: str) -> None:
-    """A ``stacked=`` prefix whose children are list items (no layer axis, whatever their leading sizes) is
-    an error pointing to ``layers=``."""
+    """A ``stacked=`` prefix over list items (no layer axis, whatever their sizes) is an error naming ``layers=``."""
     pairs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
     for prefix in prefixes:
         names = split_prefix(prefix)
@@ -266,14 +258,11 @@ def check_not_unscanned(params: PyTree, prefixes: tuple[str, ...], where: str) -
 
 
 def encode(x: Any) -> Any:
-    """An integer or bool array as float32, exactly (32-bit ones as their high and low 16 bits): it then
-    enters and leaves the per-block custom VJP as a float (non-float values are closed over there, and an
-    integer a previous block returned, an RNG count, would leak)."""
+    """An integer or bool array as float32, exactly (as two 16-bit halves), to pass the per-block custom VJP as a
+    float: non-float values are closed over there, and an integer a previous block returned (an RNG count) leaks."""
     if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return x
-    if x.dtype.itemsize < 4:
-        return x.astype(jnp.float32)
-    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.int32) if x.dtype.itemsize < 4 else x, jnp.uint32)
     return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
 
 
@@ -281,9 +270,8 @@ def decode(f: Any, like: Any) -> Any:
     """:func:`encode` undone: ``f`` back to the dtype of ``like``."""
     if not hasattr(like, "dtype") or f.dtype == like.dtype:
         return f
-    if like.dtype.itemsize < 4:
-        return f.astype(like.dtype)
-    return jax.lax.bitcast_convert_type((f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32), like.dtype)
+    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(u, like.dtype if like.dtype.itemsize == 4 else jnp.int32).astype(like.dtype)
 
 
 def _get(parent: Any, key: Any) -> Any:
@@ -291,10 +279,7 @@ def _get(parent: Any, key: Any) -> Any:
 
 
 def _put(parent: Any, key: Any, value: Any) -> None:
-    if isinstance(key, int):
-        parent[key] = value
-    else:
-        setattr(parent, key, value)
+    parent.__setitem__(key, value) if isinstance(key, int) else setattr(parent, key, value)
 
 
 def _node(model: Any, keys: tuple[Any, ...]) -> Any:
@@ -304,9 +289,8 @@ def _node(model: Any, keys: tuple[Any, ...]) -> Any:
 
 
 class _Routed:
-    """Stands in for block ``index`` while a manual step traces the loss: its
-    call runs through the chain, the block's non-trainable state passed in
-    and its update written back into the block."""
+    """Stands in for block ``index`` while a manual step traces the loss: its call runs through the chain, the
+    block's non-trainable state passed in and its update written back into the block."""
 
     def __init__(self, block: nnx.Module, index: int, chain: LayerChain, spec: Any, not_trainable: Any) -> None:
         self.block, self.index, self.chain, self.spec, self.not_trainable = block, index, chain, spec, not_trainable
@@ -337,9 +321,8 @@ class _Routed:
 
 
 class _Layerwise:
-    """The blocks ``layers=`` matched and how a manual step runs them: one
-    :class:`LayerChain` per trace of the loss, each block's call routed
-    through it (:class:`_Routed`), everything else gathered on use."""
+    """The blocks ``layers=`` matched and how a manual step runs them: one :class:`LayerChain` per trace of the
+    loss, each block's call routed through it (:class:`_Routed`), everything else gathered on use."""
 
     def __init__(self, model: nnx.Module, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any,
                  trainable: Any) -> None:  # fmt: skip
@@ -380,6 +363,7 @@ class _Layerwise:
             for parent, key, block in placed:
                 _put(parent, key, block)
 
+
 def from_nnx(
     model: nnx.Module,
     loss: Callable[[nnx.Module, PyTree], Any],
@@ -390,31 +374,30 @@ def from_nnx(
     layers: Any = None,
     prefetch: int = 1,
 ) -> Adapted:
-    """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``)
-    becomes ``loss_fn(params, batch)`` for ``zj.make_train_step``.
+    """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``) becomes ``loss_fn(params,
+    batch)`` for ``zj.make_train_step``.
 
     Args:
       model: an ``nnx.Module`` (not modified).
       loss: the mean loss of ``model`` over the batch it is given.
-      trainable: an NNX filter (default ``nnx.Param``) selecting the trained
-        variables; all others are held constant (see the module docstring).
-      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of
-        subtrees made with ``nnx.vmap``; every variable under one must share
-        the leading layer axis. Pass ``adapted.stacked`` to the policy (or use
+      trainable: an NNX filter (default ``nnx.Param``) selecting the trained variables; all others are held constant
+        (see the module docstring).
+      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of subtrees made with ``nnx.vmap``; every
+        variable under one must share the leading layer axis. Pass ``adapted.stacked`` to the policy (or use
         ``adapted.policy(...)``).
-      state_updates: ``"carry"`` (default): the non-trainable arrays (all
-        but RNG keys) are ``adapted.model_state`` and updates to them are
-        carried from step to step (``adapted.stateful`` is True when the model
-        has any; train with ``adapted.init_state`` / ``adapted.make_train_step``
-        or pass ``model_state=`` / ``stateful=True`` yourself).
-        ``"discard"`` drops updates (the state is a constant of the loss);
-        ``"error"`` raises when the loss updates a variable.
+      state_updates: ``"carry"`` (default): the non-trainable arrays (all but RNG keys) are ``adapted.model_state``
+        and updates to them are carried from step to step (``adapted.stateful`` is True when the model has any;
+        train with ``adapted.init_state`` / ``adapted.make_train_step`` or pass ``model_state=`` / ``stateful=True``
+        yourself). ``"discard"`` drops updates (the state is a constant of the loss); ``"error"`` raises when the
+        loss updates a variable.
+
+      layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
+        class; reported as ``adapted.layers``. Their state (batch statistics) goes through each call and back.
+      prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
 
     Returns:
-      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns a new
-      ``nnx.Module`` with the state's updated model state (use
-      ``nnx.update(model, nnx.state(new))`` to write the trained values into
-      the original object).
+      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns a new ``nnx.Module`` with the state's updated
+      model state (use ``nnx.update(model, nnx.state(new))`` to write the trained values into the original object).
     """
     _check_inputs(model, loss, state_updates)
     prefixes = normalize_prefixes(stacked, _WHERE)
@@ -482,19 +465,15 @@ def scan_layers(
     prefetch: int = 1,
     remat: bool = True,
 ) -> Any:
-    """``carry = fn(layer, carry)`` for each layer of ``layers``, an NNX module
-    whose variables are stacked on a leading layer axis (``nnx.vmap``): the
-    drop-in for ``nnx.scan(fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)``.
+    """``carry = fn(layer, carry)`` for each layer of ``layers``, an NNX module whose variables are stacked on a
+    leading layer axis (``nnx.vmap``): the drop-in for ``nnx.scan(fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)``.
 
-    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted
-    with ``stacked=`` naming this subtree, each layer's parameters are
-    gathered just before use and dropped after (``zj.scan_layers``: ZeRO-3
-    never holds more than a layer or two). Anywhere else it is a
-    per-layer-checkpointed ``lax.scan``.
+    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted with ``stacked=`` naming this
+    subtree, each layer's parameters are gathered just before use and dropped after (``zj.scan_layers``: ZeRO-3
+    never holds more than a layer or two). Anywhere else it is a per-layer-checkpointed ``lax.scan``.
 
-    ``fn`` must not update the layer's variables (the layer scan has nowhere
-    to keep the update, even with ``state_updates="carry"``): that raises
-    unless the model was adapted with ``state_updates="discard"``.
+    ``fn`` must not update the layer's variables (the layer scan has nowhere to keep the update, even with
+    ``state_updates="carry"``): that raises unless the model was adapted with ``state_updates="discard"``.
 
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
