@@ -232,8 +232,8 @@ def _check_not_unscanned(params: PyTree, prefixes: tuple[str, ...]) -> None:
     for prefix in prefixes:
         names = split_prefix(prefix)
         keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
-        index = sorted(getattr(k, "idx", getattr(k, "key", None)) for k in keys)
-        if len(index) >= 2 and all(type(i) is int for i in index):
+        index = sorted(i for i in (getattr(k, "idx", getattr(k, "key", None)) for k in keys) if type(i) is int)
+        if len(index) >= 2 and len(index) == len(keys):
             first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
             text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
             raise ValueError(f"{_WHERE}: {text}")
