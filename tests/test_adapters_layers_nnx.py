@@ -190,3 +190,40 @@ def test_nnx_layerwise_memory_and_gathers_per_block() -> None:
         # output bias is not needed by the vector-Jacobian product, so XLA drops its re-gather).
         assert sorted(forward) == ["f32[64,64]{1,0}"] * 2 + ["f32[64]{0}"] * 2, (i, forward)
         assert sorted(backward)[:2] == ["f32[64,64]{1,0}"] * 2 and len(backward) == 3, (i, backward)
+
+
+class DropBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.drop(jnp.tanh(self.lin(x)))
+
+
+class DropNet(nnx.Module):
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0, dropout=1)
+        self.embed = nnx.Linear(8, D, rngs=rngs)
+        self.blocks = nnx.List([DropBlock(rngs) for _ in range(3)])
+        self.head = nnx.Linear(D, 4, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.slow
+def test_nnx_dropout_rng_counts_inside_blocks() -> None:
+    adapted = zj.adapters.from_nnx(DropNet(), loss, layers="auto")
+    batches = _batches()
+    layerwise, _, losses = _train(adapted, 3, batches)
+    whole, _, losses_all = _train(adapted, 3, batches, gather="all")
+    # The same dropout masks: each block's uint32 RNG count goes into its call and comes back exactly.
+    assert losses == losses_all
+    assert _err(zj.full_params(layerwise), zj.full_params(whole), adapted.params) <= 1e-6
+    counts = jax.tree.leaves(layerwise.model_state)
+    assert [(c.dtype, int(c)) for c in counts] == [(jnp.dtype(jnp.uint32), 2)] * 3
+    assert counts == jax.tree.leaves(whole.model_state)
