@@ -109,9 +109,9 @@ def test_nnx_layerwise_bf16_compute_matches_gather_all() -> None:
     fp32, _, _ = _train(adapted, 3, batches, gather="all")
     start = adapted.params
     gap = _err(zj.full_params(layerwise), zj.full_params(whole), start)
-    # Same bf16 arithmetic, block by block: far closer to gather="all" than bf16 is to fp32.
-    assert gap <= 1e-2 and gap < 0.2 * _err(zj.full_params(whole), zj.full_params(fp32), start)
-    np.testing.assert_allclose(losses, losses_all, rtol=1e-2)
+    # The same bf16 arithmetic, block by block (measured: bitwise equal, 0.0; bf16 vs fp32 is 5e-3 to 1.3e-2).
+    assert gap <= 1e-4 and gap < 0.01 * _err(zj.full_params(whole), zj.full_params(fp32), start)
+    np.testing.assert_allclose(losses, losses_all, rtol=1e-4)
 
 
 @pytest.mark.slow
