@@ -28,6 +28,13 @@ Without any, ``adapted.stateful`` is False and the plain
 ``zj.init_state(adapted.params, ...)`` / ``zj.make_train_step(adapted.loss_fn,
 ...)`` path is the same thing.
 
+Unscanned models (a Python loop over blocks: ``h_0 … h_N``, a list of
+blocks) train block by block with ``layers=``: ``from_linen(module, variables,
+loss, layers="auto")`` (or a key-path pattern such as ``"transformer/h/*"``,
+or the block's class). Each matched block is gathered just before its call,
+in both passes, by a ``gather="manual"`` step (``adapted.make_train_step``'s
+default then); ``adapted.layers`` says what was found.
+
 Flax and Equinox are imported only when their adapter is used
 (``pip install 'zero_jax[adapters]'``). Layer-by-layer ZeRO-3
 (``gather="manual"``) for stacked layers: ``zero_jax.adapters.nnx.scan_layers``,

@@ -106,8 +106,9 @@ BAD_LAYERS = (
     "class or a tuple of classes; got {got}."
 )
 NO_CLASSES = (
-    "{where}: layers={layers!r} names module classes, but this model gives no submodule classes to match; pass a "
-    "key-path pattern such as {example!r} or 'auto'."
+    "{where}: layers={layers!r} names module classes, but no submodule of that class is known before the model "
+    "runs (Linen: read from setup() submodules and from automatic names like Block_0; a compact submodule given "
+    "its own name is not). Pass a key-path pattern such as {example!r}, or 'auto'."
 )
 
 
@@ -215,9 +216,11 @@ def _match_pattern(pattern: str, nodes: Mapping[Path, Any]) -> list[Path]:
 def _match_classes(
     layers: Any, classes: Mapping[str, type] | None, nodes: Mapping[Path, Any], where: str
 ) -> list[Path]:
-    if not classes:
-        raise ValueError(NO_CLASSES.format(where=where, layers=layers, example="h/*"))
     wanted = layers if isinstance(layers, tuple) else (layers,)
+    if not any(isinstance(c, type) and issubclass(c, wanted) for c in (classes or {}).values()):
+        groups = repeated_groups(nodes[()])
+        example = group_pattern(groups[0]) if groups else "h/*"
+        raise ValueError(NO_CLASSES.format(where=where, layers=layers, example=example))
     return [
         _split(path)
         for path, cls in classes.items()
@@ -331,18 +334,22 @@ def inside(path: str | Path, blocks: Blocks | None) -> bool:
     return blocks is not None and any(names[: len(b)] == b for b in map(_split, blocks.paths))
 
 
-def gather_outside(params: PyTree, blocks: Blocks, where: str) -> PyTree:
+def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[str, ...] = ()) -> PyTree:
     """In a manual-gather step: every ``zj.Sharded`` leaf outside the blocks
-    gathered whole (with the step's policy); the blocks' leaves stay pieces
-    for the per-block primitive. Whole parameters pass through."""
+    (and outside the subtrees ``keep`` names: ``stacked=`` prefixes for
+    ``scan_layers``) gathered whole (with the step's policy); the blocks'
+    leaves stay pieces for the per-block primitive. Whole parameters pass
+    through."""
     if not any(_is_leaf(x) for x in jax.tree.leaves(params, is_leaf=_is_leaf)):
         return params
     policy = _layers.current_scope().policy
     if policy is None:  # pragma: no cover - Sharded nodes only exist inside a manual step
         raise RuntimeError(f"{where}: got partitioned parameters outside a train step.")
 
+    kept = blocks._replace(paths=blocks.paths + tuple(keep))
+
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if _is_leaf(x) and not inside(tuple(key_name(k) for k in path), blocks):
+        if _is_leaf(x) and not inside(tuple(key_name(k) for k in path), kept):
             return _layers.gather(x, policy)
         return x
 

@@ -7,7 +7,7 @@ Nothing here imports Flax or Equinox.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -153,8 +153,8 @@ _DEPTHS = (
 )
 UNSCANNED_STACK = (
     "stacked={prefix!r} names unscanned blocks: {first} … {last} ({count} sibling subtrees of identical structure, "
-    "no common leading layer axis: their leading sizes are hidden sizes, not a layer count). Drop {prefix!r} from "
-    "stacked= and pass layers={pattern!r} (or layers='auto') to gather them block by block."
+    "not one stack with a leading layer axis: their leading sizes are hidden sizes, not a layer count). Drop "
+    "{prefix!r} from stacked= and pass layers={pattern!r} (or layers='auto') to gather them block by block."
 )
 
 
@@ -170,17 +170,19 @@ def _stack_problem(prefix: str, param_leaves: list[Any], other_leaves: list[Any]
     for p, x in mine:
         shape = _shape(x)
         depths.setdefault(shape[0] if shape else None, []).append(f"'{path_str(p)}' {shape}")
-    if len(depths) == 1 and None not in depths:
-        return None
-    unscanned = _unscanned_under(names, mine)
+    consistent = len(depths) == 1 and None not in depths
+    # Unscanned blocks: a depth disagreement, or list entries (0, 1, ...) whose hidden sizes happen to agree.
+    unscanned = _unscanned_under(names, mine, numbered_only=consistent)
     if unscanned is not None:
         return unscanned, False
+    if consistent:
+        return None
     (common, _), *_ = sorted(depths.items(), key=lambda kv: -len(kv[1]))
     odd = [f"{leaf} (depth {d})" for d, leaves in depths.items() if d != common for leaf in leaves]
     return _DEPTHS.format(prefix=prefix, common=common, example=depths[common][0], odd=", ".join(odd)), True
 
 
-def _unscanned_under(names: tuple[str, ...], leaves: list[Any]) -> str | None:
+def _unscanned_under(names: tuple[str, ...], leaves: list[Any], *, numbered_only: bool) -> str | None:
     """The message for a ``stacked=`` prefix whose children are unscanned blocks, or None."""
     n = len(names)
     tree: dict[str, Any] = {}
@@ -190,7 +192,7 @@ def _unscanned_under(names: tuple[str, ...], leaves: list[Any]) -> str | None:
         for k in parents:
             node = node.setdefault(k, {})
         node[last] = x
-    groups = [g for g in repeated_groups(tree) if len(g[0]) == 1]
+    groups = [g for g in repeated_groups(tree) if len(g[0]) == 1 and (g[0][0].isdigit() or not numbered_only)]
     if not groups:
         return None
     g = groups[0]
@@ -320,6 +322,36 @@ def scan_stacked(
         body, scanned, (carry, jnp.zeros((), jnp.float32)), policy, prefetch=prefetch, remat=remat
     )
     return out
+
+
+NOT_OUT_UPDATES = (
+    "{where}: with mutable={mutables} the loss must return (out, updates), updates being the dict of updated "
+    "collections that module.apply(variables, x, mutable=[...]) returns besides its output; got {got}."
+)
+EXTRA_COLLECTIONS = (
+    "{where}: the loss returned updated {extra}, which {verb} not in mutable={mutables}: add {them} to mutable= "
+    "to carry {them}, or leave {them} out of what the loss returns."
+)
+
+
+def carried_updates(
+    result: Any, mutables: tuple[str, ...], model_state: PyTree, where: str, thaw: Callable[[Any], Any]
+) -> tuple[Any, PyTree]:
+    """A stateful loss's ``(out, updates)`` -> ``(out, new model state)``: every
+    ``mutable=`` collection, updated or as it was (``thaw``: Flax's
+    ``unfreeze``, for a FrozenDict of updates)."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+        raise TypeError(NOT_OUT_UPDATES.format(where=where, mutables=list(mutables), got=type(result).__name__))
+    out, updates = result
+    extra = sorted(set(updates) - set(mutables))
+    if extra:
+        one = len(extra) == 1
+        shown = ("collection " if one else "collections ") + ", ".join(repr(c) for c in extra)
+        verb, them = ("is", "it") if one else ("are", "them")
+        raise ValueError(
+            EXTRA_COLLECTIONS.format(where=where, extra=shown, verb=verb, them=them, mutables=list(mutables))
+        )
+    return out, {c: thaw(updates[c]) if c in updates else model_state[c] for c in mutables}
 
 
 NOT_FLOAT = (

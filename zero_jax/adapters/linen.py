@@ -58,6 +58,30 @@ Batch norm in training mode: ``mutable=`` names the collections the loss updates
 >>> state, metrics = step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})
 >>> sorted(adapted.to_model(state))  # with the updated batch statistics
 ['batch_stats', 'params']
+
+An unscanned model, as people write one (a Python loop over blocks), trained
+block by block: ``layers="auto"`` finds ``Dense_0 … Dense_2`` and the step
+gathers each just before its call, in both passes.
+
+>>> class Deep(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         for _ in range(3):
+...             x = jnp.tanh(nn.Dense(4)(x))
+...         return x
+>>> deep = Deep()
+>>> variables = deep.init(jax.random.key(0), jnp.ones((1, 4)))
+>>> def deep_loss(variables, batch):
+...     return jnp.mean((deep.apply(variables, batch["x"]) - batch["y"]) ** 2)
+>>> adapted = zj.adapters.from_linen(deep, variables, deep_loss, layers="auto")
+>>> print(adapted.layers)
+3 blocks at Dense_0 … Dense_2, 80 B each
+>>> policy = adapted.policy(stage=3, mesh=policy.mesh, min_shard_size=0)
+>>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+>>> step = adapted.make_train_step(tx, policy)  # gather="manual"
+>>> state, metrics = step(adapted.init_state(tx, policy), {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 4))})
+>>> bool(metrics["finite"])
+True
 """
 
 from __future__ import annotations
@@ -86,6 +110,7 @@ from zero_jax.adapters._blocks import (
 from zero_jax.adapters._common import (
     Adapted,
     active_policy,
+    carried_updates,
     check_declared_blocks,
     check_stacked,
     check_trainable_floats,
@@ -281,7 +306,7 @@ def from_linen(
 
     def stateful_loss_fn(params: PyTree, model_state: PyTree, batch: PyTree) -> Any:
         result = run(params, lambda p: loss({**as_variables(p), **model_state}, batch))
-        return _carried_updates(result, mutables, model_state)
+        return carried_updates(result, mutables, model_state, _WHERE, unfreeze)
 
     def to_stateful_model(state_or_params: Any, model_state: PyTree = None) -> dict[str, Any]:
         ms = model_state_of(state_or_params, model_state, initial)
@@ -290,33 +315,6 @@ def from_linen(
     return Adapted(
         params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True, blocks
     )
-
-
-_NOT_OUT_UPDATES = (
-    "{where}: with mutable={mutables} the loss must return (out, updates), updates being the dict of updated "
-    "collections that module.apply(variables, x, mutable=[...]) returns besides its output; got {got}."
-)
-_EXTRA_COLLECTIONS = (
-    "{where}: the loss returned updated {extra}, which {verb} not in mutable={mutables}: add {them} to mutable= "
-    "to carry {them}, or leave {them} out of what the loss returns."
-)
-
-
-def _carried_updates(result: Any, mutables: tuple[str, ...], model_state: PyTree) -> tuple[Any, PyTree]:
-    """A stateful loss's ``(out, updates)`` -> ``(out, new model state)``: every
-    ``mutable=`` collection, updated or as it was."""
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
-        raise TypeError(_NOT_OUT_UPDATES.format(where=_WHERE, mutables=list(mutables), got=type(result).__name__))
-    out, updates = result
-    extra = sorted(set(updates) - set(mutables))
-    if extra:
-        one = len(extra) == 1
-        shown = ("collection " if one else "collections ") + ", ".join(repr(c) for c in extra)
-        verb, them = ("is", "it") if one else ("are", "them")
-        raise ValueError(
-            _EXTRA_COLLECTIONS.format(where=_WHERE, extra=shown, verb=verb, them=them, mutables=list(mutables))
-        )
-    return out, {c: unfreeze(updates[c]) if c in updates else model_state[c] for c in mutables}
 
 
 class _Pieces:
@@ -397,7 +395,7 @@ class _Runner:
             params = gather_unstacked(params, self.prefixes, _WHERE)
             with explain_unscanned_pieces(params, self.prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
                 return run(_box(params, self.prefixes))
-        params = gather_unstacked(gather_outside(params, self.blocks, _WHERE), self.prefixes, _WHERE)
+        params = gather_outside(params, self.blocks, _WHERE, keep=self.prefixes)
         chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
         index = {tuple(split_prefix(p)): i for i, p in enumerate(self.blocks.paths)}
         with (
