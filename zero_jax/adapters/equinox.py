@@ -1,32 +1,27 @@
 """Equinox models under ZeRO: ``from_equinox`` and the layer-wise ``scan_layers``.
 
-The model is split once with ``eqx.partition(model, trainable)``: the leaves
-the filter selects (``eqx.is_inexact_array`` by default: every float array)
-are ``params``, an Equinox module with an empty placeholder where the other
-leaves were (``None`` would read as a frozen gradient);
-everything else (integer arrays, float arrays the filter leaves out, and
-non-array leaves: activation functions, Python numbers, strings) is
-``non_trainable``, held constant by ``loss_fn``. ``loss_fn(params, batch)``
-rebuilds the model with ``eqx.combine`` and calls ``loss(model, batch)``.
-Equinox never updates a model in place, so nothing can be lost silently.
+The model is split once with ``eqx.partition(model, trainable)``: the leaves the filter selects
+(``eqx.is_inexact_array`` by default: every float array) are ``params``, an Equinox module with an empty placeholder
+where the other leaves were (``None`` would read as a frozen gradient); everything else (integer arrays, float
+arrays the filter leaves out, and non-array leaves: activation functions, Python numbers, strings) is
+``non_trainable``, held constant by ``loss_fn``. ``loss_fn(params, batch)`` rebuilds the model with ``eqx.combine``
+and calls ``loss(model, batch)``. Equinox never updates a model in place, so nothing can be lost silently.
 
-Stateful layers (``eqx.nn.BatchNorm``, made with ``eqx.nn.make_with_state``)
-keep their state in an ``eqx.nn.State``: pass it as
-``from_equinox(model, loss, state=state)`` with ``loss(model, state, batch) ->
-(out, new_state)`` (the usual Equinox way of threading it). It becomes the
-adapter's ``model_state`` (``TrainState.model_state``): each device updates
-it from its slice of the batch and the step averages float values over the
-devices (data-parallel batch norm; integer and bool values, such as the
-``"ema"`` mode's first-step flag, must agree and are taken as their maximum);
-``to_model(train_state)`` returns ``(model, state)``. Every ``BatchNorm``
-mode works, the default one included.
+Stateful layers (``eqx.nn.BatchNorm``, made with ``eqx.nn.make_with_state``) keep their state in an
+``eqx.nn.State``: pass it as ``from_equinox(model, loss, state=state)`` with ``loss(model, state, batch) -> (out,
+new_state)`` (the usual Equinox way of threading it). It becomes the adapter's ``model_state``
+(``TrainState.model_state``): each device updates it from its slice of the batch and the step averages float values
+over the devices (data-parallel batch norm; integer and bool values, such as the ``"ema"`` mode's first-step flag,
+must agree and are taken as their maximum); ``to_model(train_state)`` returns ``(model, state)``. Every
+``BatchNorm`` mode works, the default one included.
 
-A filter that marks a leaf trainable which is not a float array is an error
-naming the leaf (gradients and optimizer state exist only for float arrays).
+A filter that marks a leaf trainable which is not a float array is an error naming the leaf (gradients and optimizer
+state exist only for float arrays).
 
-Layer-wise ZeRO-3: layers stacked with ``eqx.filter_vmap`` over a layer axis
-are declared with ``stacked=``; running them with :func:`scan_layers` lets a
-``make_train_step(..., gather="manual")`` step gather one layer at a time.
+Layer-wise ZeRO-3: layers stacked with ``eqx.filter_vmap`` over a layer axis are declared with ``stacked=``; running
+them with :func:`scan_layers` lets a ``make_train_step(..., gather="manual")`` step gather one layer at a time.
+Unscanned blocks (a list of layers called in a loop) are named with ``layers=``: a manual step (then the default)
+swaps each for a stand-in that runs it through ``zj.apply_layer``'s chain, once on the whole batch under vmap.
 
 >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
 >>> import equinox as eqx
@@ -68,6 +63,7 @@ With an ``eqx.nn.State``:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,9 +72,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._tree import PyTree, path_str
+from zero_jax._layerwise import LayerChain
+from zero_jax._tree import PyTree, path_str, split_prefix, under
+from zero_jax.adapters._blocks import (
+    Blocks,
+    block_params,
+    check_layer_options,
+    find_blocks,
+    gather_outside,
+    repeated_groups,
+    split_arrays,
+)
 from zero_jax.adapters._common import (
+    UNSCANNED_STACK,
     Adapted,
+    active_policy,
+    check_declared_blocks,
     check_stacked,
     describe,
     explain_unscanned_pieces,
@@ -101,9 +110,8 @@ _DEPTH_FIX = (
 
 
 class _Hole:
-    """Marks, in ``params``, a model leaf that is not trained. It has no
-    children, so it is no leaf; unlike ``eqx.partition``'s ``None`` it is not
-    mistaken for a frozen gradient (zero_jax's ``None``)."""
+    """Marks, in ``params``, a model leaf that is not trained. It has no children, so it is no leaf; unlike
+    ``eqx.partition``'s ``None`` it is not mistaken for a frozen gradient (zero_jax's ``None``)."""
 
     def __repr__(self) -> str:
         return "<non-trainable>"
@@ -123,13 +131,11 @@ def _combine(params: Any, static: Any) -> Any:
 
 
 def _in_step_like(old: Any, new: Any) -> Any:
-    """``new`` typed like the carried value ``old`` it replaces. Inside the
-    step's ``shard_map`` every traced value carries the device mesh in its
-    type, but a constant the model writes (``eqx.nn.BatchNorm``'s
-    ``jnp.array(False)`` "first time" flag in its default ``"ema"`` mode)
-    does not, and ``State.set`` refuses the difference. The constant is made
-    a traced value of the same shape, dtype and value; anything that really
-    differs is left for ``State.set`` to report."""
+    """``new`` typed like the carried value ``old`` it replaces. Inside the step's ``shard_map`` every traced value
+    carries the device mesh in its type, but a constant the model writes (``eqx.nn.BatchNorm``'s
+    ``jnp.array(False)`` "first time" flag in its default ``"ema"`` mode) does not, and ``State.set`` refuses the
+    difference. The constant is made a traced value of the same shape, dtype and value; anything that really differs
+    is left for ``State.set`` to report."""
     new = jnp.asarray(new)
     want, got = jax.eval_shape(lambda: old), jax.eval_shape(lambda: new)
     if want != got and (want.shape, want.dtype) == (got.shape, got.dtype):
@@ -138,10 +144,9 @@ def _in_step_like(old: Any, new: Any) -> Any:
 
 
 class _CarriedState(eqx.nn.State):
-    """The ``eqx.nn.State`` the loss sees inside a train step: ``set`` accepts
-    constants for traced values (:func:`_in_step_like`). ``substate`` and
-    ``update`` keep the type, so stateful layers nested in a submodule work
-    alike; the loss's returned state becomes a plain ``eqx.nn.State`` again."""
+    """The ``eqx.nn.State`` the loss sees inside a train step: ``set`` accepts constants for traced values
+    (:func:`_in_step_like`). ``substate`` and ``update`` keep the type, so stateful layers nested in a submodule
+    work alike; the loss's returned state becomes a plain ``eqx.nn.State`` again."""
 
     def set(self, item: Any, value: Any) -> eqx.nn.State:
         old = self.get(item)
@@ -168,8 +173,8 @@ def _as_state(state: Any, cls: type) -> Any:
 
 
 def _states_as(tree: Any, cls: type) -> Any:
-    """Every ``eqx.nn.State`` in ``tree`` as a ``cls`` (leaves untouched, so
-    the step still sees which values the loss returned unchanged)."""
+    """Every ``eqx.nn.State`` in ``tree`` as a ``cls`` (leaves untouched, so the step still sees which values the
+    loss returned unchanged)."""
     is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
     return jax.tree.map(lambda x: _as_state(x, cls), tree, is_leaf=is_state)
 
@@ -221,6 +226,162 @@ NO_ARRAYS = (
 )
 
 
+def _check_not_unscanned(params: PyTree, prefixes: tuple[str, ...]) -> None:
+    """A ``stacked=`` prefix over list items (no layer axis, whatever their sizes) is an error naming ``layers=``."""
+    pairs = jax.tree_util.tree_flatten_with_path(params)[0]
+    for prefix in prefixes:
+        names = split_prefix(prefix)
+        keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
+        index = sorted(i for i in (getattr(k, "idx", getattr(k, "key", None)) for k in keys) if type(i) is int)
+        if len(index) >= 2 and len(index) == len(keys):
+            first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
+            text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
+            raise ValueError(f"{_WHERE}: {text}")
+
+
+def _modules(tree: Any, prefix: tuple[Any, ...] = ()) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    """Every ``eqx.Module`` inside ``tree`` (not ``tree`` itself) by path name: its key path and the module."""
+    out = {}
+    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree and isinstance(x, eqx.Module))
+    for path, node in pairs[0]:
+        if isinstance(node, eqx.Module):
+            out[path_str(prefix + path)] = (prefix + path, node)
+            out.update(_modules(node, prefix + path))
+    return out
+
+
+def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The node of ``tree`` at a key path."""
+    for k in path:
+        tree = getattr(tree, k.name) if hasattr(k, "name") else tree[getattr(k, "idx", getattr(k, "key", None))]
+    return tree
+
+
+def _encode(x: Any) -> Any:
+    """An integer or bool array as float32, exactly (as two 16-bit halves), to pass the per-block custom VJP as a
+    float: non-float values are closed over there, and an integer a previous block returned (a counter) leaks."""
+    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.int32) if x.dtype.itemsize < 4 else x, jnp.uint32)
+    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
+
+
+def _decode(f: Any, like: Any) -> Any:
+    """:func:`_encode` undone: ``f`` back to the dtype of ``like``."""
+    if not hasattr(like, "dtype") or f.dtype == like.dtype:
+        return f
+    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(u, like.dtype if like.dtype.itemsize == 4 else jnp.int32).astype(like.dtype)
+
+
+def _batched(x: Any) -> bool:
+    """Whether ``x`` is batched by an enclosing ``jax.vmap`` (a probe whose vmap rule records it)."""
+    seen = []
+
+    @jax.custom_batching.custom_vmap
+    def probe(a: Any) -> Any:
+        return a
+
+    @probe.def_vmap
+    def rule(axis_size: int, in_batched: list[bool], a: Any) -> tuple[Any, bool]:
+        seen.append(in_batched[0])
+        return a, in_batched[0]
+
+    probe(jax.lax.stop_gradient(x))
+    return bool(seen and seen[0])
+
+
+def _call_block(chain: LayerChain, index: int, static: Any, *args: Any, **kwargs: Any) -> Any:
+    """Block ``index`` called through the chain: its arrays (inputs, state, keys) are the chain's args."""
+    arrays, rebuild = split_arrays(args, kwargs)
+    kinds: list[Any] = []
+
+    def layer_fn(p: Any, *xs: Any) -> Any:
+        a, kw = rebuild([_decode(x, y) for x, y in zip(xs, arrays, strict=True)])
+        kinds[:] = [_combine(p, static)(*a, **kw)]
+        return jax.tree.map(_encode, kinds[0])
+
+    return jax.tree.map(_decode, _chained(chain, index, static, layer_fn, [_encode(x) for x in arrays]), kinds[0])
+
+
+def _chained(chain: LayerChain, index: int, static: Any, layer_fn: Callable[..., Any], arrays: list[Any]) -> Any:
+    """``chain.call(index, layer_fn, *arrays)``, or under ``jax.vmap`` one call on the whole batch."""
+    if not any(map(_batched, arrays)):
+        return chain.call(index, layer_fn, *arrays)
+    axis = next(
+        (m.axis_name for m in [static, *(n for _, n in _modules(static).values())] if hasattr(m, "axis_name")), None
+    )
+    block, block_def = jax.tree.flatten(chain.layers[index], is_leaf=is_sharded)
+    shapes = [(x.shape, (x.arrays[0] if is_sharded(x) else x).dtype) for x in block]
+    flags: list[Any] = []
+
+    @jax.custom_batching.custom_vmap
+    def call(*a: Any) -> Any:  # the unbatched meaning, traced for its shapes only
+        return layer_fn(jax.tree.unflatten(block_def, [jnp.zeros(s, d) for s, d in shapes]), *a)
+
+    @call.def_vmap
+    def rule(axis_size: int, in_batched: list[bool], *a: Any) -> tuple[Any, Any]:
+        in_axes = [0 if b else None for b in in_batched]
+
+        def on_batch(p: Any, *xs: Any) -> Any:
+            run = functools.partial(layer_fn, p)
+
+            def probe(*x: Any) -> Any:  # which outputs vary over the batch (batch statistics do not)
+                flags[:] = [jax.tree.map(_batched, out := run(*x))]
+                return out
+
+            jax.eval_shape(jax.vmap(probe, in_axes=in_axes, axis_name=axis), *xs)
+            out_axes = jax.tree.map(lambda b: 0 if b else None, flags[0])
+            return jax.vmap(run, in_axes=in_axes, out_axes=out_axes, axis_name=axis)(*xs)
+
+        return chain.call(index, on_batch, *a), flags[0]
+
+    return call(*arrays)
+
+
+class _Routed(eqx.Module):
+    """Stands in for a matched block while a manual step traces the loss."""
+
+    call: Callable[..., Any] = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+
+class _Layerwise:
+    """The blocks ``layers=`` matched; in a manual step one :class:`LayerChain` per trace, each block replaced
+    (``eqx.tree_at``) by a :class:`_Routed` calling it through the chain, the rest gathered on use."""
+
+    def __init__(self, model: Any, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any) -> None:
+        self.prefixes, self.prefetch = prefixes, prefetch
+        self.undeclared = repeated_groups(params) if layers is None and not prefixes else []
+        self.blocks: Blocks | None = None
+        if layers is None:
+            return
+        modules = _modules(model)
+        classes = {name: type(node) for name, (_, node) in modules.items()}
+        self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
+        check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
+        if odd := [p for p in self.blocks.paths if p not in modules]:
+            raise ValueError(NOT_MODULES.format(where=_WHERE, layers=layers, paths=odd))
+        self.keys = [modules[p][0] for p in self.blocks.paths]
+
+    def model(self, params: PyTree, static: Any) -> tuple[PyTree, Any]:
+        """The params the loss sees (gathered where used whole) and the model to call it on."""
+        policy = active_policy()
+        if self.blocks is None or policy is None:
+            check_declared_blocks(params, self.undeclared, _WHERE)
+            params = gather_unstacked(params, self.prefixes, _WHERE)
+            return params, _combine(params, static)
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
+        outside = gather_outside(params, self.blocks, _WHERE)
+        routed = [_Routed(functools.partial(_call_block, chain, i, _at(static, k))) for i, k in enumerate(self.keys)]
+        return outside, eqx.tree_at(lambda m: [_at(m, k) for k in self.keys], _combine(outside, static), routed)
+
+
+NOT_MODULES = "{where}: layers={layers!r} matched {paths}, which are not Equinox modules; match whole blocks."
+
+
 def from_equinox(
     model: eqx.Module,
     loss: Callable[[eqx.Module, PyTree], Any],
@@ -228,29 +389,30 @@ def from_equinox(
     trainable: Any = eqx.is_inexact_array,
     stacked: str | Sequence[str] = (),
     state: Any = None,
+    layers: Any = None,
+    prefetch: int = 1,
 ) -> Adapted:
-    """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or
-    ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
-    ``zj.make_train_step``.
+    """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``) becomes ``loss_fn(params,
+    batch)`` for ``zj.make_train_step``.
 
     Args:
       model: an ``eqx.Module`` (any pytree works).
       loss: the mean loss of ``model`` over the batch it is given.
-      trainable: an Equinox filter: a function of a leaf, or a ``filter_spec``
-        pytree of bools / functions (as ``eqx.partition`` takes). Default:
-        every floating-point array. Every selected leaf must be a float array.
-      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of
-        subtrees made with ``eqx.filter_vmap``, sharing a leading layer axis.
-      state: the model's ``eqx.nn.State`` (from ``eqx.nn.make_with_state``),
-        or any pytree of arrays the loss updates. Then the loss is
-        ``loss(model, state, batch) -> (out, new_state)`` and ``state`` is
-        ``adapted.model_state``, carried from step to step: train with
-        ``adapted.init_state`` / ``adapted.make_train_step`` (or pass
-        ``model_state=`` / ``stateful=True`` yourself).
+      trainable: an Equinox filter: a function of a leaf, or a ``filter_spec`` pytree of bools / functions (as
+        ``eqx.partition`` takes). Default: every floating-point array. Every selected leaf must be a float array.
+      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of subtrees made with ``eqx.filter_vmap``,
+        sharing a leading layer axis.
+      state: the model's ``eqx.nn.State`` (from ``eqx.nn.make_with_state``), or any pytree of arrays the loss
+        updates. Then the loss is ``loss(model, state, batch) -> (out, new_state)`` and ``state`` is
+        ``adapted.model_state``, carried from step to step: train with ``adapted.init_state`` /
+        ``adapted.make_train_step`` (or pass ``model_state=`` / ``stateful=True`` yourself).
+      layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
+        class; reported as ``adapted.layers``. An ``eqx.nn.State`` passed to a block goes through its call and back.
+      prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
 
     Returns:
-      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model,
-      or ``(model, state)`` with a ``state=`` (a TrainState's updated one).
+      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model, or ``(model, state)`` with a
+      ``state=`` (a TrainState's updated one).
     """
     if not callable(loss):
         sig = "loss(model, batch)" if state is None else "loss(model, state, batch)"
@@ -262,24 +424,26 @@ def from_equinox(
     params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)
     prefixes = normalize_prefixes(stacked, _WHERE)
     others = eqx.filter(static, eqx.is_array)
+    _check_not_unscanned(params, prefixes)
     check_stacked(params, others, prefixes, _WHERE, _DEPTH_FIX)
+    lw = _Layerwise(model, params, layers, prefixes, prefetch)
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, m = lw.model(params, static)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
-            return loss(_combine(params, static), batch)
+            return loss(m, batch)
 
     def to_model(state_or_params: Any) -> Any:
         return _combine(params_of(state_or_params), static)
 
     if state is None:
-        return Adapted(params, loss_fn, prefixes, static, to_model)
+        return Adapted(params, loss_fn, prefixes, static, to_model, layers=lw.blocks)
     _check_state(state)
 
     def stateful_loss_fn(params: PyTree, model_state: Any, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, m = lw.model(params, static)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
-            result = loss(_combine(params, static), _states_as(model_state, _CarriedState), batch)
+            result = loss(m, _states_as(model_state, _CarriedState), batch)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
                 f"{_WHERE}: with state= the loss must return (out, new_state), out being the loss (or "
@@ -292,7 +456,14 @@ def from_equinox(
         return to_model(state_or_params), model_state_of(state_or_params, model_state, state)
 
     return Adapted(
-        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, static, to_stateful_model, state, True
+        params,
+        stateful_signature(stateful_loss_fn, _WHERE),
+        prefixes,
+        static,
+        to_stateful_model,
+        state,
+        True,
+        layers=lw.blocks,
     )
 
 
@@ -304,15 +475,13 @@ def scan_layers(
     prefetch: int = 1,
     remat: bool = True,
 ) -> Any:
-    """``carry = fn(layer, carry)`` for each layer of ``layers``, an Equinox
-    module whose arrays are stacked on a leading layer axis
-    (``eqx.filter_vmap``): the drop-in for the usual
-    ``lax.scan`` over ``eqx.partition(layers, eqx.is_array)``.
+    """``carry = fn(layer, carry)`` for each layer of ``layers``, an Equinox module whose arrays are stacked on a
+    leading layer axis (``eqx.filter_vmap``): the drop-in for the usual ``lax.scan`` over ``eqx.partition(layers,
+    eqx.is_array)``.
 
-    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted
-    with ``stacked=`` naming this subtree, each layer's parameters are
-    gathered just before use and dropped after (``zj.scan_layers``).
-    Anywhere else it is a per-layer-checkpointed ``lax.scan``.
+    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted with ``stacked=`` naming this
+    subtree, each layer's parameters are gathered just before use and dropped after (``zj.scan_layers``). Anywhere
+    else it is a per-layer-checkpointed ``lax.scan``.
 
     >>> import jax, jax.numpy as jnp, equinox as eqx
     >>> from zero_jax.adapters import equinox as zj_eqx

@@ -1,33 +1,27 @@
 """Flax NNX models under ZeRO: ``from_nnx`` and the layer-wise ``scan_layers``.
 
-The model is split once with ``nnx.split(model, trainable, ...)``: the
-trainable variables (``nnx.Param`` by default) become ``params``, a nested
-dict of arrays keyed by attribute path (``layers/lin/kernel``); everything
-else (``nnx.BatchStat``, RNG keys and counts, any other ``nnx.Variable``) is
-``non_trainable``. ``loss_fn(params, batch)`` merges a fresh model from both
-(``nnx.merge``) and calls ``loss(model, batch)``.
+The model is split once with ``nnx.split(model, trainable, ...)``: the trainable variables (``nnx.Param`` by
+default) become ``params``, a nested dict of arrays keyed by attribute path (``layers/lin/kernel``); everything else
+(``nnx.BatchStat``, RNG keys and counts, any other ``nnx.Variable``) is ``non_trainable``. ``loss_fn(params,
+batch)`` merges a fresh model from both (``nnx.merge``) and calls ``loss(model, batch)``.
 
-Non-trainable state is never trained and never partitioned: every device
-holds it whole. A loss that *updates* it (batch norm in training mode
-updating its running statistics, ``nnx.Dropout`` advancing the model's RNG
-counts) has its updates carried from step to step (``state_updates="carry"``,
-the default): the non-trainable arrays (every one but RNG keys, which NNX
-never changes) are the adapter's ``model_state``, held in
-``TrainState.model_state``, and ``loss_fn`` has the stateful signature
-(``adapted.stateful``). Each device updates them from its own slice of the
-batch and the step averages float values over the devices (data-parallel
-batch norm, as PyTorch DDP; RNG counts agree). A variable the loss leaves
-alone keeps its value bitwise. ``state_updates="discard"`` drops the updates
-on purpose (the model's state is then a constant; a discarded RNG count
-replays the same dropout mask every step) and ``"error"`` raises naming the
-variable the loss updated.
+Non-trainable state is never trained and never partitioned: every device holds it whole. A loss that *updates* it
+(batch norm in training mode updating its running statistics, ``nnx.Dropout`` advancing the model's RNG counts) has
+its updates carried from step to step (``state_updates="carry"``, the default): the non-trainable arrays (every one
+but RNG keys, which NNX never changes) are the adapter's ``model_state``, held in ``TrainState.model_state``, and
+``loss_fn`` has the stateful signature (``adapted.stateful``). Each device updates them from its own slice of the
+batch and the step averages float values over the devices (data-parallel batch norm, as PyTorch DDP; RNG counts
+agree). A variable the loss leaves alone keeps its value bitwise. ``state_updates="discard"`` drops the updates on
+purpose (the model's state is then a constant; a discarded RNG count replays the same dropout mask every step) and
+``"error"`` raises naming the variable the loss updated.
 
-Layer-wise ZeRO-3: stacked layers (made with ``nnx.vmap`` over a layer axis)
-are declared with ``stacked=`` so the policy never cuts that axis. Running
-the stack with :func:`scan_layers` instead of ``nnx.scan`` lets a
-``make_train_step(..., gather="manual")`` step gather one layer at a time
-(``zj.scan_layers``); elsewhere (``gather="all"``, evaluation) it is a plain
-scan, so one model runs everywhere.
+Layer-wise ZeRO-3: stacked layers (made with ``nnx.vmap`` over a layer axis) are declared with ``stacked=`` so the
+policy never cuts that axis. Running the stack with :func:`scan_layers` instead of ``nnx.scan`` lets a
+``make_train_step(..., gather="manual")`` step gather one layer at a time (``zj.scan_layers``); elsewhere
+(``gather="all"``, evaluation) it is a plain scan, so one model runs everywhere. Unscanned blocks (an ``nnx.List``
+of modules called in a Python loop) are named with ``layers=``: in a manual step (the default of
+``adapted.make_train_step`` then) each is swapped, in the rebuilt model, for a stand-in whose call runs the block
+through ``zj.apply_layer``'s chain (gathered just before use, in both passes); the model is not rewritten.
 
 >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
 >>> from flax import nnx
@@ -61,17 +55,32 @@ With batch norm in training mode the running statistics are model state:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from zero_jax._layers import current_scope, trace_scope
-from zero_jax._tree import PyTree, path_str
+from zero_jax._layerwise import LayerChain
+from zero_jax._tree import PyTree, path_str, split_prefix, under
+from zero_jax.adapters._blocks import (
+    Blocks,
+    block_params,
+    check_layer_options,
+    find_blocks,
+    gather_outside,
+    repeated_groups,
+    split_arrays,
+)
 from zero_jax.adapters._common import (
+    UNSCANNED_STACK,
     Adapted,
+    active_policy,
+    check_declared_blocks,
     check_stacked,
     describe,
     explain_unscanned_pieces,
@@ -104,8 +113,8 @@ def _strip(path: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class _Rebuild:
-    """Turns a pure dict of (possibly Sharded) values back into an ``nnx.State``
-    of fresh Variables, so a merged model never aliases the template's."""
+    """Turns a pure dict of (possibly Sharded) values back into an ``nnx.State`` of fresh Variables, so a merged
+    model never aliases the template's."""
 
     def __init__(self, state: nnx.State) -> None:
         pairs, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -235,6 +244,126 @@ def _check_inputs(model: Any, loss: Any, state_updates: Any) -> None:
         raise ValueError(f"{_WHERE}: state_updates must be 'carry', 'discard' or 'error', got {state_updates!r}.")
 
 
+def check_not_unscanned(params: PyTree, prefixes: tuple[str, ...], where: str) -> None:
+    """A ``stacked=`` prefix over list items (no layer axis, whatever their sizes) is an error naming ``layers=``."""
+    pairs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
+    for prefix in prefixes:
+        names = split_prefix(prefix)
+        keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
+        index = sorted(i for i in (getattr(k, "key", getattr(k, "idx", None)) for k in keys) if type(i) is int)
+        if len(index) >= 2 and len(index) == len(keys):
+            first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
+            text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
+            raise ValueError(f"{where}: {text}")
+
+
+def encode(x: Any) -> Any:
+    """An integer or bool array as float32, exactly (as two 16-bit halves), to pass the per-block custom VJP as a
+    float: non-float values are closed over there, and an integer a previous block returned (an RNG count) leaks."""
+    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.int32) if x.dtype.itemsize < 4 else x, jnp.uint32)
+    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
+
+
+def decode(f: Any, like: Any) -> Any:
+    """:func:`encode` undone: ``f`` back to the dtype of ``like``."""
+    if not hasattr(like, "dtype") or f.dtype == like.dtype:
+        return f
+    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(u, like.dtype if like.dtype.itemsize == 4 else jnp.int32).astype(like.dtype)
+
+
+def _get(parent: Any, key: Any) -> Any:
+    return parent[key] if isinstance(key, int) else getattr(parent, key)
+
+
+def _put(parent: Any, key: Any, value: Any) -> None:
+    parent.__setitem__(key, value) if isinstance(key, int) else setattr(parent, key, value)
+
+
+def _node(model: Any, keys: tuple[Any, ...]) -> Any:
+    for k in keys:
+        model = _get(model, k)
+    return model
+
+
+class _Routed:
+    """Stands in for block ``index`` while a manual step traces the loss: its call runs through the chain, the
+    block's non-trainable state passed in and its update written back into the block."""
+
+    def __init__(self, block: nnx.Module, index: int, chain: LayerChain, spec: Any, not_trainable: Any) -> None:
+        self.block, self.index, self.chain, self.spec, self.not_trainable = block, index, chain, spec, not_trainable
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.block, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graphdef, rebuild = self.spec
+        rest, rest_def = jax.tree.flatten(nnx.state(self.block, self.not_trainable))
+        arrays, rebuild_args = split_arrays(args, kwargs)
+        carried = [k for k, x in enumerate(rest) if _carried(x)]
+
+        def layer_fn(p: PyTree, state: list[Any], *xs: Any) -> Any:
+            a, kw = rebuild_args([decode(x, y) for x, y in zip(xs, arrays, strict=True)])
+            state = [decode(x, y) for x, y in zip(state, rest, strict=True)]
+            block = nnx.merge(graphdef, rebuild(p), jax.tree.unflatten(rest_def, state))
+            out = block(*a, **kw)
+            new = jax.tree.leaves(nnx.state(block, self.not_trainable))
+            return out, [encode(new[k]) for k in carried]
+
+        out, new = self.chain.call(self.index, layer_fn, [encode(x) for x in rest], *map(encode, arrays))
+        if carried:
+            for k, v in zip(carried, new, strict=True):
+                rest[k] = decode(v, rest[k])
+            nnx.update(self.block, jax.tree.unflatten(rest_def, rest))
+        return out
+
+
+class _Layerwise:
+    """The blocks ``layers=`` matched and how a manual step runs them: one :class:`LayerChain` per trace of the
+    loss, each block's call routed through it (:class:`_Routed`), everything else gathered on use."""
+
+    def __init__(self, model: nnx.Module, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any,
+                 trainable: Any) -> None:  # fmt: skip
+        self.prefixes, self.prefetch, self.not_trainable = prefixes, prefetch, nnx.Not(trainable)
+        modules = {"/".join(map(str, p)): tuple(p) for p, n in nnx.iter_graph(model) if p and isinstance(n, nnx.Module)}
+        self.undeclared = repeated_groups(params) if layers is None and not prefixes else []
+        self.blocks: Blocks | None = None
+        if layers is None:
+            return
+        classes = {name: type(_node(model, keys)) for name, keys in modules.items()}
+        self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
+        check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
+        self.keys = [modules[p] for p in self.blocks.paths]  # every subtree with parameters is a module's
+        self.specs = []
+        for keys in self.keys:
+            block_def, block_state, _ = nnx.split(_node(model, keys), trainable, ...)
+            self.specs.append((block_def, _Rebuild(block_state)))
+
+    def prepare(self, params: PyTree) -> tuple[PyTree, Callable[[nnx.Module], Any]]:
+        """The params to merge the model from, and the context to run the loss on it in."""
+        policy = active_policy()
+        if self.blocks is None or policy is None:
+            check_declared_blocks(params, self.undeclared, _WHERE)
+            return gather_unstacked(params, self.prefixes, _WHERE), lambda m: contextlib.nullcontext()
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
+        return gather_outside(params, self.blocks, _WHERE), lambda m: self._route(m, chain)
+
+    @contextlib.contextmanager
+    def _route(self, m: nnx.Module, chain: LayerChain) -> Iterator[None]:
+        placed = []
+        for i, (keys, spec) in enumerate(zip(self.keys, self.specs, strict=True)):
+            parent = _node(m, keys[:-1])
+            placed.append((parent, keys[-1], _get(parent, keys[-1])))
+            _put(parent, keys[-1], _Routed(placed[-1][2], i, chain, spec, self.not_trainable))
+        try:
+            yield
+        finally:
+            for parent, key, block in placed:
+                _put(parent, key, block)
+
+
 def from_nnx(
     model: nnx.Module,
     loss: Callable[[nnx.Module, PyTree], Any],
@@ -242,39 +371,42 @@ def from_nnx(
     trainable: Any = nnx.Param,
     stacked: str | tuple[str, ...] = (),
     state_updates: _StateUpdates = "carry",
+    layers: Any = None,
+    prefetch: int = 1,
 ) -> Adapted:
-    """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``)
-    becomes ``loss_fn(params, batch)`` for ``zj.make_train_step``.
+    """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``) becomes ``loss_fn(params,
+    batch)`` for ``zj.make_train_step``.
 
     Args:
       model: an ``nnx.Module`` (not modified).
       loss: the mean loss of ``model`` over the batch it is given.
-      trainable: an NNX filter (default ``nnx.Param``) selecting the trained
-        variables; all others are held constant (see the module docstring).
-      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of
-        subtrees made with ``nnx.vmap``; every variable under one must share
-        the leading layer axis. Pass ``adapted.stacked`` to the policy (or use
+      trainable: an NNX filter (default ``nnx.Param``) selecting the trained variables; all others are held constant
+        (see the module docstring).
+      stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``) of subtrees made with ``nnx.vmap``; every
+        variable under one must share the leading layer axis. Pass ``adapted.stacked`` to the policy (or use
         ``adapted.policy(...)``).
-      state_updates: ``"carry"`` (default): the non-trainable arrays (all
-        but RNG keys) are ``adapted.model_state`` and updates to them are
-        carried from step to step (``adapted.stateful`` is True when the model
-        has any; train with ``adapted.init_state`` / ``adapted.make_train_step``
-        or pass ``model_state=`` / ``stateful=True`` yourself).
-        ``"discard"`` drops updates (the state is a constant of the loss);
-        ``"error"`` raises when the loss updates a variable.
+      state_updates: ``"carry"`` (default): the non-trainable arrays (all but RNG keys) are ``adapted.model_state``
+        and updates to them are carried from step to step (``adapted.stateful`` is True when the model has any;
+        train with ``adapted.init_state`` / ``adapted.make_train_step`` or pass ``model_state=`` / ``stateful=True``
+        yourself). ``"discard"`` drops updates (the state is a constant of the loss); ``"error"`` raises when the
+        loss updates a variable.
+
+      layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
+        class; reported as ``adapted.layers``. Their state (batch statistics) goes through each call and back.
+      prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
 
     Returns:
-      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns a new
-      ``nnx.Module`` with the state's updated model state (use
-      ``nnx.update(model, nnx.state(new))`` to write the trained values into
-      the original object).
+      An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns a new ``nnx.Module`` with the state's updated
+      model state (use ``nnx.update(model, nnx.state(new))`` to write the trained values into the original object).
     """
     _check_inputs(model, loss, state_updates)
     prefixes = normalize_prefixes(stacked, _WHERE)
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
     _check_trainable_floats(params)
+    check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
+    lw = _Layerwise(model, params, layers, prefixes, prefetch, trainable)
     rebuild_params, rebuild_rest = _Rebuild(param_state), _Rebuild(rest)
     carried_pairs = _carried_pairs(rest) if state_updates == "carry" else []
     model_state = _nest(carried_pairs) if carried_pairs else None
@@ -282,25 +414,25 @@ def from_nnx(
     carried_paths = frozenset(path_str(p) for p, _ in carried_pairs)
     not_trainable = nnx.Not(trainable)
 
-    def run(m: nnx.Module, params: PyTree, batch: PyTree) -> Any:
-        with trace_scope(state_updates=state_updates):
+    def run(m: nnx.Module, params: PyTree, batch: PyTree, route: Any) -> Any:
+        with trace_scope(state_updates=state_updates), route(m):
             with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.nnx.scan_layers"):
                 return loss(m, batch)
 
     def plain_loss_fn(params: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, route = lw.prepare(params)
         m = nnx.merge(graphdef, rebuild_params(params), rebuild_rest())
         before = _snapshot(m)
-        out = run(m, params, batch)
+        out = run(m, params, batch, route)
         if state_updates == "error":
             _check_unchanged(before, m, _WHERE)
         return out
 
     def stateful_loss_fn(params: PyTree, model_state: PyTree, batch: PyTree) -> Any:
-        params = gather_unstacked(params, prefixes, _WHERE)
+        params, route = lw.prepare(params)
         m = nnx.merge(graphdef, rebuild_params(params), rebuild_rest.with_values(_flat(model_state)))
         before = _snapshot(m)
-        out = run(m, params, batch)
+        out = run(m, params, batch, route)
         _check_unchanged(before, m, _WHERE, carried_paths)  # keys and other constants
         after = _flat(nnx.to_pure_dict(nnx.state(m, not_trainable)))
         new = _nest([(p, after[k]) for (p, _), k in zip(carried_pairs, carried_keys, strict=True)])
@@ -321,6 +453,7 @@ def from_nnx(
         to_model,
         model_state,
         stateful,
+        layers=lw.blocks,
     )
 
 
@@ -332,19 +465,15 @@ def scan_layers(
     prefetch: int = 1,
     remat: bool = True,
 ) -> Any:
-    """``carry = fn(layer, carry)`` for each layer of ``layers``, an NNX module
-    whose variables are stacked on a leading layer axis (``nnx.vmap``): the
-    drop-in for ``nnx.scan(fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)``.
+    """``carry = fn(layer, carry)`` for each layer of ``layers``, an NNX module whose variables are stacked on a
+    leading layer axis (``nnx.vmap``): the drop-in for ``nnx.scan(fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)``.
 
-    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted
-    with ``stacked=`` naming this subtree, each layer's parameters are
-    gathered just before use and dropped after (``zj.scan_layers``: ZeRO-3
-    never holds more than a layer or two). Anywhere else it is a
-    per-layer-checkpointed ``lax.scan``.
+    Inside a ``make_train_step(..., gather="manual")`` step on a model adapted with ``stacked=`` naming this
+    subtree, each layer's parameters are gathered just before use and dropped after (``zj.scan_layers``: ZeRO-3
+    never holds more than a layer or two). Anywhere else it is a per-layer-checkpointed ``lax.scan``.
 
-    ``fn`` must not update the layer's variables (the layer scan has nowhere
-    to keep the update, even with ``state_updates="carry"``): that raises
-    unless the model was adapted with ``state_updates="discard"``.
+    ``fn`` must not update the layer's variables (the layer scan has nowhere to keep the update, even with
+    ``state_updates="carry"``): that raises unless the model was adapted with ``state_updates="discard"``.
 
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
