@@ -41,7 +41,8 @@ OWN_PIECE_USERS = frozenset({"all_gather", "pcast", "pvary", "device_put"})
 def _own_use(eqn: Any) -> bool:
     if eqn.primitive.name in OWN_PIECE_USERS:
         return True
-    if any(part.startswith(OWN_SCOPES) for part in str(eqn.source_info.name_stack).split("/")):
+    # Transformations wrap scope names ("vmap(zj_block0_gather)", "jvp(...)").
+    if any(scope in str(eqn.source_info.name_stack) for scope in OWN_SCOPES):
         return True
     if eqn.primitive.name != "custom_vjp_call":
         return False

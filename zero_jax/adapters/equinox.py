@@ -257,23 +257,6 @@ def _at(tree: Any, path: tuple[Any, ...]) -> Any:
     return tree
 
 
-def _encode(x: Any) -> Any:
-    """An integer or bool array as float32, exactly (as two 16-bit halves), to pass the per-block custom VJP as a
-    float: non-float values are closed over there, and an integer a previous block returned (a counter) leaks."""
-    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return x
-    u = jax.lax.bitcast_convert_type(x.astype(jnp.int32) if x.dtype.itemsize < 4 else x, jnp.uint32)
-    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
-
-
-def _decode(f: Any, like: Any) -> Any:
-    """:func:`_encode` undone: ``f`` back to the dtype of ``like``."""
-    if not hasattr(like, "dtype") or f.dtype == like.dtype:
-        return f
-    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(u, like.dtype if like.dtype.itemsize == 4 else jnp.int32).astype(like.dtype)
-
-
 def _batched(x: Any) -> bool:
     """Whether ``x`` is batched by an enclosing ``jax.vmap`` (a probe whose vmap rule records it)."""
     seen = []
@@ -294,14 +277,12 @@ def _batched(x: Any) -> bool:
 def _call_block(chain: LayerChain, index: int, static: Any, *args: Any, **kwargs: Any) -> Any:
     """Block ``index`` called through the chain: its arrays (inputs, state, keys) are the chain's args."""
     arrays, rebuild = split_arrays(args, kwargs)
-    kinds: list[Any] = []
 
     def layer_fn(p: Any, *xs: Any) -> Any:
-        a, kw = rebuild([_decode(x, y) for x, y in zip(xs, arrays, strict=True)])
-        kinds[:] = [_combine(p, static)(*a, **kw)]
-        return jax.tree.map(_encode, kinds[0])
+        a, kw = rebuild(list(xs))
+        return _combine(p, static)(*a, **kw)
 
-    return jax.tree.map(_decode, _chained(chain, index, static, layer_fn, [_encode(x) for x in arrays]), kinds[0])
+    return _chained(chain, index, static, layer_fn, arrays)
 
 
 def _chained(chain: LayerChain, index: int, static: Any, layer_fn: Callable[..., Any], arrays: list[Any]) -> Any:

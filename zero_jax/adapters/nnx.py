@@ -60,7 +60,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -257,23 +256,6 @@ def check_not_unscanned(params: PyTree, prefixes: tuple[str, ...], where: str) -
             raise ValueError(f"{where}: {text}")
 
 
-def encode(x: Any) -> Any:
-    """An integer or bool array as float32, exactly (as two 16-bit halves), to pass the per-block custom VJP as a
-    float: non-float values are closed over there, and an integer a previous block returned (an RNG count) leaks."""
-    if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return x
-    u = jax.lax.bitcast_convert_type(x.astype(jnp.int32) if x.dtype.itemsize < 4 else x, jnp.uint32)
-    return jnp.stack([(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)])
-
-
-def decode(f: Any, like: Any) -> Any:
-    """:func:`encode` undone: ``f`` back to the dtype of ``like``."""
-    if not hasattr(like, "dtype") or f.dtype == like.dtype:
-        return f
-    u = (f[0].astype(jnp.uint32) << 16) | f[1].astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(u, like.dtype if like.dtype.itemsize == 4 else jnp.int32).astype(like.dtype)
-
-
 def _get(parent: Any, key: Any) -> Any:
     return parent[key] if isinstance(key, int) else getattr(parent, key)
 
@@ -305,17 +287,16 @@ class _Routed:
         carried = [k for k, x in enumerate(rest) if _carried(x)]
 
         def layer_fn(p: PyTree, state: list[Any], *xs: Any) -> Any:
-            a, kw = rebuild_args([decode(x, y) for x, y in zip(xs, arrays, strict=True)])
-            state = [decode(x, y) for x, y in zip(state, rest, strict=True)]
+            a, kw = rebuild_args(list(xs))
             block = nnx.merge(graphdef, rebuild(p), jax.tree.unflatten(rest_def, state))
             out = block(*a, **kw)
             new = jax.tree.leaves(nnx.state(block, self.not_trainable))
-            return out, [encode(new[k]) for k in carried]
+            return out, [new[k] for k in carried]
 
-        out, new = self.chain.call(self.index, layer_fn, [encode(x) for x in rest], *map(encode, arrays))
+        out, new = self.chain.call(self.index, layer_fn, rest, *arrays)
         if carried:
             for k, v in zip(carried, new, strict=True):
-                rest[k] = decode(v, rest[k])
+                rest[k] = v
             nnx.update(self.block, jax.tree.unflatten(rest_def, rest))
         return out
 
