@@ -413,3 +413,27 @@ def test_integer_and_key_values_pass_through_blocks() -> None:
             state, _ = step(state, batch)
         errors = relative_update_error(zj.full_params(state), ref, make())
         assert max(errors.values()) <= FP32_RTOL, (stage, errors)
+
+
+def test_under_a_users_vmap_it_says_to_vmap_inside_the_block() -> None:
+    policy = zj.ZeroPolicy(3, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state(_params(), tx, policy)
+
+    def per_example(params, x):
+        return zj.apply_layers(_block, params["blocks"], x @ zj.gather(params["embed"], policy), policy)
+
+    def vmapped(params, batch):
+        return jnp.mean((jax.vmap(per_example, in_axes=(None, 0))(params, batch["x"]) - batch["y"]) ** 2)
+
+    step = zj.make_train_step(vmapped, tx, policy, gather="manual")
+    with pytest.raises(ValueError, match=r"block 0 was called inside jax.vmap.*jax.vmap\(block, in_axes=\(None, 0\)\)"):
+        step(state, _batches(1)[0])
+
+    def fixed(params, batch):  # what the message says: the vmap inside the block
+        x = batch["x"] @ zj.gather(params["embed"], policy)
+        x = zj.apply_layers(jax.vmap(_block, in_axes=(None, 0)), params["blocks"], x, policy)
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    _, metrics = zj.make_train_step(fixed, tx, policy, gather="manual")(state, _batches(1)[0])
+    assert float(metrics["loss"]) == pytest.approx(_reference()[1][0], rel=1e-5)

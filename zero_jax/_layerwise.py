@@ -106,6 +106,31 @@ def tie(value: PyTree, anchor: Any) -> PyTree:
     return jax.tree.map(one, value)
 
 
+def batched_by_vmap(x: Any) -> bool:
+    """Whether ``x`` is batched by an enclosing ``jax.vmap`` (a probe whose vmap rule records it)."""
+    seen = []
+
+    @jax.custom_batching.custom_vmap
+    def probe(a: Any) -> Any:
+        return a
+
+    @probe.def_vmap
+    def rule(axis_size: int, in_batched: list[bool], a: Any) -> tuple[Any, bool]:
+        seen.append(in_batched[0])
+        return a, in_batched[0]
+
+    probe(jax.lax.stop_gradient(x))
+    return bool(seen and seen[0])
+
+
+UNDER_VMAP = (
+    "{where}: block {index} was called inside jax.vmap (its inputs are batched). The per-block gathers and "
+    "reduce-scatters must see the whole per-device batch, not one example: call the block primitive outside the "
+    "vmap and vmap inside the block instead, e.g. zj.apply_layers(jax.vmap(block, in_axes=(None, 0)), blocks, "
+    "x, policy). (zj.adapters.from_equinox(..., layers=...) does this for jax.vmap(model) itself.)"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Block:
     """One block's parameters, flattened: what is partitioned (``Sharded``
@@ -194,8 +219,11 @@ class LayerChain:
     prefetched gather nobody uses is removed by the compiler).
     """
 
-    def __init__(self, policy: ZeroPolicy | None, layers: Sequence[PyTree], prefetch: int = 1) -> None:
+    def __init__(
+        self, policy: ZeroPolicy | None, layers: Sequence[PyTree], prefetch: int = 1, where: str = "zj.apply_layers"
+    ) -> None:
         self.policy = policy
+        self.where = where
         self.layers = list(layers)
         self.prefetch = prefetch
         self._queue: dict[int, tuple[Any, list[Any]]] = {}
@@ -217,6 +245,8 @@ class LayerChain:
             or not any(_is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_is_sharded))
         ):
             return jax.checkpoint(layer_fn)(params, *args)
+        if any(batched_by_vmap(a) for a in jax.tree.leaves(args)):
+            raise ValueError(UNDER_VMAP.format(where=self.where, index=index))
         block = _Block.of(index, params)
         trace = get_opaque_trace_state()
         wholes = self._forward_wholes(index, block, trace, args)
@@ -371,7 +401,7 @@ def apply_layer(layer_fn: Callable[..., Any], layer_params: PyTree, *args: Any, 
     policy = active_policy(policy, "zj.apply_layer")
     if policy is not None:
         check_parameter_pieces(layer_params, policy, "zj.apply_layer")
-    return LayerChain(policy, [layer_params], prefetch=0).call(0, layer_fn, *args)
+    return LayerChain(policy, [layer_params], prefetch=0, where="zj.apply_layer").call(0, layer_fn, *args)
 
 
 def apply_layers(

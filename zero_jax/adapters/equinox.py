@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._layerwise import LayerChain
+from zero_jax._layerwise import LayerChain, batched_by_vmap
 from zero_jax._tree import PyTree, path_str, split_prefix, under
 from zero_jax.adapters._blocks import (
     Blocks,
@@ -257,23 +257,6 @@ def _at(tree: Any, path: tuple[Any, ...]) -> Any:
     return tree
 
 
-def _batched(x: Any) -> bool:
-    """Whether ``x`` is batched by an enclosing ``jax.vmap`` (a probe whose vmap rule records it)."""
-    seen = []
-
-    @jax.custom_batching.custom_vmap
-    def probe(a: Any) -> Any:
-        return a
-
-    @probe.def_vmap
-    def rule(axis_size: int, in_batched: list[bool], a: Any) -> tuple[Any, bool]:
-        seen.append(in_batched[0])
-        return a, in_batched[0]
-
-    probe(jax.lax.stop_gradient(x))
-    return bool(seen and seen[0])
-
-
 def _call_block(chain: LayerChain, index: int, static: Any, *args: Any, **kwargs: Any) -> Any:
     """Block ``index`` called through the chain: its arrays (inputs, state, keys) are the chain's args."""
     arrays, rebuild = split_arrays(args, kwargs)
@@ -287,7 +270,7 @@ def _call_block(chain: LayerChain, index: int, static: Any, *args: Any, **kwargs
 
 def _chained(chain: LayerChain, index: int, static: Any, layer_fn: Callable[..., Any], arrays: list[Any]) -> Any:
     """``chain.call(index, layer_fn, *arrays)``, or under ``jax.vmap`` one call on the whole batch."""
-    if not any(map(_batched, arrays)):
+    if not any(map(batched_by_vmap, arrays)):
         return chain.call(index, layer_fn, *arrays)
     axis = next(
         (m.axis_name for m in [static, *(n for _, n in _modules(static).values())] if hasattr(m, "axis_name")), None
@@ -301,14 +284,14 @@ def _chained(chain: LayerChain, index: int, static: Any, layer_fn: Callable[...,
         return layer_fn(jax.tree.unflatten(block_def, [jnp.zeros(s, d) for s, d in shapes]), *a)
 
     @call.def_vmap
-    def rule(axis_size: int, in_batched: list[bool], *a: Any) -> tuple[Any, Any]:
-        in_axes = [0 if b else None for b in in_batched]
+    def rule(axis_size: int, inbatched_by_vmap: list[bool], *a: Any) -> tuple[Any, Any]:
+        in_axes = [0 if b else None for b in inbatched_by_vmap]
 
         def on_batch(p: Any, *xs: Any) -> Any:
             run = functools.partial(layer_fn, p)
 
             def probe(*x: Any) -> Any:  # which outputs vary over the batch (batch statistics do not)
-                flags[:] = [jax.tree.map(_batched, out := run(*x))]
+                flags[:] = [jax.tree.map(batched_by_vmap, out := run(*x))]
                 return out
 
             jax.eval_shape(jax.vmap(probe, in_axes=in_axes, axis_name=axis), *xs)
