@@ -202,6 +202,19 @@ def _unscanned_under(names: tuple[str, ...], leaves: list[Any], *, numbered_only
     return UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(g), pattern=pattern)
 
 
+def check_not_unscanned(params: PyTree, prefixes: tuple[str, ...], where: str) -> None:
+    """A ``stacked=`` prefix over list items (no layer axis, whatever their sizes) is an error naming ``layers=``."""
+    pairs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
+    for prefix in prefixes:
+        names = split_prefix(prefix)
+        keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
+        index = sorted(i for i in (getattr(k, "key", getattr(k, "idx", None)) for k in keys) if type(i) is int)
+        if len(index) >= 2 and len(index) == len(keys):
+            first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
+            text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
+            raise ValueError(f"{where}: {text}")
+
+
 def check_stacked(
     params: PyTree, others: PyTree, prefixes: tuple[str, ...], where: str, fix: str, is_leaf: Any = None
 ) -> None:

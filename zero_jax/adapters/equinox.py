@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax._layerwise import LayerChain, batched_by_vmap
-from zero_jax._tree import PyTree, path_str, split_prefix, under
+from zero_jax._tree import PyTree, path_str
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,
@@ -84,10 +84,10 @@ from zero_jax.adapters._blocks import (
     split_arrays,
 )
 from zero_jax.adapters._common import (
-    UNSCANNED_STACK,
     Adapted,
     active_policy,
     check_declared_blocks,
+    check_not_unscanned,
     check_stacked,
     describe,
     explain_unscanned_pieces,
@@ -224,19 +224,6 @@ NO_ARRAYS = (
     "{where}: model must be an Equinox module (or a pytree of them) holding the arrays to train, got {kind} "
     "with no arrays in it. Pass the model itself, e.g. from_equinox(eqx.nn.MLP(..., key=key), loss)."
 )
-
-
-def _check_not_unscanned(params: PyTree, prefixes: tuple[str, ...]) -> None:
-    """A ``stacked=`` prefix over list items (no layer axis, whatever their sizes) is an error naming ``layers=``."""
-    pairs = jax.tree_util.tree_flatten_with_path(params)[0]
-    for prefix in prefixes:
-        names = split_prefix(prefix)
-        keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
-        index = sorted(i for i in (getattr(k, "idx", getattr(k, "key", None)) for k in keys) if type(i) is int)
-        if len(index) >= 2 and len(index) == len(keys):
-            first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
-            text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
-            raise ValueError(f"{_WHERE}: {text}")
 
 
 def _modules(tree: Any, prefix: tuple[Any, ...] = ()) -> dict[str, tuple[tuple[Any, ...], Any]]:
@@ -388,7 +375,7 @@ def from_equinox(
     params = jax.tree.map(lambda x: _HOLE if x is None else jnp.asarray(x), params, is_leaf=lambda x: x is None)
     prefixes = normalize_prefixes(stacked, _WHERE)
     others = eqx.filter(static, eqx.is_array)
-    _check_not_unscanned(params, prefixes)
+    check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, others, prefixes, _WHERE, _DEPTH_FIX)
     lw = _Layerwise(model, params, layers, prefixes, prefetch)
 

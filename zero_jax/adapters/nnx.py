@@ -65,7 +65,7 @@ from flax import nnx
 
 from zero_jax._layers import current_scope, trace_scope
 from zero_jax._layerwise import LayerChain
-from zero_jax._tree import PyTree, path_str, split_prefix, under
+from zero_jax._tree import PyTree, path_str
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,
@@ -76,10 +76,10 @@ from zero_jax.adapters._blocks import (
     split_arrays,
 )
 from zero_jax.adapters._common import (
-    UNSCANNED_STACK,
     Adapted,
     active_policy,
     check_declared_blocks,
+    check_not_unscanned,
     check_stacked,
     describe,
     explain_unscanned_pieces,
@@ -241,19 +241,6 @@ def _check_inputs(model: Any, loss: Any, state_updates: Any) -> None:
         raise TypeError(f"{_WHERE}: loss must be callable as loss(model, batch), got {type(loss).__name__}.")
     if state_updates not in ("carry", "discard", "error"):
         raise ValueError(f"{_WHERE}: state_updates must be 'carry', 'discard' or 'error', got {state_updates!r}.")
-
-
-def check_not_unscanned(params: PyTree, prefixes: tuple[str, ...], where: str) -> None:
-    """A ``stacked=`` prefix over list items (no layer axis, whatever their sizes) is an error naming ``layers=``."""
-    pairs = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
-    for prefix in prefixes:
-        names = split_prefix(prefix)
-        keys = {p[len(names)] for p, _ in pairs if len(p) > len(names) and under(p, names)}
-        index = sorted(i for i in (getattr(k, "key", getattr(k, "idx", None)) for k in keys) if type(i) is int)
-        if len(index) >= 2 and len(index) == len(keys):
-            first, last, pattern = f"{prefix}/{index[0]}", f"{prefix}/{index[-1]}", f"{prefix}/*"
-            text = UNSCANNED_STACK.format(prefix=prefix, first=first, last=last, count=len(index), pattern=pattern)
-            raise ValueError(f"{where}: {text}")
 
 
 def _get(parent: Any, key: Any) -> Any:
