@@ -227,6 +227,12 @@ def gather(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
     transpose of the all-gather). Stages 0–1: the identity. ``policy=None``:
     the identity anywhere (to run the same model on ordinary parameters).
 
+    For the blocks of a model use ``zj.apply_layers`` (or ``zj.scan_layers``)
+    instead: XLA moves standalone gathers to the start of the program, so a
+    Python loop of ``gather`` calls holds every block whole for the whole step
+    (``zj.audit(...).check()`` flags that); the block primitives tie each
+    gather to the block's input.
+
     Example:
 
     >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
