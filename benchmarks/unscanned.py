@@ -524,10 +524,9 @@ def main() -> None:
         "  DP, ZeRO-1, ZeRO-2, ZeRO-3/all run the plain loop without remat (gather='all'); the layer-wise "
         "variants recompute each block in the backward pass (the price of gather-and-discard).",
         f"  ZeRO-2 vs ZeRO-1 at L={max(sizes)}: temp {temp2 / MiB:.2f} vs {temp1 / MiB:.2f} MiB (ZeRO-2/lw "
-        f"{temp2lw / MiB:.2f}). Both reduce-scatter every gradient (RS counts above); the peak of the plain loop "
-        "falls where the forward activations of every block are alive and no gradient exists yet, so the "
-        "partitioned gradient has nothing to save there. The layer-wise stage 2 recomputes, but its peak holds "
-        "the whole parameters (Psi) as stage 1 does; a saving of Psi(N-1)/N needs the gradient to be the peak.",
+        f"{temp2lw / MiB:.2f}). Stages 1 and 2 both reduce-scatter each gradient leaf as the backward pass "
+        "makes it (RS counts above) and XLA:CPU frees each whole stage-1 gradient right after its reduce-scatter, "
+        "so the compiled programs hold the same bytes: the partitioned gradient of stage 2 has nothing left to save.",
     ])  # fmt: skip
     text = "\n\n".join([header, format_table(rows, sizes), checks, sched_text, notes])
     print(text)
