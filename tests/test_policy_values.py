@@ -44,8 +44,12 @@ def test_policy_validation_names_every_problem_at_once() -> None:
         zj.ZeroPolicy(7, mesh, axis="batch", min_shard_size=-1, precision="bf16")
     message = str(e.value)
     assert message.startswith("ZeroPolicy: 4 problems with the arguments")
-    for words in ("stage must be 0, 1, 2 or 3, got 7", "axis 'batch' is not an axis of the mesh",
-                  "min_shard_size must be >= 0, got -1", "precision must be a zj.Precision, got str"):
+    for words in (
+        "stage must be 0, 1, 2 or 3, got 7",
+        "axis 'batch' is not an axis of the mesh",
+        "min_shard_size must be >= 0, got -1",
+        "precision must be a zj.Precision, got str",
+    ):
         assert words in message, words
     # One problem: its own error, as before.
     with pytest.raises(TypeError, match=r"^ZeroPolicy: mesh must be a jax.sharding.Mesh, got list"):
@@ -79,9 +83,7 @@ def _rebuilt(tx: optax.GradientTransformation) -> dict[str, optax.GradientTransf
     }
 
 
-@pytest.mark.parametrize(
-    ("stage", "how"), [(1, "tree_map"), pytest.param(3, "unflatten", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize(("stage", "how"), [(1, "tree_map"), pytest.param(3, "unflatten", marks=pytest.mark.slow)])
 def test_rebuilt_sharded_optimizer_still_trains_like_plain_optax(stage: int, how: str) -> None:
     policy = zj.ZeroPolicy(stage, make_mesh(8), min_shard_size=0)
     tx = _rebuilt(zj.shard_optimizer(optax.adam(1e-2), policy))[how]

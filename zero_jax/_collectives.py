@@ -13,12 +13,14 @@ just the 1/N piece across the (slow) replica axes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from zero_jax._partition import LeafLayout, pad, shard_shape, unpad
+from zero_jax._tree import PyTree
 
 
 class Axes(NamedTuple):
@@ -181,3 +183,53 @@ def fetch_with_grad_slot(
 def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName, dtype: object) -> jax.Array:
     """A per-device zero array shaped like this device's piece of a leaf."""
     return to_varying(jnp.zeros(shard_shape(layout, num_shards), dtype), axis)
+
+
+def _first_element(tree: Any) -> jax.Array | None:
+    """One element of the first non-empty array in ``tree`` (as float32,
+    gradient stopped), or None when there is none."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, SymbolicZero) or not hasattr(leaf, "dtype") or not getattr(leaf, "size", 0):
+            continue
+        if not (jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_):
+            continue
+        return jax.lax.stop_gradient(jnp.ravel(leaf)[0]).astype(jnp.float32)
+    return None
+
+
+_BITS = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def tie(value: PyTree, anchor: Any) -> PyTree:
+    """``value`` bitwise unchanged, but computed only once ``anchor`` exists.
+
+    Each float leaf's bits are or-ed with ``z``, an integer that is 0 for
+    every ``anchor``: ``z = int(a - a)`` for a finite element ``a`` of
+    ``anchor`` (``a - a`` is exactly ``+0.0``), and 0 otherwise. Integer
+    operations never round or flush, so no bit changes (NaN payloads,
+    infinities, ``-0.0`` and subnormals included, which float arithmetic on
+    XLA:CPU would flush to zero); unlike the ``x + 0 * a`` of a first
+    prototype it never turns a value into NaN (an fp16 overflow step, a NaN
+    input), and XLA cannot fold it (it does not assume floats are finite, so
+    it cannot prove ``z`` is 0). Non-float leaves, and an anchor without
+    elements, pass through.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.array([1.0, -0.0, jnp.inf, jnp.nan, 1e-45])
+    >>> y = tie(x, jnp.array([jnp.nan, 2.0]))
+    >>> bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32) == jax.lax.bitcast_convert_type(x, jnp.uint32)))
+    True
+    """
+    a = _first_element(anchor)
+    if a is None:
+        return value
+    zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), jnp.float32)).astype(jnp.int32)
+
+    def one(x: Any) -> Any:
+        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        bits = _BITS[jnp.dtype(x.dtype).itemsize]
+        raw = jax.lax.bitcast_convert_type(x, bits)
+        return jax.lax.bitcast_convert_type(raw | zero.astype(bits), x.dtype)
+
+    return jax.tree.map(one, value)

@@ -361,10 +361,11 @@ class _ScanPlan(NamedTuple):
     depth: int
 
 
-def _fetch(plan: _ScanPlan, i: jax.Array, diff: list[Any], wholes: list[Any]) -> PyTree:
-    """Layer i's whole parameters (all-gathers for stage-3 pieces; one layer in from the host)."""
+def _fetch(plan: _ScanPlan, i: jax.Array, diff: list[Any], wholes: list[Any], anchor: Any = None) -> PyTree:
+    """Layer i's whole parameters (all-gathers for stage-3 pieces; one layer in
+    from the host), each piece tied to ``anchor`` when given (``coll.tie``)."""
     out = [
-        coll.fetch(to_device(w[i]), lay, plan.axis, gather=g) if s else d[i]
+        coll.fetch(coll.tie(to_device(w[i]), anchor), lay, plan.axis, gather=g) if s else d[i]
         for s, d, w, lay, g in zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, strict=True)
     ]
     return jax.tree_util.tree_unflatten(plan.treedef, out)
@@ -390,12 +391,15 @@ def _pipelined(
     def index(t: Any) -> Any:
         return depth - 1 - t if reverse else t
 
-    def fetch(t: Any) -> PyTree:
-        return _fetch(plan, index(t), diff, wholes)
+    def fetch(t: Any, anchor: Any = None) -> PyTree:
+        return _fetch(plan, index(t), diff, wholes, anchor)
 
     if prefetch == 0:
         return jax.lax.scan(lambda s, t: step(s, index(t), fetch(t)), state, jnp.arange(depth))
-    queue = tuple(fetch(t) for t in range(prefetch))
+    # The queue's first gathers wait for the loop's input (in the backward
+    # pass, the cotangent): untied, XLA issues the backward's first re-gather
+    # during the forward pass, one more whole layer alive there.
+    queue = tuple(fetch(t, state) for t in range(prefetch))
 
     def body(carry: Any, t: jax.Array) -> Any:
         s, q = carry

@@ -18,7 +18,7 @@ XLA would otherwise hoist every forward all-gather of an unrolled program to
 its start and merge each backward re-gather into the forward one (common
 subexpression elimination), keeping every block whole for the whole step.
 So each gather's operand is *tied* by data to a value that exists only when
-the gather is due (:func:`tie`): the forward gather to the block's input, the
+the gather is due (``_collectives.tie``): the forward gather to the block's input, the
 backward re-gather to its output's cotangent. The tie ors the piece's bits
 with an integer zero computed from that value, which changes no bit of the
 piece (NaN, infinity, ``-0.0`` and subnormals included) and which the
@@ -54,56 +54,6 @@ from zero_jax._tree import PyTree
 
 def _is_sharded(x: Any) -> bool:
     return isinstance(x, Sharded)
-
-
-def _first_element(tree: Any) -> jax.Array | None:
-    """One element of the first non-empty array in ``tree`` (as float32,
-    gradient stopped), or None when there is none."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, SymbolicZero) or not hasattr(leaf, "dtype") or not getattr(leaf, "size", 0):
-            continue
-        if not (jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_):
-            continue
-        return jax.lax.stop_gradient(jnp.ravel(leaf)[0]).astype(jnp.float32)
-    return None
-
-
-_BITS = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def tie(value: PyTree, anchor: Any) -> PyTree:
-    """``value`` bitwise unchanged, but computed only once ``anchor`` exists.
-
-    Each float leaf's bits are or-ed with ``z``, an integer that is 0 for
-    every ``anchor``: ``z = int(a - a)`` for a finite element ``a`` of
-    ``anchor`` (``a - a`` is exactly ``+0.0``), and 0 otherwise. Integer
-    operations never round or flush, so no bit changes (NaN payloads,
-    infinities, ``-0.0`` and subnormals included, which float arithmetic on
-    XLA:CPU would flush to zero); unlike the ``x + 0 * a`` of a first
-    prototype it never turns a value into NaN (an fp16 overflow step, a NaN
-    input), and XLA cannot fold it (it does not assume floats are finite, so
-    it cannot prove ``z`` is 0). Non-float leaves, and an anchor without
-    elements, pass through.
-
-    >>> import jax.numpy as jnp
-    >>> x = jnp.array([1.0, -0.0, jnp.inf, jnp.nan, 1e-45])
-    >>> y = tie(x, jnp.array([jnp.nan, 2.0]))
-    >>> bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32) == jax.lax.bitcast_convert_type(x, jnp.uint32)))
-    True
-    """
-    a = _first_element(anchor)
-    if a is None:
-        return value
-    zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), jnp.float32)).astype(jnp.int32)
-
-    def one(x: Any) -> Any:
-        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        bits = _BITS[jnp.dtype(x.dtype).itemsize]
-        raw = jax.lax.bitcast_convert_type(x, bits)
-        return jax.lax.bitcast_convert_type(raw | zero.astype(bits), x.dtype)
-
-    return jax.tree.map(one, value)
 
 
 def batched_by_vmap(x: Any) -> bool:
@@ -164,7 +114,7 @@ class _Block:
         gather = policy.partitions_params
         with jax.named_scope(f"zj_block{self.index}_gather"):
             return [
-            None if src is None else coll.fetch(tie(to_device(src), anchor) if gather else src, lay, policy.comm,
+            None if src is None else coll.fetch(coll.tie(to_device(src), anchor) if gather else src, lay, policy.comm,
                                                 gather=gather)
             for src, lay in zip(sources, self.layouts, strict=True)
         ]  # fmt: skip
@@ -349,7 +299,7 @@ def _run_block(
             ]
         # The block before this one runs its backward pass only once this
         # block's gradient is reduce-scattered (and its whole gradient freed).
-        g_args = tie(g_args, g_slots)
+        g_args = coll.tie(g_args, g_slots)
         g_plain, g_args, g_consts = (
             [coll.sum_to_varying(g, v) for g, v in zip(gs, vs, strict=True)]
             for gs, vs in zip((g_plain, g_args, g_consts), varying, strict=True)

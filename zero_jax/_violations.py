@@ -411,8 +411,7 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
         return "elements" if any(dims in shapes for _, dims, _ in ins.arrays) else None
 
     alive = _measure.layers_alive(hlo, classify, elements)
-    judged = bool(named) or any(unnamed[g.name] != [0, 0, 0] for g in groups if not g.name.startswith("scan "))
-    return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, judged)
+    return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, True)
 
 
 def layer_violations(schedule: LayerSchedule | None, policy: ZeroPolicy, manual: bool) -> list[Violation]:
