@@ -9,7 +9,7 @@
 from zero_jax import adapters, checkpoint
 from zero_jax._audit import audit
 from zero_jax._launch import launch
-from zero_jax._layers import Sharded, gather, scan_layers
+from zero_jax._layers import Sharded, gather
 from zero_jax._layerwise import apply_layer, apply_layers
 from zero_jax._measure import Collective
 from zero_jax._multihost import shard_batch
@@ -20,6 +20,7 @@ from zero_jax._plan import Plan, plan
 from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
 from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
 from zero_jax._report import AuditError, AuditReport, Communication, LeafBytes, Violation
+from zero_jax._scan import scan_layers
 from zero_jax._state import TrainState, full_params, init_state
 from zero_jax._theory import (
     ModelStateBytes,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from zero_jax import _layers
 from zero_jax._layers import Sharded
 from zero_jax._policy import ZeroPolicy
+from zero_jax._scan import scan_layers
 from zero_jax._state import TrainState, full_params, init_state
 from zero_jax._train import make_train_step
 from zero_jax._tree import PyTree, key_names, path_str, split_prefix, under, under_any
@@ -323,7 +324,7 @@ def scan_stacked(
         counter[0] += 1
     policy = active_policy()
     if not jax.tree.leaves(indexed):
-        return _layers.scan_layers(lambda p, c: layer_fn(p, None, c), scanned, carry, policy, prefetch=prefetch,
+        return scan_layers(lambda p, c: layer_fn(p, None, c), scanned, carry, policy, prefetch=prefetch,
                                    remat=remat)  # fmt: skip
 
     def body(p: PyTree, c: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
@@ -331,9 +332,7 @@ def scan_stacked(
         layer = jax.tree.map(lambda a: a[i.astype(jnp.int32)], indexed)
         return layer_fn(p, layer, x), i + 1
 
-    out, _ = _layers.scan_layers(
-        body, scanned, (carry, jnp.zeros((), jnp.float32)), policy, prefetch=prefetch, remat=remat
-    )
+    out, _ = scan_layers(body, scanned, (carry, jnp.zeros((), jnp.float32)), policy, prefetch=prefetch, remat=remat)
     return out
 
 

@@ -23,8 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zero_jax._layers import gather, scan_layers
+from zero_jax._layers import gather
 from zero_jax._policy import ZeroPolicy
+from zero_jax._scan import scan_layers
 
 Params = dict[str, Any]
 
