@@ -646,9 +646,12 @@ def main() -> None:
         "accumulation) sums whole float32 gradients, stage 2 sums pieces (the acc2 rows; their extra reduce-scatter "
         "per microbatch is the documented price of partitioned accumulation).",
         "  Prefetch: the whole layers alive at once come from the compiled schedule (zj.audit's walk of the "
-        "scheduled HLO, from each block's all-gather to its last use). memory_analysis's temp is XLA's allocation, "
-        "which packs buffers of several sizes with holes: prefetch=1 adds one whole layer to what is live and about "
-        "0.8 more to the allocation on the unscanned model (0.1-0.25 on the scanned one).",
+        "scheduled HLO, from each block's all-gather to its last use): prefetch=1 holds one more whole layer. "
+        "memory_analysis's temp is XLA's allocation of every buffer, packed: it grows by more than one layer "
+        "(the last-but-one PASS/FAIL lines). The excess is not whole-layer buffers (the schedule walk counts "
+        "those); it is how the other buffers (activations, block gradients) are placed under the other schedule, "
+        "not attributed further here. On the scanned model XLA's own live-set peak fell by one layer when the "
+        "backward queue was tied (an earlier run: 30.47 -> 27.31 MB) while the allocation stayed.",
     ])  # fmt: skip
     text = "\n\n".join([header, format_table(rows, sizes), checks, sched_text, notes])
     print(text)
