@@ -192,13 +192,19 @@ class Run:
         self.skipped: list[dict[str, str]] = []
         self.results: dict[str, Any] = {}
         self.section_s: dict[str, float] = {}
+        self.errors: dict[str, str] = {}
 
     def timed(self, section: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one section; an error is recorded (the other sections still run) rather than raised."""
         t0 = time.perf_counter()
         try:
             return fn(*args)
+        except Exception as e:  # one chance on the GPU: keep what the other sections measure
+            self.errors[section] = f"{type(e).__name__}: {str(e)[:2000]}"
+            print(f"section {section} failed: {self.errors[section]}", file=sys.stderr, flush=True)
+            return None
         finally:
-            self.section_s[section] = time.perf_counter() - t0
+            self.section_s[section] = self.section_s.get(section, 0.0) + time.perf_counter() - t0
             print(f"section {section}: {self.section_s[section]:.1f} s", file=sys.stderr, flush=True)
 
     def elapsed(self) -> float:
@@ -276,7 +282,7 @@ def blockwise_loss(cfg: TransformerConfig, policy: zj.ZeroPolicy, prefetch: int)
     return loss_fn
 
 
-HOST_GROUP_BYTES = 1 << 30  # host-resident leaves are made in groups of at most this many bytes
+HOST_GROUP_BYTES = 8 << 30  # host-resident leaves are made in groups of at most this many bytes
 #: XLA:CPU in the dry run: LLVM optimisation off for the programs that make states too.
 MAKER_OPTIONS = (("xla_backend_optimization_level", 0),) if SIMULATED else ()
 
@@ -302,7 +308,7 @@ def group_maker(specs: tuple[tuple[tuple[int, ...], Any, Any, bool], ...], optio
 def materialize(abstract: Any, fill: Any = True) -> Any:
     """Arrays for a tree of ``ShapeDtypeStruct``s with shardings (``fill``: a bool, or a tree of them
     matching ``abstract``: a small fixed pattern, else zeros), each in its memory kind: the
-    device-resident leaves in one program, the host-resident ones in groups of at most 1 GiB (so no
+    device-resident leaves in one program, the host-resident ones in groups of at most 8 GiB (so no
     program holds the whole host state on the device at once)."""
     leaves, treedef = jax.tree.flatten(abstract)
     flags = [fill] * len(leaves) if isinstance(fill, bool) else jax.tree.leaves(fill)
@@ -476,12 +482,12 @@ def section_overhead(run: Run) -> None:
         "rows": [],
     }
     est = run.compile_s * math.ceil(len(variants) / sz.workers)
-    if not run.allows("1", "all variants", est, 0.30):
+    if not run.allows("1", "all variants", est, 0.27):
         return
     compiled = run.compile_many({k: v[0] for k, v in variants.items()})
     batch = real_batch(cfg, b, jax.sharding.SingleDeviceSharding(device))
     for name, (_, abstract) in variants.items():
-        if not run.allows("1", f"{name} steps", sz.step_guess_s, 0.32):
+        if not run.allows("1", f"{name} steps", sz.step_guess_s, 0.30):
             continue
         exe, compile_s = compiled.pop(name)
         state = materialize(abstract, True) if name == "jax.jit + optax" else materialize_state(abstract)
@@ -650,14 +656,14 @@ def section_overlap(run: Run, variants: dict[tuple[str, int], Variant]) -> dict[
         "rows": [],
     }
     est = run.compile_s * math.ceil(len(variants) / sz.workers)
-    if not run.allows("3", "all variants", est, 0.52):
+    if not run.allows("3", "all variants", est, 0.47):
         return {}
     compiled = run.compile_many({f"{k[0]} {k[1]}": v.lower for k, v in variants.items()})
     states: dict[str, Any] = {}
     batch = real_batch(cfg, b, next(iter(variants.values())).policy.batch_sharding())
     for (path, p), v in variants.items():
         exe, compile_s = compiled[f"{path} {p}"]
-        if not run.allows("3", f"{path} prefetch={p} steps", sz.step_guess_s, 0.55):
+        if not run.allows("3", f"{path} prefetch={p} steps", sz.step_guess_s, 0.50):
             continue
         state = states.pop(path, None) or materialize_state(v.abstract)  # prefetch changes the step, not the state
         state, times, _ = timed_steps(exe, state, batch, sz.warmup, sz.steps)
@@ -690,7 +696,7 @@ def section_flags(run: Run, variants: dict[tuple[str, int], Variant], kept: dict
     chosen = [(name, {k: v for k, v in change.items() if k in run.options}) for name, change in FLAG_VARIANTS]
     chosen = [(name, change) for name, change in chosen if change]
     est = run.compile_s * math.ceil(len(chosen) / sz.workers)
-    if not chosen or not run.allows("4", "flag variants", est, 0.62):
+    if not chosen or not run.allows("4", "flag variants", est, 0.57):
         return
     v = variants[("blockwise", 1)]
     compiled = run.compile_many({name: v.lower for name, _ in chosen}, dict(chosen))
@@ -771,7 +777,8 @@ def probe_round(run: Run, searches: list[Search], depths: dict[int, list[int]], 
     compiled = run.compile_many({k: v.lower for k, v in made.items()})
     for (i, d), (exe, seconds) in compiled.items():
         mem = memory(exe)
-        need = max(mem["host_peak"], 2 * host_state_bytes(made[(i, d)].abstract))
+        # host memory: what memory_analysis reports for the host (GPU/TPU), else the state's host bytes (CPU)
+        need = mem["host_peak"] if mem["host_peak"] > 0 else host_state_bytes(made[(i, d)].abstract)
         searches[i].probes[d] = {
             "depth": d,
             "device_peak": mem["peak"],
@@ -872,8 +879,9 @@ def confirm(run: Run, s: Search, cap: dict[str, int]) -> dict[str, Any]:
         (0 if lo in s.probes else run.compile_s) + 2 * run.sizes.step_guess_s,
         1.0,
     ):
-        p = s.probes[lo] if lo in s.probes else None
-        if p is None:
+        p = s.probes.get(lo)
+        if p is None or "exe" not in p:  # a depth below the bracket, or one whose executable was dropped
+            s.probes.pop(lo, None)
             probe_round(run, [s], {0: [lo]}, cap)
             p = s.probes[lo]
         cfg = TransformerConfig(depth=lo, **run.sizes.s2_model)
@@ -1084,7 +1092,7 @@ def text_flags(r: dict[str, Any]) -> list[str]:
 
 
 def write(run: Run, final: bool) -> None:
-    data = {"meta": meta(run), "complete": final, **run.results, "skipped": run.skipped}
+    data = {"meta": meta(run), "complete": final, **run.results, "skipped": run.skipped, "errors": run.errors}
     head = [f"{k}: {v}" for k, v in data["meta"].items()]
     if DRY_RUN:
         head.insert(
@@ -1107,6 +1115,7 @@ def write(run: Run, final: bool) -> None:
         "skipped (time guard): "
         + ("; ".join(f"[{s['section']}] {s['what']} ({s['reason']})" for s in run.skipped) or "nothing"),
     ]
+    body += [f"ERROR in section {k}: {v}" for k, v in run.errors.items()]
     if not final:
         body.append("INCOMPLETE: the run has not finished (or was cut short).")
     os.makedirs(run.args.out, exist_ok=True)
@@ -1125,7 +1134,10 @@ def main() -> None:
         "--out", default=None, help="output directory (default benchmarks/results; dry run: a temp dir)"
     )
     parser.add_argument(
-        "--budget", type=float, default=None, help="seconds of work before the time guard stops adding (420)"
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds of work before the time guard stops adding (420; dry run 300)",
     )
     parser.add_argument(
         "--peak-tflops", type=float, default=None, help="the chip's dense bf16 peak, if not an H100/H200"
@@ -1140,16 +1152,17 @@ def main() -> None:
         )
     if not args.dry_run and jax.default_backend() == "cpu":
         parser.error("no accelerator: the full run measures a GPU; use --dry-run here")
-    args.budget = args.budget or (120.0 if args.dry_run else 420.0)
+    args.budget = args.budget or (300.0 if args.dry_run else 420.0)
     run = Run(args, DRY_SIZES if args.dry_run else GPU_SIZES)
     run.timed("1", section_overhead, run)
     write(run, final=False)
-    variants = overlap_variants(run)
-    kept = run.timed("3", section_overlap, run, variants)
+    variants = run.timed("3", overlap_variants, run) or {}
+    kept = run.timed("3", section_overlap, run, variants) or {} if variants else {}
     write(run, final=False)
     run.timed("4", section_flags, run, variants, kept)
     free(kept.get("states"))
     kept.clear()
+    gc.collect()
     write(run, final=False)
     run.timed("2", section_offload, run)
     write(run, final=True)

@@ -32,7 +32,7 @@ def test_gpu_script_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert data["meta"]["command"].startswith("python benchmarks/gpu.py --dry-run")
     for key in ("device", "jax", "jaxlib", "compiler_options"):
         assert data["meta"][key]
-    assert data["skipped"] == []
+    assert data["skipped"] == [] and data["errors"] == {}
 
     overhead = data["overhead"]
     assert [r["variant"] for r in overhead["rows"]] == ["jax.jit + optax"] + [f"zero_jax stage {s}" for s in range(4)]
