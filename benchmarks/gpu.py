@@ -5,6 +5,10 @@ Run (one command, about 7 minutes on one NVIDIA H200; results in ``benchmarks/re
 
     python benchmarks/gpu.py
 
+(on a machine whose results must be copied out, e.g. ``timeout 540 python benchmarks/gpu.py; cp
+benchmarks/results/gpu.txt benchmarks/results/gpu.json "$OUT"/``: the files hold every finished
+section even when the run is cut short). ``XLA_PYTHON_CLIENT_MEM_FRACTION`` defaults to 0.90 here.
+
 ``--dry-run`` runs the same code paths at tiny sizes (on CPU with 8 simulated devices when no
 accelerator is installed) and writes to a temporary directory or ``--out``; it never touches
 ``benchmarks/results/gpu.*`` and says that its times, MFU and memory ceilings mean nothing.
