@@ -604,8 +604,8 @@ def block_order(instrs: list[Any], unit: Callable[..., Any], depth: int) -> dict
 def schedule(hlo: str, depth: int, scanned: bool) -> dict[str, Any]:
     comps, entry, _ = _measure.scheduled_computations(hlo)
     unit = _unit_facts(comps)
-    bodies = {
-        n for ins in comps.get(entry, []) if ins.op == "while" for n in re.findall(r"body=%?([\w.\-]+)", ins.attrs)
+    bodies = {  # every loop body, wherever the loop sits (the entry, a call, a command buffer)
+        n for c in comps.values() for ins in c if ins.op == "while" for n in re.findall(r"body=%?([\w.\-]+)", ins.attrs)
     }
     where = sorted(bodies) if scanned else [entry]
     stats = [async_pairs(comps[name], unit) for name in where if name in comps]
