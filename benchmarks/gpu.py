@@ -251,7 +251,11 @@ class Run:
         workers = max(1, min(self.sizes.workers, len(lowered)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = {k: pool.submit(self.compile, low, (extras or {}).get(k)) for k, low in lowered.items()}
-            return {k: f.result() for k, f in futures.items()}
+            concurrent.futures.wait(futures.values())
+        out = {}
+        for k, f in futures.items():  # a compile that failed in the pool is tried once more on its own
+            out[k] = f.result() if f.exception() is None else self.compile(lowered[k], (extras or {}).get(k))
+        return out
 
 
 # -- models, states and steps ----------------------------------------------------------------------
