@@ -112,7 +112,7 @@ def test_accumulation_equals_gather_all(stage: int, mode: str) -> None:
 
 def test_bf16_compute_equals_gather_all() -> None:
     precision = zj.Precision(compute_dtype=jnp.bfloat16)
-    plain, _, plain_losses = _run(3, "plain", precision=precision)
+    plain, plain_step, plain_losses = _run(3, "plain", precision=precision)
     layered, step, losses = _run(3, "apply_layers", precision=precision)
     errors = relative_update_error(zj.full_params(layered), zj.full_params(plain), _params())
     assert max(errors.values()) <= BF16_RTOL, errors
@@ -121,10 +121,10 @@ def test_bf16_compute_equals_gather_all() -> None:
     # gathered in the compute dtype and their gradients reduced in float32.
     colls = _measure.collectives(step.jitted, layered, _batches()[0])
     assert {c.dtype for c in colls if c.kind == "all-gather"} == {"bf16"}
+    plain_colls = _measure.collectives(plain_step.jitted, plain, _batches()[0])
     assert {c.dtype for c in colls if c.kind == "reduce-scatter"} == {
-        c.dtype for c in _measure.collectives(_run(3, "plain", precision=precision, steps=1)[1].jitted, plain,
-                                              _batches()[0]) if c.kind == "reduce-scatter"
-    }  # fmt: skip
+        c.dtype for c in plain_colls if c.kind == "reduce-scatter"
+    }
 
 
 FP16 = zj.Precision(compute_dtype=jnp.float16, loss_scale=zj.DynamicLossScale(initial=2.0**10, growth_interval=2))
