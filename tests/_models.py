@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import zero_jax as zj
+
 
 def make_mesh(n: int, names: tuple[str, ...] = ("data",), shape: tuple[int, ...] | None = None) -> jax.sharding.Mesh:
     """A mesh over the first ``n`` of the 8 simulated devices."""
@@ -103,3 +105,23 @@ def run_as_main(package: str, argv: Sequence[str]) -> None:
         sys.argv = saved_argv
         if saved_main is not None:
             sys.modules[main] = saved_main
+
+
+def train_adapted(adapted: Any, stage: int, batches: list[Any], *, precision: Any = None, **step_kw: Any):
+    """Train an adapted model with Adam on 8 devices (min_shard_size 0): (state, step, losses)."""
+    policy = adapted.policy(stage, make_mesh(8), min_shard_size=0, precision=precision)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state = adapted.init_state(tx, policy)
+    step = adapted.make_train_step(tx, policy, **step_kw)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    return state, step, losses
+
+
+def compile_adapted(adapted: Any, batch: Any, **step_kw: Any) -> Any:
+    """An adapted model's stage-3 step (Adam, 8 devices, min_shard_size 0), compiled."""
+    policy = adapted.policy(3, make_mesh(8), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    return adapted.make_train_step(tx, policy, **step_kw).lower(adapted.init_state(tx, policy), batch).compile()

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_mesh, reference_run, relative_update_error
+from _models import make_mesh, reference_run, relative_update_error, train_adapted
 
 import zero_jax as zj
 from zero_jax._layers import Sharded
@@ -212,18 +212,6 @@ def _loss_of(net):
     return loss
 
 
-def _train(adapted, stage, batches, *, precision=None, **step_kw):
-    policy = adapted.policy(stage, make_mesh(8), min_shard_size=0, precision=precision)
-    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
-    state = adapted.init_state(tx, policy)
-    step = adapted.make_train_step(tx, policy, **step_kw)
-    losses = []
-    for b in batches:
-        state, metrics = step(state, b)
-        losses.append(float(metrics["loss"]))
-    return state, step, losses
-
-
 @pytest.mark.parametrize(
     ("stage", "accum"),
     [(1, 1), (2, 1), (3, 1), pytest.param(2, 2, marks=pytest.mark.slow), pytest.param(3, 2, marks=pytest.mark.slow)],
@@ -232,9 +220,9 @@ def test_linen_layerwise_equals_gather_all_and_optax(stage: int, accum: int) -> 
     net, variables = _net()
     adapted = zj.adapters.from_linen(net, variables, _loss_of(net), layers="auto")
     batches = _batches()
-    layerwise, step, losses = _train(adapted, stage, batches, accum_steps=accum)
+    layerwise, step, losses = train_adapted(adapted, stage, batches, accum_steps=accum)
     assert step.gather == "manual"  # the default with layers= (stage 1: pieces are whole, blocks run as written)
-    whole, _, losses_all = _train(adapted, stage, batches, accum_steps=accum, gather="all")
+    whole, _, losses_all = train_adapted(adapted, stage, batches, accum_steps=accum, gather="all")
     ref, ref_losses = reference_run(
         optax.adam(1e-2), variables["params"], batches, lambda p, b: _loss_of(net)({"params": p}, b)
     )
@@ -250,8 +238,8 @@ def test_linen_layerwise_bf16_compute_equals_gather_all() -> None:
     net, variables = _net()
     adapted = zj.adapters.from_linen(net, variables, _loss_of(net), layers="h_*")
     batches, bf16 = _batches(), zj.Precision(compute_dtype=jnp.bfloat16)
-    layerwise, _, losses = _train(adapted, 3, batches, precision=bf16)
-    whole, _, losses_all = _train(adapted, 3, batches, precision=bf16, gather="all")
+    layerwise, _, losses = train_adapted(adapted, 3, batches, precision=bf16)
+    whole, _, losses_all = train_adapted(adapted, 3, batches, precision=bf16, gather="all")
     gap = relative_update_error(zj.full_params(layerwise), zj.full_params(whole), variables["params"])
     # Same bf16 ops in the same order (the recompute is the forward again): equal to bf16 rounding of the
     # per-block vs whole-model gradient reduction: stated at 1e-4.
@@ -270,8 +258,8 @@ def test_linen_batch_norm_inside_blocks_updates_like_gather_all() -> None:
     adapted = zj.adapters.from_linen(net, variables, loss, mutable="batch_stats", layers="auto")
     assert adapted.stateful and adapted.layers.count == 3
     batches = _batches()
-    layerwise, _, losses = _train(adapted, 3, batches)
-    whole, _, losses_all = _train(adapted, 3, batches, gather="all")
+    layerwise, _, losses = train_adapted(adapted, 3, batches)
+    whole, _, losses_all = train_adapted(adapted, 3, batches, gather="all")
     np.testing.assert_allclose(losses, losses_all, rtol=1e-6)
     for a, b, s in zip(
         jax.tree.leaves(layerwise.model_state), jax.tree.leaves(whole.model_state),
@@ -294,7 +282,7 @@ def test_linen_dropout_inside_blocks_runs() -> None:
         return jnp.mean((pred - batch["y"]) ** 2)
 
     adapted = zj.adapters.from_linen(net, variables, loss, layers="auto")
-    state, step, losses = _train(adapted, 3, _batches())
+    state, step, losses = train_adapted(adapted, 3, _batches())
     assert all(np.isfinite(losses))
     moved = relative_update_error(zj.full_params(state), variables["params"], variables["params"])
     assert min(moved.values()) > 0  # every leaf trained (inf: the update vs a zero "reference update")
@@ -360,8 +348,8 @@ def test_hugging_face_like_model_with_layers_auto() -> None:
     hf = FakePretrained(3)
     adapted = zj.adapters.from_linen(hf, loss, layers="auto")
     batches = _batches()
-    layerwise, _, _ = _train(adapted, 3, batches)
-    whole, _, _ = _train(adapted, 3, batches, gather="all")
+    layerwise, _, _ = train_adapted(adapted, 3, batches)
+    whole, _, _ = train_adapted(adapted, 3, batches, gather="all")
     assert max(relative_update_error(zj.full_params(layerwise), zj.full_params(whole), hf.params).values()) <= 1e-5
 
 
@@ -381,7 +369,7 @@ def test_compact_blocks_by_class_and_pattern() -> None:
 def test_gather_all_requested_explicitly_wins_over_layers() -> None:
     net, variables = _net()
     adapted = zj.adapters.from_linen(net, variables, _loss_of(net), layers="auto")
-    state, step, _ = _train(adapted, 3, _batches(1), gather="all")
+    state, step, _ = train_adapted(adapted, 3, _batches(1), gather="all")
     assert step.gather == "all"
     assert "zj_block" not in step.jitted.lower(state, _batches(1)[0]).compile().as_text()  # plain calls
 
@@ -407,8 +395,8 @@ def test_manual_gather_on_undeclared_unscanned_blocks_points_to_layers_auto() ->
     with pytest.raises(
         ValueError, match=r"blocks are unscanned and undeclared: 'h_\*' \(3 blocks: h_0 … h_2\).*layers='auto'"
     ):
-        _train(adapted, 3, _batches(1), gather="manual")
-    _train(adapted, 3, _batches(1))  # gather="all" is fine
+        train_adapted(adapted, 3, _batches(1), gather="manual")
+    train_adapted(adapted, 3, _batches(1))  # gather="all" is fine
 
 
 def test_stacked_given_for_unscanned_blocks_says_so() -> None:

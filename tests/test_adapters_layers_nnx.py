@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_mesh, reference_run, relative_update_error
+from _models import compile_adapted, reference_run, relative_update_error, train_adapted
 from flax import nnx
 
 import zero_jax as zj
@@ -63,18 +63,6 @@ def _batches(n: int = 2, seed: int = 1) -> list[dict]:
     ]
 
 
-def _train(adapted, stage, batches, *, precision=None, **step_kw):
-    policy = adapted.policy(stage, make_mesh(8), min_shard_size=0, precision=precision)
-    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
-    state = adapted.init_state(tx, policy)
-    step = adapted.make_train_step(tx, policy, **step_kw)
-    losses = []
-    for b in batches:
-        state, metrics = step(state, b)
-        losses.append(float(metrics["loss"]))
-    return state, step, losses
-
-
 def _err(a, b, start) -> float:
     return max(relative_update_error(a, b, start).values())
 
@@ -87,9 +75,9 @@ def _err(a, b, start) -> float:
 def test_nnx_layerwise_equals_gather_all_and_optax(stage: int, accum: int) -> None:
     model, batches = Net(), _batches()
     adapted = zj.adapters.from_nnx(model, loss, layers="blocks/*")
-    layerwise, step, losses = _train(adapted, stage, batches, accum_steps=accum)
+    layerwise, step, losses = train_adapted(adapted, stage, batches, accum_steps=accum)
     assert step.gather == "manual"  # the default with layers=
-    whole, _, losses_all = _train(adapted, stage, batches, accum_steps=accum, gather="all")
+    whole, _, losses_all = train_adapted(adapted, stage, batches, accum_steps=accum, gather="all")
     ref, ref_losses = reference_run(
         optax.adam(1e-2), adapted.params, batches, lambda p, b: loss(adapted.to_model(p), b)
     )
@@ -104,9 +92,9 @@ def test_nnx_layerwise_bf16_compute_matches_gather_all() -> None:
     model, batches = Net(), _batches()
     adapted = zj.adapters.from_nnx(model, loss, layers="auto")
     bf16 = zj.Precision(compute_dtype=jnp.bfloat16)
-    layerwise, _, losses = _train(adapted, 3, batches, precision=bf16)
-    whole, _, losses_all = _train(adapted, 3, batches, precision=bf16, gather="all")
-    fp32, _, _ = _train(adapted, 3, batches, gather="all")
+    layerwise, _, losses = train_adapted(adapted, 3, batches, precision=bf16)
+    whole, _, losses_all = train_adapted(adapted, 3, batches, precision=bf16, gather="all")
+    fp32, _, _ = train_adapted(adapted, 3, batches, gather="all")
     start = adapted.params
     gap = _err(zj.full_params(layerwise), zj.full_params(whole), start)
     # The same bf16 arithmetic, block by block (measured: bitwise equal, 0.0; bf16 vs fp32 is 5e-3 to 1.3e-2).
@@ -119,8 +107,8 @@ def test_nnx_batch_norm_inside_blocks() -> None:
     model, batches = Net(bn=True), _batches(3)
     adapted = zj.adapters.from_nnx(model, loss, layers=Block)
     assert adapted.stateful and adapted.layers.count == 3
-    layerwise, _, losses = _train(adapted, 3, batches)
-    whole, _, losses_all = _train(adapted, 3, batches, gather="all")
+    layerwise, _, losses = train_adapted(adapted, 3, batches)
+    whole, _, losses_all = train_adapted(adapted, 3, batches, gather="all")
     assert _err(zj.full_params(layerwise), zj.full_params(whole), adapted.params) <= 1e-5
     for a, b, start in zip(
         jax.tree.leaves(layerwise.model_state),
@@ -164,22 +152,15 @@ def test_nnx_layers_bad_input() -> None:
         zj.adapters.from_nnx(model, loss, stacked="blocks")
     plain = zj.adapters.from_nnx(model, loss)
     with pytest.raises(ValueError, match=r"blocks are unscanned and undeclared.*layers='auto'"):
-        _train(plain, 3, _batches(1), gather="manual")
-
-
-def _compiled(adapted, batch, **step_kw):
-    policy = adapted.policy(3, make_mesh(8), min_shard_size=0)
-    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
-    state = adapted.init_state(tx, policy)
-    return adapted.make_train_step(tx, policy, **step_kw).lower(state, batch).compile()
+        train_adapted(plain, 3, _batches(1), gather="manual")
 
 
 @pytest.mark.slow
 def test_nnx_layerwise_memory_and_gathers_per_block() -> None:
     model, batch = Net(depth=8, d=64), _batches(1)[0]
     adapted = zj.adapters.from_nnx(model, loss, layers="auto")
-    layerwise = _compiled(adapted, batch)
-    whole = _compiled(adapted, batch, gather="all")
+    layerwise = compile_adapted(adapted, batch)
+    whole = compile_adapted(adapted, batch, gather="all")
     temp, temp_all = layerwise.memory_analysis().temp_size_in_bytes, whole.memory_analysis().temp_size_in_bytes
     assert temp < 0.5 * temp_all, (temp, temp_all)
     text = layerwise.as_text()
@@ -219,8 +200,8 @@ class DropNet(nnx.Module):
 def test_nnx_dropout_rng_counts_inside_blocks() -> None:
     adapted = zj.adapters.from_nnx(DropNet(), loss, layers="auto")
     batches = _batches()
-    layerwise, _, losses = _train(adapted, 3, batches)
-    whole, _, losses_all = _train(adapted, 3, batches, gather="all")
+    layerwise, _, losses = train_adapted(adapted, 3, batches)
+    whole, _, losses_all = train_adapted(adapted, 3, batches, gather="all")
     # The same dropout masks: each block's uint32 RNG count goes into its call and comes back exactly.
     assert losses == losses_all
     assert _err(zj.full_params(layerwise), zj.full_params(whole), adapted.params) <= 1e-6
