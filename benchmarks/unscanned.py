@@ -249,18 +249,30 @@ def sizes_for(depth: int, mesh: jax.sharding.Mesh) -> Sizes:
 # -- compiling and reading the program -------------------------------------------------------------
 
 
-def compile_with_hlo(lowerable: Any, *args: Any) -> tuple[Any, str]:
+_LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
+
+
+def compile_with_hlo(lowerable: Any, *args: Any) -> tuple[Any, str, int]:
+    """The compiled step, its HLO right after SPMD partitioning, and XLA's live
+    peak: the bytes of the values alive at once at the busiest point of the
+    schedule (``HloLiveRange``), before the heap packs them into buffers."""
     pattern = os.path.join(DUMP_DIR, "*after_spmd-partitioning*")
-    before = set(glob.glob(pattern))
+    ranges = os.path.join(DUMP_DIR, "*after_optimizations-live-range.txt")
+    before = set(glob.glob(pattern)) | set(glob.glob(ranges))
     compiled = lowerable.lower(*args).compile()
     new = sorted(set(glob.glob(pattern)) - before)
-    if not new:
-        raise RuntimeError("XLA wrote no post-SPMD-partitioning dump")
+    new_ranges = sorted(set(glob.glob(ranges)) - before)
+    if not new or not new_ranges:
+        raise RuntimeError("XLA wrote no post-SPMD-partitioning or live-range dump")
     with open(new[-1]) as f:
         hlo = f.read()
-    for path in new:
+    with open(new_ranges[-1]) as f:
+        found = _LIVE_PEAK.search(f.read())
+    if found is None:
+        raise RuntimeError(f"no peak-usage line in {new_ranges[-1]}")
+    for path in new + new_ranges:
         os.remove(path)
-    return compiled, hlo
+    return compiled, hlo, int(found.group(1).replace(" ", ""))
 
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (\S+?)(?:\{[^}]*\})? ([\w\-]+)\(.*?op_name=\"([^\"]*)\"", re.M)
@@ -333,6 +345,7 @@ class Run:
     per_block: dict[str, dict[str, float]] | None
     sched: list[dict[str, int]] | None
     alive: float | None
+    live_peak: int
     times: list[float] = dataclasses.field(default_factory=list)
     loss: float = float("nan")
 
@@ -354,7 +367,7 @@ def make_run(variant: str, depth: int, mesh: jax.sharding.Mesh) -> Run:
         step_fn = zj.make_train_step(loss, tx, policy, gather="all" if kind == "all" else "manual",
                                      accum_steps=ACCUM.get(variant, 1))  # fmt: skip
     batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), policy.batch_sharding())
-    compiled, spmd = compile_with_hlo(step_fn, state, batch)
+    compiled, spmd, live_peak = compile_with_hlo(step_fn, state, batch)
     text = compiled.as_text()
     holder = {"state": state}
 
@@ -376,6 +389,7 @@ def make_run(variant: str, depth: int, mesh: jax.sharding.Mesh) -> Run:
         block_collectives(text, depth, weight_shapes(cfg, mesh)) if lw and variant not in ACCUM else None,
         schedule(text, depth) if lw and stage == 3 and prefetch else None,
         alive,
+        live_peak,
     )
 
 
@@ -404,6 +418,7 @@ def row_of(r: Run) -> dict[str, Any]:
         "per_block_weight": r.per_block,
         "schedule": r.sched,
         "layers_alive": r.alive,
+        "live_peak_bytes": r.live_peak,
         "step_ms_median": 1e3 * statistics.median(r.times),
         "step_ms_all": [1e3 * t for t in r.times],
         "final_loss": r.loss,
@@ -506,6 +521,14 @@ def format_checks(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[
             f"  {verdict(ok)} prefetch=1 over prefetch=0 ({a} - {b}), compiled peak (memory_analysis: XLA's "
             f"allocation, packing included) <= 1 whole layer ({s.per_block / MiB:.3f} MiB): "
             + ", ".join(f"L={d}: {c:.2f}" for d, c in costs.items())
+        )
+        live = {d: (cell(rows, a, d)["live_peak_bytes"] - cell(rows, b, d)["live_peak_bytes"]) / sizes[d].per_block
+                for d in sorted(sizes)}  # fmt: skip
+        ok = all(c <= 1.0 for c in live.values())
+        res[f"prefetch_live_{a}"] = {"layers": live, "pass": ok}
+        out.append(
+            f"  {verdict(ok)} prefetch=1 over prefetch=0 ({a} - {b}), XLA's live peak (HloLiveRange: bytes alive "
+            f"at once, before heap packing) <= 1 whole layer: " + ", ".join(f"L={d}: {c:.2f}" for d, c in live.items())
         )
     for d in sorted(sizes):
         pb = cell(rows, "ZeRO-3/lw1", d)["per_block_weight"]
