@@ -9,6 +9,13 @@ compiled program communicates can be read off this module.
 On a hybrid mesh (:class:`Axes` with replica axes) the partition collectives
 run within the shard axes only; :func:`reduce_across_replicas` then moves
 just the 1/N piece across the (slow) replica axes.
+
+With tensor parallelism (a leaf whose layout has model axes) the step's
+``shard_map`` leaves the model axes to the compiler, which would gather a
+leaf's model shards together before a collective over data (tensor
+parallelism silently lost, data-axis bytes M times the theory). So each such
+collective runs inside a ``shard_map`` nested over the leaf's model axes
+(:func:`per_model_shard`): every device moves its own model shard only.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+from jax.sharding import AxisType, PartitionSpec
 
 from zero_jax._partition import LeafLayout, pad, shard_shape, unpad
 from zero_jax._tree import PyTree
@@ -86,6 +94,24 @@ def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
     return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
 
 
+def per_model_shard(fn: Any, layout: LeafLayout | None, x: jax.Array) -> jax.Array:
+    """``fn(x)`` on this device's model shard of ``x``: inside the step's
+    ``shard_map`` with model axes left to the compiler, a ``shard_map`` nested
+    over them (``x`` split as the layout's model spec says, replicated over
+    them without one); ``fn(x)`` itself when every mesh axis is manual
+    already. ``fn`` must keep the model-sharded dimensions' sizes.
+
+    Nesting even a leaf the model does not shard keeps each collective's
+    reduction free of the compiler's sharding annotations (XLA:CPU's bf16
+    all-reduce promotion aborts on a reducer that holds one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != AxisType.Manual}
+    if not auto:
+        return fn(x)
+    spec = PartitionSpec(*layout.model) if layout is not None and layout.model else PartitionSpec()
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=auto)(x)
+
+
 def sum_all_reduce(x: jax.Array, axis: AxisName) -> jax.Array:
     """Sum ``x`` over every batch axis; every device gets the whole result.
 
@@ -95,15 +121,22 @@ def sum_all_reduce(x: jax.Array, axis: AxisName) -> jax.Array:
     return jax.lax.psum(x, _name(_axes(axis).all))
 
 
+def sum_all_reduce_leaf(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """:func:`sum_all_reduce` of one leaf, on each device's model shard."""
+    return per_model_shard(lambda g: sum_all_reduce(g, axis), layout, x)
+
+
 def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
     """Sum a whole per-device gradient over the shard axes and keep this
     device's piece of it (stored, padded form). A leaf the policy keeps whole
     is all-reduced (over every batch axis) instead. On a hybrid mesh the
     piece still differs per replica: :func:`reduce_across_replicas` finishes."""
     if layout.dim is None:
-        return sum_all_reduce(x, axis)
+        return sum_all_reduce_leaf(x, layout, axis)
     shard = _name(_axes(axis).shard)
-    return jax.lax.psum_scatter(pad(x, layout), shard, scatter_dimension=layout.dim, tiled=True)
+    return per_model_shard(
+        lambda g: jax.lax.psum_scatter(pad(g, layout), shard, scatter_dimension=layout.dim, tiled=True), layout, x
+    )
 
 
 def reduce_across_replicas(piece: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
@@ -117,8 +150,10 @@ def reduce_across_replicas(piece: jax.Array, layout: LeafLayout, axis: AxisName)
         return piece
     replica = _name(axes.replica)
     if axes.scatter_replicas:
-        return jax.lax.psum_scatter(piece, replica, scatter_dimension=layout.dim, tiled=True)
-    return jax.lax.psum(piece, replica)
+        return per_model_shard(
+            lambda g: jax.lax.psum_scatter(g, replica, scatter_dimension=layout.dim, tiled=True), layout, piece
+        )
+    return per_model_shard(lambda g: jax.lax.psum(g, replica), layout, piece)
 
 
 def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
@@ -128,7 +163,8 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
     gradient: ZeRO-3's backward communication for free."""
     if layout.dim is None:
         return to_varying(x, axis)
-    whole = jax.lax.all_gather(x, _name(_axes(axis).shard), axis=layout.dim, tiled=True)
+    shard = _name(_axes(axis).shard)
+    whole = per_model_shard(lambda p: jax.lax.all_gather(p, shard, axis=layout.dim, tiled=True), layout, x)
     # Per-replica too: the gathered weights meet replica-varying activations,
     # and an invariant value there would make autodiff all-reduce the whole
     # gradient across the replicas behind our back.
@@ -141,7 +177,10 @@ def gather_replicated(x: jax.Array, layout: LeafLayout, axes: tuple[str, ...], *
     leave ``shard_map`` without those axes in its spec)."""
     if layout.dim is None:
         return x
-    whole = jax.lax.all_gather(x, _name(axes), axis=layout.dim, tiled=True, to="invarying")
+    name = _name(axes)
+    whole = per_model_shard(
+        lambda p: jax.lax.all_gather(p, name, axis=layout.dim, tiled=True, to="invarying"), layout, x
+    )
     return unpad(whole, layout) if unpadded else whole
 
 

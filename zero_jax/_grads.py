@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 from zero_jax import _collectives as coll
 from zero_jax._layers import Sharded, manual_gather_scope
 from zero_jax._memory import to_device
-from zero_jax._partition import LeafLayout, is_layout
+from zero_jax._partition import LeafLayout, is_layout, shard_shape
 from zero_jax._piece_uses import check_only_gathered
 from zero_jax._policy import ZeroPolicy
 from zero_jax._state import leaf_values, per_leaf
@@ -141,6 +141,7 @@ def compute_grads(plan: GradPlan, params: PyTree, batch: PyTree, scale: jax.Arra
         mesh=policy.auto_mesh,
         in_specs=(param_specs, policy.batch_sharding().spec, PartitionSpec(), PartitionSpec()),
         out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        axis_names=policy.manual_axes,
         # JAX 0.10 cannot type a collective over a vmap axis (a batch norm's
         # pmean over jax.vmap(..., axis_name=...), as eqx.nn.BatchNorm does)
         # inside a vma-checked shard_map; stateful steps run unchecked.
@@ -271,7 +272,22 @@ def reduce_grads(plan: GradPlan, g: PyTree) -> PyTree:
         x = x.astype(policy.precision.reduce_dtype)
         if cut(plan, lay):
             return coll.sum_reduce_scatter(x, lay, policy.comm)
-        return coll.sum_all_reduce(x, policy.comm)
+        return coll.sum_all_reduce_leaf(x, lay, policy.comm)
+
+    return per_leaf(one, plan.layouts, g)
+
+
+def reduced_shapes(plan: GradPlan, g: PyTree) -> PyTree:
+    """The shapes and dtypes :func:`reduce_grads` gives for local gradients
+    ``g`` (computed, not traced: ``jax.eval_shape`` cannot trace the nested
+    per-model-shard ``shard_map`` of a tensor-parallel leaf here)."""
+    policy = plan.policy
+
+    def one(x: Any, lay: LeafLayout) -> Any:
+        if x is None or (plan.slots and lay.dim is not None):
+            return x
+        shape = shard_shape(lay, policy.num_shards) if cut(plan, lay) else x.shape
+        return jax.ShapeDtypeStruct(shape, policy.precision.reduce_dtype)
 
     return per_leaf(one, plan.layouts, g)
 
@@ -307,7 +323,7 @@ def accumulate(
     first = jax.tree.map(lambda x: x[0], micro_batches)
     example = jax.eval_shape(lambda: grad_fn(diff, first, model_state))
     kept = example[0][1][2]  # which model-state leaves the loss returns untouched
-    example = example[1] if plan.local else jax.eval_shape(lambda g: reduce_grads(plan, g), example[1])
+    example = example[1] if plan.local else reduced_shapes(plan, example[1])
 
     def zeros(x: jax.ShapeDtypeStruct | None, lay: LeafLayout) -> jax.Array | None:
         if x is None:  # frozen or non-float: no gradient, no accumulator

@@ -190,15 +190,18 @@ OTHER_POLICY = (
 
 def check_parameter_pieces(tree: PyTree, policy: ZeroPolicy, where: str) -> None:
     """Every leaf the policy would partition must be one of the step's
-    pieces; all that are not are named in one error."""
+    pieces; all that are not are named in one error. (With ``param_specs`` a
+    leaf's layout depends on its place in the parameter tree, which a subtree
+    does not tell: only pieces of another policy are caught then.)"""
     if not policy.partitions_grads:
         return
     foreign, computed = [], []
+    judge_plain = policy.param_specs is None
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]:
         if _is_sharded(leaf):
             if leaf.policy != policy:
                 foreign.append(f"'{path_str(path)}'")
-        elif policy.leaf_layout(leaf, stacked=False).partitioned:
+        elif judge_plain and policy.leaf_layout(leaf, stacked=False).partitioned:
             computed.append(f"'{path_str(path)}' (shape {tuple(getattr(leaf, 'shape', ()))})")
     if foreign:
         leaves = f"leaf {foreign[0]} is" if len(foreign) == 1 else f"leaves {', '.join(foreign)} are"

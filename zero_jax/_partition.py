@@ -33,6 +33,7 @@ DEFAULT_MIN_SHARD_SIZE = 1024
 REASON_NOT_FLOAT = "not a floating-point leaf"
 REASON_BELOW_THRESHOLD = "below min_shard_size"
 REASON_NO_DIMENSION = "no dimension to cut (scalar, or only a stacked layer axis)"
+REASON_ALL_MODEL_SHARDED = "every dimension is model-sharded (param_specs): none is free for the data axis"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,9 @@ class LeafLayout:
       padded_size: the size of ``dim`` once padded to a multiple of the number
         of shards (equal to ``shape[dim]`` when it already divides).
       reason: why the leaf is replicated; empty when it is partitioned.
+      model: the model-parallel layout the user declared (``param_specs``):
+        one entry per dimension (``None`` or mesh axes), or ``()``. ``dim``
+        is never one of its sharded dimensions.
     """
 
     shape: tuple[int, ...]
@@ -54,6 +58,7 @@ class LeafLayout:
     dim: int | None
     padded_size: int = 0
     reason: str = ""
+    model: tuple[Any, ...] = ()
 
     @property
     def partitioned(self) -> bool:
@@ -77,14 +82,30 @@ class LeafLayout:
         """Bytes of the stored global array (padding included)."""
         return math.prod(self.stored_shape) * np.dtype(self.dtype).itemsize
 
+    @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The mesh axes the model layout shards this leaf over."""
+        return tuple(a for e in self.model for a in ((e,) if isinstance(e, str) else (e or ())))
+
     def spec(self, axes: tuple[str, ...]) -> PartitionSpec:
-        """The ``PartitionSpec`` of the stored array over mesh ``axes``."""
-        if self.dim is None:
+        """The ``PartitionSpec`` of the stored array over the ZeRO mesh
+        ``axes`` only: what a ``shard_map`` manual over those axes takes."""
+        if self.dim is None or not axes:
             return PartitionSpec()
-        # No trailing Nones: the compiler reports specs without them, and an
-        # equal-but-differently-spelled spec would make jit compile twice.
         entries: list[Any] = [None] * self.dim
         entries.append(axes if len(axes) > 1 else axes[0])
+        return PartitionSpec(*entries)
+
+    def sharding_spec(self, axes: tuple[str, ...]) -> PartitionSpec:
+        """The whole ``PartitionSpec`` of the stored array: the model layout
+        plus the cut over ZeRO ``axes`` (``()``: the model layout alone)."""
+        entries: list[Any] = list(self.model) or [None] * len(self.shape)
+        if self.dim is not None and axes:
+            entries[self.dim] = axes if len(axes) > 1 else axes[0]
+        # No trailing Nones: the compiler reports specs without them, and an
+        # equal-but-differently-spelled spec would make jit compile twice.
+        while entries and entries[-1] is None:
+            entries.pop()
         return PartitionSpec(*entries)
 
 
@@ -113,6 +134,7 @@ def leaf_layout(
     *,
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     skip_leading: bool = False,
+    model: tuple[Any, ...] = (),
 ) -> LeafLayout:
     """The layout of one leaf cut into ``num_shards`` pieces.
 
@@ -121,7 +143,8 @@ def leaf_layout(
     ``num_shards``; if none does, cut the dimension whose padding wastes the
     least (ties go to the larger dimension). ``skip_leading`` excludes
     dimension 0 (the layer axis of stacked layers, which ``scan_layers``
-    iterates over and must never be cut).
+    iterates over and must never be cut), and ``model`` (one entry per
+    dimension, see ``_model_specs``) the dimensions the model already shards.
 
     >>> leaf_layout((10, 640), "float32", 8).dim
     1
@@ -131,14 +154,19 @@ def leaf_layout(
     """
     shape = tuple(int(d) for d in shape)
     dtype = np.dtype(dtype)
+    model = tuple(model)
     if not jnp.issubdtype(dtype, jnp.inexact):
-        return LeafLayout(shape, dtype, None, reason=REASON_NOT_FLOAT)
+        return LeafLayout(shape, dtype, None, reason=REASON_NOT_FLOAT, model=model)
     if math.prod(shape) < min_shard_size:
-        return LeafLayout(shape, dtype, None, reason=REASON_BELOW_THRESHOLD)
+        return LeafLayout(shape, dtype, None, reason=REASON_BELOW_THRESHOLD, model=model)
     candidates = [d for d in range(len(shape)) if not (skip_leading and d == 0)]
     candidates = [d for d in candidates if shape[d] > 0]
     if not candidates:
-        return LeafLayout(shape, dtype, None, reason=REASON_NO_DIMENSION)
+        return LeafLayout(shape, dtype, None, reason=REASON_NO_DIMENSION, model=model)
+    free = [d for d in candidates if not model or model[d] is None]
+    if not free:
+        return LeafLayout(shape, dtype, None, reason=REASON_ALL_MODEL_SHARDED, model=model)
+    candidates = free
 
     def padded(d: int) -> int:
         return -(-shape[d] // num_shards) * num_shards
@@ -149,7 +177,7 @@ def leaf_layout(
     # Least padding first (0 for a dividing dimension), then the larger
     # dimension (smaller shards of the other dims), then the earlier one.
     best = min(candidates, key=lambda d: (wasted(d), -shape[d], d))
-    return LeafLayout(shape, dtype, best, padded(best))
+    return LeafLayout(shape, dtype, best, padded(best), model=model)
 
 
 def pad(x: jax.Array, layout: LeafLayout) -> jax.Array:

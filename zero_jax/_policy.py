@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from zero_jax import _memory, _partition
+from zero_jax import _memory, _model_specs, _partition
 from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
 from zero_jax._policy_args import argument_problems, raise_problems
@@ -88,6 +88,15 @@ class ZeroPolicy:
       offload_params: stage 3 only: keep the partitioned parameters in
         ``pinned_host`` memory too; each is brought to the device just before
         it is gathered (per layer inside ``scan_layers``).
+      param_specs: the model's own (tensor / sequence / expert parallel)
+        layout: a pytree of ``PartitionSpec`` mirroring the parameters (``None``
+        or ``P()`` for a leaf the model does not shard), or a callable
+        ``(key_path, leaf) -> PartitionSpec``, naming only mesh axes outside
+        ``axis`` and ``replica_axis``. ZeRO then cuts each leaf over ``axis``
+        on a dimension the model leaves free, and the step stays manual over
+        the ZeRO axes only: the model axes are the compiler's, so the loss is
+        plain ``jnp`` (constrain activations with
+        ``jax.lax.with_sharding_constraint(x, P(..., "model"))``).
 
     Example:
 
@@ -107,6 +116,14 @@ class ZeroPolicy:
     >>> hpz = zj.ZeroPolicy(stage=3, mesh=mesh2, axis="data", replica_axis="replica", optimizer_over_replicas=True)
     >>> hpz.opt_state_sharding(params)["w"].spec
     P(('data', 'replica'),)
+
+    Tensor parallelism (4-way ZeRO x 2-way model, Megatron's column-parallel weight):
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh3 = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"))
+    >>> tp = zj.ZeroPolicy(stage=3, mesh=mesh3, param_specs={"w": P(None, "model")})
+    >>> tp.param_sharding(params)["w"].spec, tp.model_parallel
+    (P('data', 'model'), 2)
     """
 
     def __init__(
@@ -122,6 +139,7 @@ class ZeroPolicy:
         precision: Precision | None = None,
         offload_optimizer: bool | float = False,
         offload_params: bool = False,
+        param_specs: PyTree | Callable[[KeyPath, Any], PartitionSpec] | None = None,
     ) -> None:
         #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
         self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
@@ -142,6 +160,8 @@ class ZeroPolicy:
         self.min_shard_size = int(min_shard_size)
         self.precision = precision
         self.stacked: tuple[tuple[str, ...], ...] = tuple(split_prefix(prefix) for prefix in prefixes)
+        #: The model-parallel layout as given (see ``_model_specs``); None: data parallelism only.
+        self.param_specs = param_specs
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
@@ -200,6 +220,27 @@ class ZeroPolicy:
         return math.prod(self.mesh.shape[a] for a in self.state_axes)
 
     @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The mesh axes in no ZeRO role (neither ``axis`` nor ``replica_axis``):
+        what ``param_specs`` may shard over (tensor, sequence, expert axes)."""
+        return tuple(a for a in self.mesh.axis_names if a not in self.axes + self.replica_axes)
+
+    @property
+    def model_parallel(self) -> int:
+        """M: how many devices share one data-parallel replica's model shards
+        (the product of the model axes' sizes; 1 on a data-only mesh)."""
+        return math.prod(self.mesh.shape[a] for a in self.model_axes)
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The axes the step's ``shard_map`` runs manual over: every mesh axis,
+        or with ``param_specs`` the batch axes only (the model axes stay the
+        compiler's)."""
+        if self.param_specs is None:
+            return frozenset(self.mesh.axis_names)
+        return frozenset(self.batch_axes)
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
         """The axes the batch is split over: ``replica_axis`` then ``axis``."""
         return self.replica_axes + self.axes
@@ -234,6 +275,7 @@ class ZeroPolicy:
             self.precision,
             self.offload_optimizer,
             self.offload_params,
+            _model_specs.spec_key(self.param_specs),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -252,6 +294,7 @@ class ZeroPolicy:
             + (f", precision={self.precision}" if self.precision != Precision() else "")
             + (f", offload_optimizer={self.offload_optimizer}" if self.offload_optimizer else "")
             + (", offload_params=True" if self.offload_params else "")
+            + (f", param_specs=..., M={self.model_parallel}" if self.param_specs is not None else "")
             + ")"
         )
 
@@ -275,13 +318,13 @@ class ZeroPolicy:
         """Whether ``path`` lies under one of the ``stacked`` prefixes (its leading axis is a layer axis)."""
         return under_any(path, self.stacked)
 
-    def leaf_layout(self, leaf: Any, *, stacked: bool) -> LeafLayout:
+    def leaf_layout(self, leaf: Any, *, stacked: bool, model: tuple[Any, ...] = ()) -> LeafLayout:
         shape, dtype = shape_dtype(leaf)
         # Pad to a multiple of the optimizer's piece count: with
         # optimizer_over_replicas it is a multiple of the parameters' N too,
         # so both cuts share one stored shape.
         return _partition.leaf_layout(
-            shape, dtype, self.num_state_shards, min_shard_size=self.min_shard_size, skip_leading=stacked
+            shape, dtype, self.num_state_shards, min_shard_size=self.min_shard_size, skip_leading=stacked, model=model
         )
 
     def layouts(self, params: PyTree) -> PyTree:
@@ -301,8 +344,15 @@ class ZeroPolicy:
                     entries=sorted({path_str(p[:1]) for p, _ in pairs}),
                 )
             )
+        models = _model_specs.model_entries(
+            self.param_specs, params, self.mesh, self.axes + self.replica_axes, lambda leaf: shape_dtype(leaf)[0]
+        )
         return jax.tree_util.tree_unflatten(
-            treedef, [self.leaf_layout(leaf, stacked=self.is_stacked(p)) for p, leaf in pairs]
+            treedef,
+            [
+                self.leaf_layout(leaf, stacked=self.is_stacked(p), model=m)
+                for (p, leaf), m in zip(pairs, models, strict=True)
+            ],
         )
 
     def state_layouts(self, state: PyTree, params: PyTree | None = None) -> PyTree:
@@ -345,8 +395,7 @@ class ZeroPolicy:
         # form the compiler reports back, so a step's output state has exactly
         # its input's shardings (no second compilation).
         axes = tuple(a for a in (self.axes if axes is None else axes) if self.mesh.shape[a] > 1)
-        spec = layout.spec(axes) if partitioned and axes else PartitionSpec()
-        return NamedSharding(self.auto_mesh, spec)
+        return NamedSharding(self.auto_mesh, layout.sharding_spec(axes if partitioned else ()))
 
     def _shardings(self, layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
         return jax.tree.map(lambda lay: self.named_sharding(lay, partitioned, axes), layouts, is_leaf=is_layout)

@@ -43,7 +43,9 @@ def _layer_layout(lay: LeafLayout, path: str) -> LeafLayout:
             "Declare its subtree stacked so that axis is never cut: "
             "ZeroPolicy(..., stacked=('<prefix of the stacked subtree>',))."
         )
-    return dataclasses.replace(lay, shape=lay.shape[1:], dim=None if lay.dim is None else lay.dim - 1)
+    return dataclasses.replace(
+        lay, shape=lay.shape[1:], dim=None if lay.dim is None else lay.dim - 1, model=lay.model[1:] if lay.model else ()
+    )
 
 
 UNSCANNED_BLOCKS = (

@@ -115,6 +115,7 @@ def gather_updated(policy: ZeroPolicy, pieces: PyTree, layouts: PyTree) -> PyTre
         mesh=policy.auto_mesh,
         in_specs=(specs,),
         out_specs=out_specs,
+        axis_names=policy.manual_axes,
     )(pieces)
 
 
