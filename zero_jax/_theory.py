@@ -39,11 +39,11 @@ from zero_jax._units import fmt_bytes, number, parse_bytes, parse_count, parse_s
 #: The stages' names in the paper (P_os: optimizer state partitioned, +g gradients, +p parameters).
 STAGE_NAMES = ("DP", "P_os", "P_os+g", "P_os+g+p")
 #: What a count is, said when it is bad.
-COUNT_ROLES = {
-    "num_devices": " (the data-parallel size N)",
-    "model_parallel": " (the tensor-parallel size M: the product of the model axes' sizes, policy.model_parallel; "
-    "1 without tensor parallelism)",
-}
+TP_ROLE = (
+    " (the tensor-parallel size M: the product of the model axes' sizes, policy.model_parallel; "
+    "1 without tensor parallelism)"
+)
+COUNT_ROLES = {"num_devices": " (the data-parallel size N)", "model_parallel": TP_ROLE, "tensor_parallel": TP_ROLE}
 BAD_STAGE = (
     "{where}: stage must be 0, 1, 2 or 3, got {stage!r} (0 is plain data parallelism; 1 partitions "
     "optimizer state, 2 also gradients, 3 also parameters)."
