@@ -59,6 +59,16 @@ COMPILED_SIZED = (
     "Compiling the reference transformer sized to --params {params}: dim {dim}, depth {depth}, vocab {vocab}, "
     "seq {seq} -> Φ = {phi:,} parameters ({ratio:.3f}x the requested Ψ)."
 )
+COMPILE_TP = (
+    "--compile with --tensor-parallel {m} is not supported yet: the compiled check runs on a data-only mesh of "
+    "--devices simulated devices, so it would report M = 1 figures, not those of the {n} x {m} (data, model) "
+    "mesh the table describes. Leave out --compile for the formula table, or --tensor-parallel to compile the "
+    "data-only step."
+)
+TP_CAPTION = (
+    "; tensor-parallel over M = {m}: every model-state term and ZeRO's data-axis communication / M (the model's own "
+    "traffic over the model axis, its activation all-reduces, is not counted: zj.audit measures it)"
+)
 
 
 def _si(x: float) -> str:
@@ -118,6 +128,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="hybrid mesh: R replicas of N-device partitions (HSDP, R*N devices); adds per-axis figures",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel size M (model axes beside the data axis, N*M devices): model states and ZeRO's "
+        "data-axis communication per device / M (default 1)",
     )
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB or 16GiB")
     p.add_argument("--activations", default="0", help="activation memory per device, e.g. 10GB (default 0)")
@@ -194,7 +211,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     per = dict(param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, optimizer_bytes=args.optimizer_bytes)
     memory = parse_size_argument(args.device_memory, "--device-memory")
     activations = parse_size_argument(args.activations, "--activations")
-    choice = choose_stage(num_params, args.devices, memory, activations, **per)
+    m = args.tensor_parallel
+    if args.compile and m > 1:
+        raise ValueError(COMPILE_TP.format(m=m, n=args.devices))
+    choice = choose_stage(num_params, args.devices, memory, activations, model_parallel=m, **per)
     model, note = _compile_model(args) if args.compile else (None, "")  # bad model sizes fail before printing
     out.print(_formula_table(choice, args, bandwidth))
     head = f"stage {choice.stage}" if choice.stage is not None else "no stage fits"
@@ -202,12 +222,13 @@ def _plan_command(args: argparse.Namespace) -> int:
     n = choice.num_devices
     if bandwidth is not None and n > 1:
         s = choice.stage if choice.stage is not None else 3
+        target, dtype_bytes = args.target_efficiency, args.grad_bytes
         need = required_bandwidth(
-            num_params, n, s, compute_time=args.compute_time, target=args.target_efficiency, dtype_bytes=args.grad_bytes
+            num_params, n, s, compute_time=args.compute_time, target=target, dtype_bytes=dtype_bytes, model_parallel=m
         )
         out.print(f"Bandwidth for {args.target_efficiency:.0%} efficiency at stage {s}: {_si(need)}/s per device.")
     if args.replicas > 1:
-        out.print(_hybrid_table(num_params, n, args.replicas, per, args.grad_bytes))
+        out.print(_hybrid_table(num_params, n, args.replicas, per, args.grad_bytes, m))
     if args.plot:
         plot_choice(choice, args.plot)
         out.print(f"Chart written to {args.plot}")
@@ -221,10 +242,13 @@ def _plan_command(args: argparse.Namespace) -> int:
 def _formula_table(choice: StageChoice, args: argparse.Namespace, bandwidth: float | None) -> Table:
     """Model states, fit and communication per stage (and time and efficiency given a bandwidth)."""
     psi, n, act, mem = choice.num_params, choice.num_devices, choice.activation_bytes, choice.device_bytes
+    m = choice.model_parallel
+    tp = f", M = {m} tensor-parallel ({n * m} devices)" if m > 1 else ""
     table = Table(
-        title=f"ZeRO model states per device: Ψ = {psi / 1e9:.2f}B parameters, N = {n}, {_si(mem)} per device",
+        title=f"ZeRO model states per device: Ψ = {psi / 1e9:.2f}B parameters, N = {n}{tp}, {_si(mem)} per device",
         caption=f"{args.param_bytes:g} + {args.grad_bytes:g} + {args.optimizer_bytes:g} bytes per parameter "
-        f"(params + grads + optimizer); activations {_si(act)} per device; communication counted as a ring moves it",
+        f"(params + grads + optimizer); activations {_si(act)} per device; communication counted as a ring moves it"
+        + (TP_CAPTION.format(m=m) if m > 1 else ""),
     )
     cols = ("stage", "params", "grads", "optimizer", "total") + (("+ activations",) if act else ()) + ("fits",)
     for col in (*cols, "comm/step", *(("t_comm", "efficiency") if bandwidth is not None else ())):
@@ -234,31 +258,33 @@ def _formula_table(choice: StageChoice, args: argparse.Namespace, bandwidth: flo
         row = [f"{s} {STAGE_NAMES[s]}", _si(st.params), _si(st.grads), _si(st.optimizer), _si(st.total)]
         row += [_si(st.total + act)] if act else []
         row.append("[green]yes[/green]" if choice.fits[s] else "[red]no[/red]")
-        comm = comm_bytes(psi, n, s, dtype_bytes=args.grad_bytes)
+        comm = comm_bytes(psi, n, s, dtype_bytes=args.grad_bytes, model_parallel=m)
         row.append(_si(comm))
         if bandwidth is not None:
             eff = efficiency(
-                psi, n, s, compute_time=args.compute_time, bandwidth=bandwidth, dtype_bytes=args.grad_bytes
-            )
+                psi, n, s, compute_time=args.compute_time, bandwidth=bandwidth, dtype_bytes=args.grad_bytes,
+                model_parallel=m,
+            )  # fmt: skip
             row += [f"{comm / bandwidth:.2f} s", f"{eff:.1%}"]
         table.add_row(*row, style="bold" if s == choice.stage else None)
     return table
 
 
-def _hybrid_table(num_params: float, n: int, r: int, per: dict[str, float], dtype_bytes: float) -> Table:
-    """Per-device model states and per-axis communication of the hybrid policies."""
+def _hybrid_table(num_params: float, n: int, r: int, per: dict[str, float], dtype_bytes: float, m: int = 1) -> Table:
+    """Per-device model states and per-axis communication of the hybrid policies (tensor-parallel over ``m``)."""
+    tp = f" x M = {m} tensor-parallel" if m > 1 else ""
     table = Table(
-        title=f"Hybrid mesh: R = {r} replicas x N = {n} partitions ({r * n} devices)",
+        title=f"Hybrid mesh: R = {r} replicas x N = {n} partitions{tp} ({r * n * m} devices)",
         caption="HSDP: ZeroPolicy(..., replica_axis=...); hpZ: also optimizer_over_replicas=True. Per step, per "
         "device, as a ring moves it: within the partition axis (fast), across the replica axis (slow).",
     )
     for col in ("stage", "HSDP per device", "hpZ per device", "comm within N", "comm across R"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for s in range(1, 4):
-        hsdp = model_state_bytes(num_params, n, s, replicas=r, **per).total
-        hpz = model_state_bytes(num_params, n, s, replicas=r, optimizer_over_replicas=True, **per).total
-        comm = comm_bytes_per_axis(num_params, n, s, replicas=r, dtype_bytes=dtype_bytes)
-        table.add_row(f"{s} {STAGE_NAMES[s]}", _si(hsdp), _si(hpz), _si(comm["shard"]), _si(comm["replica"]))
+        hsdp = model_state_bytes(num_params, n, s, replicas=r, model_parallel=m, **per).total
+        hpz = model_state_bytes(num_params, n, s, replicas=r, optimizer_over_replicas=True, model_parallel=m, **per)
+        comm = comm_bytes_per_axis(num_params, n, s, replicas=r, dtype_bytes=dtype_bytes, model_parallel=m)
+        table.add_row(f"{s} {STAGE_NAMES[s]}", _si(hsdp), _si(hpz.total), _si(comm["shard"]), _si(comm["replica"]))
     return table
 
 
@@ -285,7 +311,8 @@ def plot_choice(choice: StageChoice, path: str) -> None:
     for i, total in enumerate(bottom):
         ax.text(i, total, f"{total:.1f}", ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("GB per device")
-    ax.set_title(f"ZeRO model states: Ψ = {choice.num_params / 1e9:.2f}B, N = {choice.num_devices}")
+    tp = f", M = {choice.model_parallel} tensor-parallel" if choice.model_parallel > 1 else ""
+    ax.set_title(f"ZeRO model states: Ψ = {choice.num_params / 1e9:.2f}B, N = {choice.num_devices}{tp}")
     ax.legend()
     fig.tight_layout()
     _demo.save_figure(plt, fig, path, "--plot")

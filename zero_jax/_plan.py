@@ -42,6 +42,16 @@ STEP_SPANS_OTHER_SIZE = (
     "plan: the step's policy spans {n} devices, not num_devices={num_devices}. To plan for another "
     "size, pass a factory (or its 'module:function' path), which runs on a simulated mesh of that size."
 )
+TP_NOT_COMPILED = (
+    "plan: compiling a factory with tensor_parallel={m} is not supported yet: the planning process builds a "
+    "data-only mesh of num_devices devices, whose compiled figures would be those of M = 1, not M = {m}. For the "
+    "formulas use zj.choose_stage(..., model_parallel={m}) or zj.model_state_bytes(..., model_parallel={m}); to "
+    "compile, pass a step built on your (data, model) mesh: zj.plan(step, abstract_state, abstract_batch)."
+)
+STEP_HAS_OTHER_TP = (
+    "plan: the step's policy has model_parallel = {m} (the product of its model axes' sizes; 1 on a data-only "
+    "mesh), not tensor_parallel={tp}; leave tensor_parallel out to plan the step as built."
+)
 NOT_IMPORTABLE = (
     "plan: the factory {factory!r} cannot be imported by the planning process (it is defined in "
     "__main__ or locally). Define it at the top level of an importable module, or pass its path as "
@@ -63,6 +73,8 @@ class Plan:
         (a child process, unless a step was passed in): far below the
         model's size, since nothing was allocated.
       seconds: wall time of planning.
+      model_parallel: the tensor-parallel size M of the compiled step (1: a
+        data-only mesh).
     """
 
     reports: tuple[AuditReport, ...]
@@ -70,6 +82,7 @@ class Plan:
     device_bytes: float | None
     max_rss_bytes: int
     seconds: float
+    model_parallel: int = 1
 
     @property
     def peaks(self) -> dict[int, int]:
@@ -116,6 +129,7 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"zj.plan: N = {self.num_devices}"
+            + (f", M = {self.model_parallel} tensor-parallel" if self.model_parallel > 1 else "")
             + (f", {fmt_bytes(self.device_bytes, decimal=True)} per device" if self.device_bytes is not None else "")
             + f"; compiled in {self.seconds:.1f} s, peak RSS {fmt_bytes(self.max_rss_bytes)}",
             f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'temp':>11} {'peak':>11} {'fits':>5} "
@@ -243,6 +257,7 @@ def plan(
     factory_kwargs: dict[str, Any] | None = None,
     grads: bool = True,
     timeout: float = 600.0,
+    tensor_parallel: int | None = None,
 ) -> Plan:
     """Will the step fit on ``num_devices`` devices of ``device_bytes``?
     Compile it for a simulated mesh of that size and read the compiled program.
@@ -274,6 +289,10 @@ def plan(
       factory_kwargs: keyword arguments for the factory (picklable).
       grads: also compile the gradient function to measure gradient bytes.
       timeout: seconds the child process may take.
+      tensor_parallel: the tensor-parallel size M (with a step: its
+        policy's, by default). A factory compiles on a data-only mesh, so it
+        takes only 1; for M > 1 see :func:`zero_jax.choose_stage`'s
+        ``model_parallel``, or pass a step built on a (data, model) mesh.
 
     Example (compiles the 865k-parameter reference model's stage-3 step for 64
     simulated devices in a child process):
@@ -288,13 +307,17 @@ def plan(
     if mem is not None and mem <= 0:
         raise ValueError(f"plan: device_bytes must be positive, got {device_bytes!r}.")
     if hasattr(target, "lower"):  # a built step: compile here
+        m = _built_step_model_parallel(target, tensor_parallel)
         report = _plan_built_step(target, abstract_state, abstract_batch, num_devices, grads)
-        return Plan((report,), report.num_devices, mem, max_rss(), time.perf_counter() - started)
+        return Plan((report,), report.num_devices, mem, max_rss(), time.perf_counter() - started, m)
     if abstract_state is not None or abstract_batch is not None:
         raise TypeError("plan: abstract_state and abstract_batch go with a built step, not with a factory.")
     if num_devices is None:
         raise TypeError("plan: pass num_devices=..., the data-parallel size to plan for.")
     n = check_devices(num_devices, "plan")
+    m = 1 if tensor_parallel is None else check_devices(tensor_parallel, "plan", "tensor_parallel")
+    if m > 1:
+        raise ValueError(TP_NOT_COMPILED.format(m=m))
     stages = [check_stage(s, "plan") for s in stages]
     if not stages:
         raise ValueError("plan: stages is empty; pass some of 0, 1, 2, 3.")
@@ -310,6 +333,15 @@ def plan(
     except TimeoutError as e:
         raise TimeoutError(f"plan: compiling for N = {n} took longer than timeout={timeout} s.") from e
     return Plan(tuple(out["reports"]), n, mem, out["max_rss"], time.perf_counter() - started)
+
+
+def _built_step_model_parallel(step: Any, tensor_parallel: Any) -> int:
+    """The built step's tensor-parallel size M (``policy.model_parallel``; 1 on a
+    data-only mesh), checked against ``tensor_parallel`` when one is given."""
+    m = int(getattr(getattr(step, "policy", None), "model_parallel", 1))
+    if tensor_parallel is not None and check_devices(tensor_parallel, "plan", "tensor_parallel") != m:
+        raise ValueError(STEP_HAS_OTHER_TP.format(m=m, tp=tensor_parallel))
+    return m
 
 
 def _plan_built_step(step: Any, abstract_state: Any, abstract_batch: Any, num_devices: Any, grads: bool) -> AuditReport:

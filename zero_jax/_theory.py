@@ -16,6 +16,13 @@ stage  model-state bytes               communication per step (ring)
 (with the default 2-byte parameters and gradients and K = 12: fp32 master,
 Adam's m and v). Sizes and rates are read by :mod:`zero_jax._units`.
 
+With tensor parallelism over M devices (``model_parallel=M``: the product
+of the model axes' sizes, ``policy.model_parallel``) a device holds 1/M of
+each parameter before ZeRO cuts it N ways, so every figure above is divided
+by M, and ZeRO's collectives over the data axis move only the local model
+shard. The model's own tensor-parallel traffic (activation all-reduces over
+the model axis) depends on the model: :func:`zero_jax.audit` measures it.
+
 Floor 1: imports only ``_units``. With ``_policy``, the only module that
 compares stage numbers.
 """
@@ -31,6 +38,12 @@ from zero_jax._units import fmt_bytes, number, parse_bytes, parse_count, parse_s
 
 #: The stages' names in the paper (P_os: optimizer state partitioned, +g gradients, +p parameters).
 STAGE_NAMES = ("DP", "P_os", "P_os+g", "P_os+g+p")
+#: What a count is, said when it is bad.
+TP_ROLE = (
+    " (the tensor-parallel size M: the product of the model axes' sizes, policy.model_parallel; "
+    "1 without tensor parallelism)"
+)
+COUNT_ROLES = {"num_devices": " (the data-parallel size N)", "model_parallel": TP_ROLE, "tensor_parallel": TP_ROLE}
 BAD_STAGE = (
     "{where}: stage must be 0, 1, 2 or 3, got {stage!r} (0 is plain data parallelism; 1 partitions "
     "optimizer state, 2 also gradients, 3 also parameters)."
@@ -52,10 +65,10 @@ def check_devices(num_devices: Any, where: str, what: str = "num_devices") -> in
     integral = isinstance(num_devices, numbers.Integral) or (
         isinstance(num_devices, float) and num_devices.is_integer()
     )
+    role = COUNT_ROLES.get(what, "")
     if isinstance(num_devices, bool) or not integral:
-        raise TypeError(f"{where}: {what} must be a positive integer, got {num_devices!r}.")
+        raise TypeError(f"{where}: {what} must be a positive integer{role}, got {num_devices!r}.")
     if num_devices < 1:
-        role = " (the data-parallel size)" if what == "num_devices" else ""
         raise ValueError(f"{where}: {what} must be a positive integer{role}, got {num_devices}.")
     return int(num_devices)
 
@@ -105,6 +118,7 @@ def model_state_bytes(
     optimizer_over_replicas: bool = False,
     offload_optimizer: float = 0.0,
     offload_params: bool = False,
+    model_parallel: int = 1,
 ) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state on one device.
 
@@ -123,6 +137,11 @@ def model_state_bytes(
     (replicas add no memory); with ``optimizer_over_replicas`` the optimizer
     state and the reduced gradients are divided by R·N instead.
 
+    With tensor parallelism over M devices (``model_parallel``, the product
+    of the model axes' sizes) every term is divided by M too: the figures are
+    the ZeRO formula / M, for a model whose parameters are all split M ways
+    (leaves the model spec leaves whole, such as norms, add their share).
+
     The paper's Figure 1 (Ψ = 7.5B, N = 64):
 
     >>> import zero_jax as zj
@@ -137,6 +156,13 @@ def model_state_bytes(
     >>> half = zj.model_state_bytes(1e9, 8, 3, offload_optimizer=0.5)
     >>> half.optimizer / 1e9, (zj.model_state_bytes(1e9, 8, 3).total - half.total) / 1e9
     (0.75, 0.75)
+
+    Tensor parallelism over M = 2 halves every term (Ψ = 1B, N = 4, stage 1):
+
+    >>> [x / 1e9 for x in zj.model_state_bytes(1e9, 4, 1)]
+    [2.0, 2.0, 3.0]
+    >>> [x / 1e9 for x in zj.model_state_bytes(1e9, 4, 1, model_parallel=2)]
+    [1.0, 1.0, 1.5]
     """
     psi = check_params(num_params, "model_state_bytes")
     n = check_devices(num_devices, "model_state_bytes")
@@ -145,7 +171,8 @@ def model_state_bytes(
     g = check_nonneg(grad_bytes, "model_state_bytes: grad_bytes")
     k = check_nonneg(optimizer_bytes, "model_state_bytes: optimizer_bytes")
     r = check_devices(replicas, "model_state_bytes", "replicas")
-    finer = n * r if optimizer_over_replicas else n  # the optimizer's cut
+    m = check_devices(model_parallel, "model_state_bytes", "model_parallel")
+    finer = (n * r if optimizer_over_replicas else n) * m  # the optimizer's cut
     f = float(offload_optimizer)
     if not 0.0 <= f <= 1.0:
         raise ValueError(
@@ -153,36 +180,51 @@ def model_state_bytes(
         )
     if offload_params and stage < 3:
         raise ValueError(f"model_state_bytes: offload_params needs stage 3 (got stage {stage}).")
-    params = p * psi / (n if stage >= 3 else 1)
-    optimizer = k * psi / (finer if stage >= 1 else 1)
+    params = p * psi / m / (n if stage >= 3 else 1)
+    optimizer = k * psi / (finer if stage >= 1 else m)
     return ModelStateBytes(
         params=0.0 if offload_params else params,
-        grads=g * psi / (finer if stage >= 2 else 1),
+        grads=g * psi / (finer if stage >= 2 else m),
         optimizer=optimizer * (1 - f),
     )
 
 
-def comm_bytes(num_params: float, num_devices: int, stage: int, *, dtype_bytes: float = 2) -> float:
-    """Bytes one device sends per step, counted as a ring moves them.
+def comm_bytes(
+    num_params: float, num_devices: int, stage: int, *, dtype_bytes: float = 2, model_parallel: int = 1
+) -> float:
+    """Bytes one device sends per step over the data axis, counted as a ring
+    moves them.
 
     Each pass of a tensor of Ψ·``dtype_bytes`` bytes moves (N−1)/N of it per
     device. Stages 0–2 make two passes (an all-reduce, or a reduce-scatter
     plus an all-gather), stage 3 three (gather for the forward, again for the
-    backward, reduce-scatter the gradients): 1.5× data parallelism.
+    backward, reduce-scatter the gradients): 1.5× data parallelism. With
+    tensor parallelism over M devices (``model_parallel``) each collective
+    moves only the device's model shard: the figure / M. The model's own
+    traffic over the model axis is not counted (:func:`comm_bytes_per_axis`).
 
     >>> import zero_jax as zj
     >>> zj.comm_bytes(1e9, 8, 0) / 1e9, zj.comm_bytes(1e9, 8, 3) / 1e9
     (3.5, 5.25)
+    >>> zj.comm_bytes(1e9, 4, 0, model_parallel=2) / 1e9, zj.comm_bytes(1e9, 4, 3, model_parallel=2) / 1e9
+    (1.5, 2.25)
     """
     psi = check_params(num_params, "comm_bytes")
     n = check_devices(num_devices, "comm_bytes")
     stage = check_stage(stage, "comm_bytes")
     b = check_nonneg(dtype_bytes, "comm_bytes: dtype_bytes")
-    return (3 if stage == 3 else 2) * psi * b * (n - 1) / n
+    m = check_devices(model_parallel, "comm_bytes", "model_parallel")
+    return (3 if stage == 3 else 2) * psi / m * b * (n - 1) / n
 
 
 def comm_bytes_per_axis(
-    num_params: float, num_devices: int, stage: int, *, replicas: int = 1, dtype_bytes: float = 2
+    num_params: float,
+    num_devices: int,
+    stage: int,
+    *,
+    replicas: int = 1,
+    dtype_bytes: float = 2,
+    model_parallel: int = 1,
 ) -> dict[str, float]:
     """Bytes one device sends per step on a hybrid mesh, by axis (ring-counted).
 
@@ -194,15 +236,29 @@ def comm_bytes_per_axis(
     axes (stage 0; stages 1–2 gathering an optimizer cut over both) moves
     exactly the sum of the two, since (RN−1)/(RN) = (N−1)/N + (R−1)/(RN).
 
+    With tensor parallelism over M devices (``model_parallel`` > 1) both
+    move only the device's model shard (the figures / M), and a ``"model"``
+    entry is added: 0.0, since ZeRO itself puts nothing on the model axis.
+    The model's own tensor-parallel traffic there (activation all-reduces)
+    depends on the model; :func:`zero_jax.audit` measures it, this does not
+    predict it.
+
     >>> import zero_jax as zj
     >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2).items()}
     {'shard': 4.5, 'replica': 0.5}
+    >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2, model_parallel=2).items()}
+    {'shard': 2.25, 'replica': 0.25, 'model': 0.0}
     """
     psi = check_params(num_params, "comm_bytes_per_axis")
     n = check_devices(num_devices, "comm_bytes_per_axis")
     r = check_devices(replicas, "comm_bytes_per_axis", "replicas")
     b = check_nonneg(dtype_bytes, "comm_bytes_per_axis: dtype_bytes")
-    return {"shard": comm_bytes(psi, n, stage, dtype_bytes=b), "replica": 2 * psi / n * b * (r - 1) / r}
+    m = check_devices(model_parallel, "comm_bytes_per_axis", "model_parallel")
+    out = {
+        "shard": comm_bytes(psi, n, stage, dtype_bytes=b, model_parallel=m),
+        "replica": 2 * psi / m / n * b * (r - 1) / r,
+    }
+    return out | ({"model": 0.0} if m > 1 else {})
 
 
 def efficiency(
@@ -213,12 +269,14 @@ def efficiency(
     compute_time: float | str,
     bandwidth: float | str,
     dtype_bytes: float = 2,
+    model_parallel: int = 1,
 ) -> float:
     """The fraction of a step spent computing when communication does not
     overlap compute: ``t_compute / (t_compute + comm_bytes / bandwidth)``.
 
     ``compute_time`` is seconds per step (``"10s"`` works); ``bandwidth`` is
-    bytes per second and per device (``"300GB/s"``, ``"200Gb/s"``).
+    bytes per second and per device (``"300GB/s"``, ``"200Gb/s"``);
+    ``model_parallel`` as in :func:`comm_bytes` (ZeRO's data-axis bytes only).
 
     >>> import zero_jax as zj
     >>> round(zj.efficiency(7e9, 64, 3, compute_time="10s", bandwidth="10GB/s"), 3)
@@ -230,7 +288,7 @@ def efficiency(
         raise ValueError(
             f"efficiency: compute_time and bandwidth must be positive, got {compute_time!r}, {bandwidth!r}."
         )
-    t_comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes) / bw
+    t_comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes, model_parallel=model_parallel) / bw
     return t_compute / (t_compute + t_comm)
 
 
@@ -242,9 +300,11 @@ def required_bandwidth(
     compute_time: float | str,
     target: float = 0.9,
     dtype_bytes: float = 2,
+    model_parallel: int = 1,
 ) -> float:
     """Bytes per second and device needed for :func:`efficiency` to reach
-    ``target``: ``comm_bytes / (t_compute · (1/target − 1))``.
+    ``target``: ``comm_bytes / (t_compute · (1/target − 1))`` (ZeRO's
+    data-axis bytes, / M with ``model_parallel`` = M).
 
     >>> import zero_jax as zj
     >>> zj.required_bandwidth(1e9, 8, 0, compute_time=1.0, target=0.5) / 1e9  # comm (3.5 GB) in 1 s
@@ -255,7 +315,8 @@ def required_bandwidth(
         raise ValueError(f"required_bandwidth: compute_time must be positive, got {compute_time!r}.")
     if not 0 < target < 1:
         raise ValueError(f"required_bandwidth: target efficiency must be in (0, 1), got {target!r}.")
-    return comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes) / (t_compute * (1 / target - 1))
+    comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes, model_parallel=model_parallel)
+    return comm / (t_compute * (1 / target - 1))
 
 
 # -- choosing a stage ----------------------------------------------------------------------------------------
@@ -285,6 +346,7 @@ class StageChoice:
       offload_params: when even a fully offloaded optimizer does not fit,
         whether stage 3 fits with the parameters offloaded too
         (``offload_params=True``, ZeRO-Infinity style).
+      model_parallel: the tensor-parallel size M the figures are divided by.
     """
 
     stage: int | None
@@ -300,6 +362,7 @@ class StageChoice:
     reason: str
     offload_fraction: float | None = None
     offload_params: bool = False
+    model_parallel: int = 1
 
     def total(self, stage: int) -> float:
         """Model states plus activations on one device for ``stage``."""
@@ -315,6 +378,7 @@ def choose_stage(
     param_bytes: float = 2,
     grad_bytes: float = 2,
     optimizer_bytes: float = 12,
+    model_parallel: int = 1,
 ) -> StageChoice:
     """The lowest ZeRO stage whose model states plus activations fit a device.
 
@@ -323,6 +387,9 @@ def choose_stage(
     per device (it depends on the per-device batch, not on N). When nothing
     fits, ``reason`` says what would: the fewest devices for stage 3,
     offloading the optimizer state, or the activation memory stage 3 leaves.
+    With tensor parallelism over M devices (``model_parallel``) the model
+    states are :func:`model_state_bytes` / M and ``min_devices`` counts the
+    data-parallel devices N (N·M in all).
 
     >>> import zero_jax as zj
     >>> zj.choose_stage(7.5e9, 64, "80GB", "10GB").stage  # stage 0 needs 120 + 10 GB
@@ -335,6 +402,8 @@ def choose_stage(
     It would fit on >= 10 devices with stage 3, with the optimizer state offloaded to the host
     (stage 3: 3.8 GB + activations; offload_optimizer=0.27 suffices), or with activations <= 1.0 GB
     (activation checkpointing, a smaller per-device batch).
+    >>> zj.choose_stage(7.5e9, 8, "16GB", "4GB", model_parallel=2).stage  # stage 3: 15.0 GB / 2 + 4 GB
+    3
     """
     where = "choose_stage"
     psi = check_params(num_params, where)
@@ -345,13 +414,14 @@ def choose_stage(
         raise ValueError(f"{where}: device_bytes must be positive, got {device_bytes!r}.")
     if act < 0:
         raise ValueError(f"{where}: activation_bytes must be >= 0, got {activation_bytes!r}.")
+    m = check_devices(model_parallel, where, "model_parallel")
     per = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
-    state = tuple(model_state_bytes(psi, n, s, **per) for s in range(4))
+    state = tuple(model_state_bytes(psi, n, s, model_parallel=m, **per) for s in range(4))
     fits = tuple(s.total + act <= mem for s in state)
     stage = next((s for s in range(4) if fits[s]), None)
     per_param = param_bytes + grad_bytes + optimizer_bytes
     room = mem - act
-    min_devices = max(1, math.ceil(per_param * psi / room - 1e-9)) if room > 0 and per_param > 0 else None
+    min_devices = max(1, math.ceil(per_param * psi / m / room - 1e-9)) if room > 0 and per_param > 0 else None
     max_act = mem - state[3].total
     offload = [s.params + s.grads for s in state]
     offload_stage = next((s for s in range(4) if offload[s] + act <= mem), None)
@@ -366,7 +436,8 @@ def choose_stage(
     else:
         options = []
         if min_devices is not None:
-            options.append(f"on >= {min_devices} devices with stage 3")
+            tp = f" (x {m} tensor-parallel)" if m > 1 else ""
+            options.append(f"on >= {min_devices} {'data-parallel ' if m > 1 else ''}devices{tp} with stage 3")
         if offload_stage is not None:
             options.append(
                 f"with the optimizer state offloaded to the host (stage {offload_stage}: "
@@ -383,7 +454,7 @@ def choose_stage(
             )
         reason = _no_fit_reason(state[3].total, act, mem, options)
     return StageChoice(
-        stage, state, fits, psi, n, mem, act, min_devices, max_act, offload_stage, reason, offload_fraction, infinity
+        stage, state, fits, psi, n, mem, act, min_devices, max_act, offload_stage, reason, offload_fraction, infinity, m
     )
 
 
