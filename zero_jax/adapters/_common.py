@@ -59,6 +59,14 @@ class Adapted(NamedTuple):
         ``paths``, ``count``, ``bytes_per_layer``; ``print`` it for a summary), each
         run block-wise (gathered just before its call, in both passes) by a
         ``gather="manual"`` step; ``None`` without ``layers=``.
+      param_specs: the model-parallel layout the model declares, one
+        ``PartitionSpec`` per leaf of ``params`` (Linen ``nn.with_partitioning``
+        / ``nn.with_logical_partitioning`` with ``logical_axis_rules=``, NNX
+        ``out_sharding`` metadata; ``P()`` for a leaf that declares none), for
+        ``zj.ZeroPolicy(3, mesh, param_specs=adapted.param_specs)`` on a mesh
+        with those axes. ``None`` when the model declares nothing (always for
+        Equinox, which has no layout metadata: pass ``param_specs=`` to the
+        policy yourself).
 
     With ``layers`` set, :meth:`make_train_step` builds a ``gather="manual"``
     step unless told otherwise: an explicit ``gather="all"`` wins (the step
@@ -77,6 +85,7 @@ class Adapted(NamedTuple):
     model_state: PyTree = None
     stateful: bool = False
     layers: Blocks | None = None
+    param_specs: PyTree = None
 
     def init_state(self, tx: Any, policy: ZeroPolicy) -> TrainState:
         """``zj.init_state(self.params, tx, policy, model_state=self.model_state)``."""
