@@ -8,12 +8,15 @@ spelling of it). :func:`linen_specs` and :func:`nnx_specs` read them into one
 ``PartitionSpec`` per parameter, in the tree the adapter trains; a leaf with no
 names is ``P()``, and a model that declares nothing gives ``None``.
 
-Names are mesh axes unless rules apply: Linen's logical boxes always, and any
-box (Linen or NNX) once the adapter is given ``logical_axis_rules=`` (pairs
-``(logical, mesh_axis)`` as ``nn.logical_to_mesh_axes`` takes; NNX adds its
-``sharding_rules`` metadata, both add the rules of an enclosing
-``nn.logical_axis_rules`` context). Under rules every name needs one: a name
-with none is an error, not a silently replicated dimension. Stacked leaves may
+Linen ``nn.LogicallyPartitioned`` names are logical: each needs a rule (from the
+adapter's ``logical_axis_rules=``, pairs ``(logical, mesh_axis)`` as
+``nn.logical_to_mesh_axes`` takes them, the box's own rules or an enclosing
+``nn.logical_axis_rules`` context); a name with none is an error, not a silently
+replicated dimension. ``nn.Partitioned`` names are mesh axes, except those
+``logical_axis_rules=`` has a rule for. NNX ``out_sharding`` names are mesh axes
+until rules apply (the adapter's, the variable's ``sharding_rules``, the
+context's); then every name needs one (a mesh axis named directly: the pair
+``(name, name)``). Stacked leaves may
 leave the leading layer axis unnamed (``ScanLayers`` vmaps a block's init): it
 is never model-sharded.
 
@@ -45,7 +48,8 @@ __all__ = ["check_rules", "linen_layout", "linen_specs", "nnx_specs", "rebox", "
 
 class Declared(NamedTuple):
     """One parameter's declared layout: its path and shape, the names given (one per dimension), the rules that
-    turn them into mesh axes (None: they are mesh axes), and the axes of the mesh the box names, if any."""
+    turn them into mesh axes (None: they are mesh axes), the axes of the mesh the box names, if any, whether it
+    is stacked (its leading layer axis may go unnamed) and whether names without a rule are mesh axes."""
 
     path: str
     shape: tuple[int, ...]
@@ -53,6 +57,7 @@ class Declared(NamedTuple):
     rules: Rules | None = None
     mesh_axes: tuple[str, ...] | None = None
     stacked: bool = False
+    passthrough: bool = False  # under rules, a name with none is a mesh axis (nn.Partitioned), not an error
 
 
 BAD_RULES = (
@@ -63,7 +68,7 @@ BAD_RULES = (
 NO_RULE = (
     "{leaves}: logical axis names with no rule (missing: {missing}; rules in effect: {rules}). Pass a "
     "(logical, mesh_axis) pair for each, mesh_axis None to leave that dimension unsharded, e.g. "
-    "logical_axis_rules={example}."
+    "logical_axis_rules={example} (a name that is itself a mesh axis: the pair (name, name))."
 )
 RANK = (
     "{leaves}: a layout names one axis (or None) per dimension. Give the parameter as many names as it has "
@@ -126,13 +131,14 @@ def _problem(d: Declared, convert: Callable[[tuple[Any, ...], Rules], PartitionS
         spec = PartitionSpec(*names)
     else:
         known = {logical for logical, _ in d.rules}
-        missing = [n for entry in names for n in _axes(entry) if n not in known]
-        if missing:
-            return "rule", (d, missing)
+        passed = [any(n not in known for n in _axes(entry)) for entry in names]
+        if any(passed) and not d.passthrough:
+            return "rule", (d, [n for entry in names for n in _axes(entry) if n not in known])
         try:
-            spec = convert(names, d.rules)
+            spec = convert(tuple(None if p else e for p, e in zip(passed, names, strict=True)), d.rules)
         except ValueError as e:
             return "unresolved", f"{_shown(d)}: {e}"
+        spec = PartitionSpec(*(e if p else s for p, e, s in zip(passed, names, spec, strict=True)))
     absent = [a for entry in spec for a in _axes(entry) if d.mesh_axes is not None and a not in d.mesh_axes]
     if absent:
         return "mesh", f"{_shown(d)} -> {spec} names {absent}, its mesh has axes {d.mesh_axes}"
@@ -194,10 +200,11 @@ def _linen_convert(names: tuple[Any, ...], rules: Rules) -> PartitionSpec:
 
 def linen_specs(trained: PyTree, rules: Rules | None, stacked: tuple[str, ...], where: str) -> PyTree | None:
     """The ``PartitionSpec`` tree of a Linen parameter tree whose leaves may be ``nn.Partitioned`` boxes, in the
-    structure of :func:`unbox` of it; None when no leaf is boxed. ``nn.Partitioned`` names are mesh axes unless
-    ``rules`` is given (then logical, as ``nn.logical_to_mesh(nn.get_partition_spec(variables), rules)`` reads
-    them); ``nn.LogicallyPartitioned`` names are logical, resolved with ``rules``, the box's own rules and those
-    of an enclosing ``nn.logical_axis_rules`` context, in that order of precedence.
+    structure of :func:`unbox` of it; None when no leaf is boxed. ``nn.Partitioned`` names are mesh axes, except
+    those ``rules`` (when given) has a rule for (logical names in ``nn.with_partitioning``, the way
+    ``nn.logical_to_mesh(nn.get_partition_spec(variables), rules)`` reads them); ``nn.LogicallyPartitioned`` names
+    are logical, each needing a rule in ``rules``, the box's own rules or an enclosing ``nn.logical_axis_rules``
+    context (in that order of precedence).
 
     >>> import jax.numpy as jnp
     >>> boxed = {"w": nn.Partitioned(jnp.zeros((4, 8)), (None, "model")), "b": jnp.zeros(8)}
@@ -218,7 +225,7 @@ def linen_specs(trained: PyTree, rules: Rules | None, stacked: tuple[str, ...], 
         box_rules = (*(rules or ()), *(x.rules or ()), *context) if logical else rules
         shape = tuple(getattr(x.value, "shape", ()))
         declared.append(Declared(path_str(path), shape, tuple(x.names), box_rules, _mesh_axes(x.mesh),
-                                 under_any(path, prefixes)))  # fmt: skip
+                                 under_any(path, prefixes), passthrough=not logical))  # fmt: skip
     return jax.tree.unflatten(treedef, resolve(declared, where, _linen_convert))
 
 
