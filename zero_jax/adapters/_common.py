@@ -75,6 +75,16 @@ class Adapted(NamedTuple):
 
     :meth:`init_state` and :meth:`make_train_step` pass ``model_state`` and
     ``stateful`` through, so one training loop serves every model.
+
+    A model that declares its tensor-parallel layout once (here Linen logical
+    names; ``nn.with_partitioning`` mesh names or NNX ``out_sharding`` need no
+    rules) trains ZeRO over ``data`` and that layout over ``model``::
+
+        adapted = zj.adapters.from_linen(module, variables, loss,
+                                         logical_axis_rules=[("mlp", "model"), ("embed", None)])
+        adapted.param_specs  # {'Dense_0': {'kernel': P(None, 'model'), 'bias': P('model')}, ...}
+        mesh = jax.make_mesh((4, 2), ("data", "model"))
+        policy = zj.ZeroPolicy(3, mesh, param_specs=adapted.param_specs)
     """
 
     params: PyTree
