@@ -90,6 +90,20 @@ def test_linen_stacked_layers_leave_the_layer_axis_unsharded() -> None:
     assert adapted.param_specs == {"stack": {"layers_0": {"kernel": P(None, None, "model"), "bias": P()},
                                              "layers_1": {"kernel": P(), "bias": P()}}}  # fmt: skip
     assert adapted.params["stack"]["layers_0"]["kernel"].shape == (3, HIDDEN, HIDDEN)
+    # nn.scan names the layer axis itself (metadata_params): a logical name, given its rule
+    scan = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(name="layers")  # fmt: skip
+    variables = scan.init(jax.random.key(0), jnp.ones((1, HIDDEN)), None)
+    rules = [("layers", None), *RULES]
+    adapted = zj.adapters.from_linen(scan, variables, lambda v, b: 0.0, logical_axis_rules=rules)
+    assert adapted.param_specs == {"Dense_0": {"kernel": P(None, None, "model"), "bias": P()}}
+
+
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        return nn.Dense(HIDDEN, kernel_init=init)(x), None
 
 
 def test_linen_trains_without_param_specs_exactly_as_before() -> None:
