@@ -59,6 +59,14 @@ class Adapted(NamedTuple):
         ``paths``, ``count``, ``bytes_per_layer``; ``print`` it for a summary), each
         run block-wise (gathered just before its call, in both passes) by a
         ``gather="manual"`` step; ``None`` without ``layers=``.
+      param_specs: the model-parallel layout the model declares, one
+        ``PartitionSpec`` per leaf of ``params`` (Linen ``nn.with_partitioning``
+        / ``nn.with_logical_partitioning`` with ``logical_axis_rules=``, NNX
+        ``out_sharding`` metadata; ``P()`` for a leaf that declares none), for
+        ``zj.ZeroPolicy(3, mesh, param_specs=adapted.param_specs)`` on a mesh
+        with those axes. ``None`` when the model declares nothing (always for
+        Equinox, which has no layout metadata: pass ``param_specs=`` to the
+        policy yourself).
 
     With ``layers`` set, :meth:`make_train_step` builds a ``gather="manual"``
     step unless told otherwise: an explicit ``gather="all"`` wins (the step
@@ -67,6 +75,16 @@ class Adapted(NamedTuple):
 
     :meth:`init_state` and :meth:`make_train_step` pass ``model_state`` and
     ``stateful`` through, so one training loop serves every model.
+
+    A model that declares its tensor-parallel layout once (here Linen logical
+    names; ``nn.with_partitioning`` mesh names or NNX ``out_sharding`` need no
+    rules) trains ZeRO over ``data`` and that layout over ``model``::
+
+        adapted = zj.adapters.from_linen(module, variables, loss,
+                                         logical_axis_rules=[("mlp", "model"), ("embed", None)])
+        adapted.param_specs  # {'Dense_0': {'kernel': P(None, 'model'), 'bias': P('model')}, ...}
+        mesh = jax.make_mesh((4, 2), ("data", "model"))
+        policy = zj.ZeroPolicy(3, mesh, param_specs=adapted.param_specs)
     """
 
     params: PyTree
@@ -77,6 +95,7 @@ class Adapted(NamedTuple):
     model_state: PyTree = None
     stateful: bool = False
     layers: Blocks | None = None
+    param_specs: PyTree = None
 
     def init_state(self, tx: Any, policy: ZeroPolicy) -> TrainState:
         """``zj.init_state(self.params, tx, policy, model_state=self.model_state)``."""

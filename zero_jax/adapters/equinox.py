@@ -363,7 +363,8 @@ def from_equinox(
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model, or ``(model, state)`` with a
-      ``state=`` (a TrainState's updated one).
+      ``state=`` (a TrainState's updated one). ``param_specs`` is None: Equinox declares no layout, so a
+      model-parallel one goes to the policy directly (``zj.ZeroPolicy(..., param_specs=...)``).
     """
     if not callable(loss):
         sig = "loss(model, batch)" if state is None else "loss(model, state, batch)"

@@ -124,6 +124,7 @@ from zero_jax.adapters._common import (
     scan_stacked,
     stateful_signature,
 )
+from zero_jax.adapters._specs import linen_layout
 
 __all__ = ["ScanLayers", "from_linen"]
 
@@ -226,6 +227,7 @@ def from_linen(
     mutable: str | Sequence[str] = (),
     layers: Any = None,
     prefetch: int = 1,
+    logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
 ) -> Adapted:
     """Adapt a Flax Linen module: ``loss(variables, batch) -> loss`` (or
     ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
@@ -263,14 +265,14 @@ def from_linen(
         ``zj.apply_layer``'s per-block primitive; everything else (embeddings,
         final norm, head) is gathered when the loss starts. Found blocks:
         ``adapted.layers``. Outside such a step the blocks run as written.
-      prefetch: with ``layers=``: how many blocks ahead to gather (0 to the
-        number of blocks).
+      prefetch: with ``layers=``: how many blocks ahead to gather (0 to the number of blocks).
+      logical_axis_rules: ``(logical, mesh_axis)`` pairs, as ``nn.logical_to_mesh_axes`` takes them, for
+        the names in ``nn.with_(logical_)partitioning`` boxes: read into ``adapted.param_specs``.
 
     Returns:
-      An :class:`~zero_jax.adapters.Adapted`; ``params`` is the trained
-      collection (``{"params": ...}`` is unwrapped when it is the only one);
-      ``to_model`` returns the variables dict (with a TrainState's updated
-      ``mutable`` collections).
+      An :class:`~zero_jax.adapters.Adapted`; ``params`` is the trained collection (``{"params": ...}`` is
+      unwrapped when it is the only one; ``nn.Partitioned`` boxes unboxed); ``to_model`` returns the variables
+      dict (boxed as given, with a TrainState's updated ``mutable`` collections).
     """
     module, variables, loss = _pretrained_parts(module, variables, loss)
     _check_inputs(module, variables, loss)
@@ -281,8 +283,9 @@ def from_linen(
     rest = {c: v for c, v in variables.items() if c not in collections}
     check_trainable_floats(trained, _WHERE)
     unwrap = len(collections) == 1
-    params = trained[collections[0]] if unwrap else trained
     prefixes = normalize_prefixes(stacked, _WHERE)
+    boxed = trained[collections[0]] if unwrap else trained
+    params, specs, outward = linen_layout(boxed, logical_axis_rules, prefixes, _WHERE)  # outward: for to_model
     # Only the trained collection is checked: nn.scan may broadcast other collections (variable_broadcast).
     check_stacked(params, {}, prefixes, _WHERE, _DEPTH_FIX)
     blocks = _find_layers(module, variables, params, layers, prefetch, unwrap, prefixes)
@@ -298,9 +301,9 @@ def from_linen(
     if not mutables:
 
         def to_model(state_or_params: Any) -> dict[str, Any]:
-            return as_variables(params_of(state_or_params))
+            return as_variables(outward(params_of(state_or_params)))
 
-        return Adapted(params, loss_fn, prefixes, rest, to_model, layers=blocks)
+        return Adapted(params, loss_fn, prefixes, rest, to_model, layers=blocks, param_specs=specs)
 
     initial = {c: unfreeze(variables[c]) for c in mutables}
 
@@ -310,11 +313,10 @@ def from_linen(
 
     def to_stateful_model(state_or_params: Any, model_state: PyTree = None) -> dict[str, Any]:
         ms = model_state_of(state_or_params, model_state, initial)
-        return {**as_variables(params_of(state_or_params)), **ms}
+        return {**as_variables(outward(params_of(state_or_params))), **ms}
 
-    return Adapted(
-        params, stateful_signature(stateful_loss_fn, _WHERE), prefixes, rest, to_stateful_model, initial, True, blocks
-    )
+    checked_fn = stateful_signature(stateful_loss_fn, _WHERE)
+    return Adapted(params, checked_fn, prefixes, rest, to_stateful_model, initial, True, blocks, specs)
 
 
 class _Pieces:

@@ -56,7 +56,7 @@ With batch norm in training mode the running statistics are model state:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import jax
@@ -91,6 +91,7 @@ from zero_jax.adapters._common import (
     scan_stacked,
     stateful_signature,
 )
+from zero_jax.adapters._specs import check_rules, nnx_specs
 
 __all__ = ["from_nnx", "scan_layers"]
 
@@ -341,6 +342,7 @@ def from_nnx(
     state_updates: _StateUpdates = "carry",
     layers: Any = None,
     prefetch: int = 1,
+    logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
 ) -> Adapted:
     """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``) becomes ``loss_fn(params,
     batch)`` for ``zj.make_train_step``.
@@ -362,6 +364,8 @@ def from_nnx(
       layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
         class; reported as ``adapted.layers``. Their state (batch statistics) goes through each call and back.
       prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
+      logical_axis_rules: ``(logical, mesh_axis)`` pairs for the variables' ``out_sharding`` names (besides their
+        ``sharding_rules``); without any rules the names are mesh axes. The layout is ``adapted.param_specs``.
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns a new ``nnx.Module`` with the state's updated
@@ -372,6 +376,7 @@ def from_nnx(
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
     _check_trainable_floats(params)
+    specs = nnx_specs(param_state, params, check_rules(logical_axis_rules, _WHERE), prefixes, _WHERE)
     check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
     lw = _Layerwise(model, params, layers, prefixes, prefetch, trainable)
@@ -422,6 +427,7 @@ def from_nnx(
         model_state,
         stateful,
         layers=lw.blocks,
+        param_specs=specs,
     )
 
 
