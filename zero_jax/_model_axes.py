@@ -33,8 +33,8 @@ from zero_jax._report import MODEL_AXIS_GATHER, Violation
 from zero_jax._units import fmt_bytes
 
 MODEL_GATHER_MESSAGE = (
-    "all-gather '{name}' (op {op_name}) of {shape} ({nbytes}, x{trips}) runs across the model axes {axes} and its "
-    "result has the shape of {what} gathered whole over {model}: every device then holds and computes with the "
+    "all-gather '{name}' (op {op_name}) of {shape} ({nbytes}, x{trips}) runs over mesh axes {axes} and its result "
+    "has the shape of {what} gathered whole over model axes {model}: every device then holds and computes with the "
     "whole weight, so tensor parallelism is silently lost (and the data axis moves up to M times the theory). "
     "Inside a shard_map manual over data only, XLA gathers the operand of a data-axis all-gather or reduce-scatter "
     "across the automatic model axes first: run ZeRO's collectives in a shard_map nested over the leaf's model axes "
@@ -121,8 +121,8 @@ def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], 
             continue
         message = MODEL_GATHER_MESSAGE.format(
             name=c.name, op_name=c.op_name or "-", shape=f"{c.dtype}[{','.join(map(str, c.shape))}]",
-            nbytes=fmt_bytes(c.bytes), trips=c.trips, axes="+".join(axes),
-            what=", ".join(f"'{path}'" for path in shapes[c.shape]), model="+".join(sorted(model & set(axes))),
+            nbytes=fmt_bytes(c.bytes), trips=c.trips, axes=axes,
+            what=", ".join(f"'{path}'" for path in shapes[c.shape]), model=tuple(a for a in axes if a in model),
         )  # fmt: skip
         out.append(Violation(MODEL_AXIS_GATHER, c.name, message))
     return out
