@@ -12,6 +12,7 @@ Floor 6 (with ``_audit``): imports the policy, the partition rules and the repor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -98,6 +99,13 @@ def is_float(dtype: Any) -> bool:
 
 def _hlo_dtype(dtype: np.dtype) -> str:
     return _HLO_DTYPE.get(str(dtype), str(dtype))
+
+
+def _model_shard(p: ParamInfo) -> LeafLayout:
+    """The layout of one model shard of a parameter (itself without model axes)."""
+    if p.model_split <= 1:
+        return p.layout
+    return dataclasses.replace(p.layout, shape=local_shape(p.layout.shape, p.split))
 
 
 def _shapes(p: ParamInfo) -> set[tuple[int, ...]]:
@@ -414,6 +422,7 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     None when it runs no blocks (see :class:`LayerSchedule`)."""
     if not policy.partitions_grads:
         return None
+    params = [p._replace(layout=_model_shard(p)) for p in params]  # with model axes: what one device gathers
     groups = _layer_groups(params, policy)
     named, unnamed = _count(hlo, groups, policy)
     blocks = [
