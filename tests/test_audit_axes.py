@@ -224,12 +224,30 @@ def test_data_only_step_reports_as_before(data_only_report):
 
 def test_report_text_with_a_model_axis(data_only_report):
     r = dataclasses.replace(
-        data_only_report, model_axes=("model",), model_parallel=2,
+        data_only_report, model_axes=("model",), model_parallel=2, params_per_model_shard=16448 / 2,
         comm_per_axis_kind={"data": {"all-gather": 3072.0, "reduce-scatter": 1536.0}, "model": {"all-reduce": 2048.0}},
     )  # fmt: skip
     text = str(r)
-    assert "N = 8, M = 2 (model axes model)" in text and "ZeRO formula per model shard" in text
+    assert "N = 8, M = 2 (model axes model), Φ = 16,448 parameters (8,224 per model shard: Φ / 2)" in text
+    assert "ZeRO formula per model shard" in text
     assert "over the data axes" in text and "(ZeRO formula per model shard, M = 2)" in text
     assert "    data              4.50 KiB  (all-gather 3.00 KiB, reduce-scatter 1.50 KiB; ZeRO's side)" in text
     assert "    model             2.00 KiB  (all-reduce 2.00 KiB; the model's own layout)" in text
     assert "no weight gathered across a model axis" in text
+
+
+def test_a_step_on_a_data_model_mesh_without_model_specs_keeps_every_leaf_whole_per_model_shard():
+    """No leaf is model-sharded: Φ per model shard is Φ, the data axis moves
+    the N = 4 theory and the model axis nothing (the batch is replicated over it)."""
+    mesh = _mesh((4, 2), AxisType.Auto)
+    policy = zj.ZeroPolicy(stage=3, mesh=mesh)
+    tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+    state = zj.init_state({"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}, tx, policy)
+    step = zj.make_train_step(lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, policy)
+    r = zj.audit(step, state, jnp.ones((16, 256))).check()
+    assert (r.model_axes, r.model_parallel, r.params_per_model_shard) == (("model",), 2, 256 * 64 + 64)
+    assert set(r.comm_per_axis) == {"data"}
+    assert r.comm.theory == pytest.approx(3 / 4 * 4 * (3 * 256 * 64 + 2 * 64), rel=1e-12)
+    f = zj.model_state_bytes(256 * 64 + 64, 4, 3, **r.bytes_per_param)
+    assert r.formula == {"params": f.params, "grads": f.grads, "optimizer": f.optimizer}
+    assert "M = 2 (model axes model)" in str(r) and "no weight gathered across a model axis" in str(r)

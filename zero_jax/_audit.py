@@ -19,6 +19,16 @@ the audit reads them there:
   at once in the compiled (scheduled) program; a stage-3 manual step holding
   more than ``prefetch + 1`` fails the check.
 
+On a mesh with model axes (every axis that is neither the data nor the
+replica axis: tensor, sequence, expert parallelism; M the product of their
+sizes) the contract is per model shard (:mod:`zero_jax._model_axes`): bytes
+against the ZeRO formula for each leaf's model shard (the formula / M when
+every leaf is cut M ways), ZeRO's collectives (those spanning a data or
+replica axis) against the theory for those bytes, communication reported by
+the exact mesh axes each collective spans and by kind, a collective over
+model axes only counted as the model's own; a weight gathered whole across a
+model axis fails the check, as does a gradient-sized all-reduce over data.
+
 ``report.check()`` raises :class:`AuditError` listing every violation. The
 report types live in :mod:`zero_jax._report`.
 
@@ -340,12 +350,22 @@ def audit(
         formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
         replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
         memory=memory, collectives=colls, loops=loops, comm=comm,
-        comm_per_axis=_measure.ring_bytes_per_axis(colls, policy.mesh), violations=tuple(violations),
-        comm_per_axis_kind=_measure.ring_bytes_per_axis_kind(colls, policy.mesh),
-        model_axes=model_axes(policy), model_parallel=model_parallel(policy),
+        violations=tuple(violations), **_by_axes(colls, params, policy),
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
         abstract=abstract, layers=layers,
     )  # fmt: skip
+
+
+def _by_axes(colls: tuple[Collective, ...], params: list[ParamInfo], policy: ZeroPolicy) -> dict[str, Any]:
+    """The report's fields about mesh axes: communication per axis (and kind),
+    the model axes, M and Φ per model shard."""
+    return {
+        "comm_per_axis": _measure.ring_bytes_per_axis(colls, policy.mesh),
+        "comm_per_axis_kind": _measure.ring_bytes_per_axis_kind(colls, policy.mesh),
+        "model_axes": model_axes(policy),
+        "model_parallel": model_parallel(policy),
+        "params_per_model_shard": sum(math.prod(p.layout.shape) / p.model_split for p in params),
+    }
 
 
 def _program_violations(

@@ -231,6 +231,9 @@ class AuditReport:
       comm_per_axis_kind: the same, by collective kind (axes -> kind -> bytes).
       model_axes, model_parallel: the mesh axes in no ZeRO role and M, the
         product of their sizes (``()`` and 1 on a data-only mesh).
+      params_per_model_shard: Φ of one model shard, the Φ the formula and
+        the theory are for: each leaf's elements / how many ways model axes
+        cut it (Φ / M when every leaf is cut M ways, Φ on a data-only mesh).
       violations: what ``check()`` raises about.
       layers: the per-layer schedule (:class:`LayerSchedule`) when the step
         runs blocks (``zj.apply_layer(s)``, ``zj.scan_layers``, or repeated
@@ -263,6 +266,7 @@ class AuditReport:
     comm_per_axis_kind: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
     model_axes: tuple[str, ...] = ()
     model_parallel: int = 1
+    params_per_model_shard: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -293,6 +297,7 @@ class AuditReport:
             f"zj.audit: stage {self.stage}, N = {self.num_devices}"
             + (f", M = {self.model_parallel} (model axes {'+'.join(self.model_axes)})" if self.model_axes else "")
             + f", Φ = {self.num_params:,} parameters"
+            + (self._per_shard() if self.model_axes else "")
             + (" (abstract inputs: bytes from shardings)" if self.abstract else ""),
             "state bytes per device (max over devices / ZeRO formula"
             + (" per model shard" if self.model_axes else "")
@@ -333,6 +338,10 @@ class AuditReport:
                          + ("no weight gathered across a model axis, " if self.model_axes else "")
                          + f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
         return "\n".join(lines)
+
+    def _per_shard(self) -> str:
+        shard = self.params_per_model_shard
+        return f" ({shard:,.0f} per model shard: Φ / {self.num_params / shard:.3g})" if shard else ""
 
     def comm_lines(self) -> list[str]:
         """The report's text for communication: measured beside the theory,
