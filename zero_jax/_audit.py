@@ -290,9 +290,10 @@ def audit(
         leaf partitionable. By default the library's default threshold, so a
         policy built with a larger ``min_shard_size`` that keeps such leaves
         whole *fails* the check; pass the policy's own value to accept it.
-        It also bounds the all-reduce check: in stages 1–3 an all-reduce of at
-        least this many elements (or of the smallest partitioned leaf, if
-        smaller) is a gradient-sized all-reduce. (An optimizer that reduces
+        It also bounds the all-reduce check: in stages 1–3 an all-reduce over
+        the data (or replica) axes of at least this many elements (or of the
+        smallest partitioned leaf's model shard, if smaller) is a
+        gradient-sized all-reduce; one over model axes only is the model's own. (An optimizer that reduces
         statistics across a parameter, like Adafactor's factored moments, may
         all-reduce vectors that large and be flagged.)
       tolerance: communication may exceed the theory by this fraction.

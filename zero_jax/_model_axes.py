@@ -38,7 +38,8 @@ MODEL_GATHER_MESSAGE = (
     "whole weight, so tensor parallelism is silently lost (and the data axis moves up to M times the theory). "
     "Inside a shard_map manual over data only, XLA gathers the operand of a data-axis all-gather or reduce-scatter "
     "across the automatic model axes first: run ZeRO's collectives in a shard_map nested over the leaf's model axes "
-    "(in_specs / out_specs = its model spec) so each device moves only its model shard."
+    "(in_specs / out_specs = its model spec) so each device moves only its model shard; in the model's own code, "
+    "constrain the activations' sharding (jax.lax.with_sharding_constraint) so the compiler keeps the weight cut."
 )
 
 
