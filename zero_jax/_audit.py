@@ -19,6 +19,16 @@ the audit reads them there:
   at once in the compiled (scheduled) program; a stage-3 manual step holding
   more than ``prefetch + 1`` fails the check.
 
+On a mesh with model axes (every axis that is neither the data nor the
+replica axis: tensor, sequence, expert parallelism; M the product of their
+sizes) the contract is per model shard (:mod:`zero_jax._model_axes`): bytes
+against the ZeRO formula for each leaf's model shard (the formula / M when
+every leaf is cut M ways), ZeRO's collectives (those spanning a data or
+replica axis) against the theory for those bytes, communication reported by
+the exact mesh axes each collective spans and by kind, a collective over
+model axes only counted as the model's own; a weight gathered whole across a
+model axis fails the check, as does a gradient-sized all-reduce over data.
+
 ``report.check()`` raises :class:`AuditError` listing every violation. The
 report types live in :mod:`zero_jax._report`.
 
@@ -50,10 +60,11 @@ import numpy as np
 
 from zero_jax import _measure
 from zero_jax._measure import Collective
+from zero_jax._model_axes import model_axes, model_gather_violations, model_parallel, split_of
 from zero_jax._optimizer import frozen_leaves
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, is_layout
 from zero_jax._policy import ZeroPolicy
-from zero_jax._report import CATEGORIES, FIELD_CATEGORY, AuditReport, LeafBytes
+from zero_jax._report import CATEGORIES, FIELD_CATEGORY, AuditReport, LeafBytes, Violation
 from zero_jax._theory import model_state_bytes
 from zero_jax._tree import PyTree, check_live, key_name, path_str, under_any
 from zero_jax._violations import (
@@ -114,7 +125,7 @@ def _field(state: Any, name: str) -> Any:
     return getattr(state, name, None)
 
 
-def _leaves(tree: PyTree, category: str | None) -> tuple[list[LeafBytes], Totals]:
+def _leaves(tree: PyTree, category: str | None, model: tuple[str, ...] = ()) -> tuple[list[LeafBytes], Totals]:
     leaves: list[LeafBytes] = []
     totals: Totals = {c: {} for c in CATEGORIES}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -128,8 +139,9 @@ def _leaves(tree: PyTree, category: str | None) -> tuple[list[LeafBytes], Totals
                 totals[cat][d] = totals[cat].get(d, 0) + b
         nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         name = path_str(path) if category is None else f"{category}/{path_str(path)}"
+        split = math.prod(split_of(getattr(leaf, "sharding", None), len(leaf.shape), model))
         leaves.append(
-            LeafBytes(cat, name, tuple(leaf.shape), str(np.dtype(leaf.dtype)), nbytes, max(per.values()), kind)
+            LeafBytes(cat, name, tuple(leaf.shape), str(np.dtype(leaf.dtype)), nbytes, max(per.values()), kind, split)
         )
     return leaves, totals
 
@@ -142,15 +154,15 @@ def _measure_grads(train_step: Any, state: Any, batch: Any, abstract: bool, opti
 
 
 def _state_leaves(
-    train_step: Any, state: Any, batch: Any, grads: Any, abstract: bool, options: dict[str, Any]
+    train_step: Any, state: Any, batch: Any, grads: Any, abstract: bool, options: dict[str, Any], model: tuple[str, ...]
 ) -> tuple[list[LeafBytes], Totals]:
     """Every state leaf (and gradient leaf, unless ``grads`` is ``False``) with
     its bytes; ``totals`` has no ``"grads"`` when gradients were not measured."""
-    leaves, totals = _leaves(state, None)
+    leaves, totals = _leaves(state, None, model)
     if grads is None and hasattr(train_step, "grads"):
         grads = _measure_grads(train_step, state, batch, abstract, options)
     if grads is not None and grads is not False:
-        g_leaves, g_totals = _leaves(grads, "grads")
+        g_leaves, g_totals = _leaves(grads, "grads", model)
         leaves += g_leaves
         totals["grads"] = g_totals["grads"]
     else:
@@ -181,9 +193,16 @@ def _param_infos(train_step: Any, state: Any, policy: ZeroPolicy) -> list[ParamI
     param_leaves = jax.tree.leaves(params)
     if len(param_leaves) != len(layout_pairs):
         raise ValueError("audit: the state's params do not match its layouts; build the state with zj.init_state.")
-    frozen = _frozen(train_step, layout_tree, len(layout_pairs))
+    frozen, model = _frozen(train_step, layout_tree, len(layout_pairs)), model_axes(policy)
     return [
-        ParamInfo(path_str(p), lay, np.dtype(leaf.dtype), fz, under_any(p, policy.stacked))
+        ParamInfo(
+            path_str(p),
+            lay,
+            np.dtype(leaf.dtype),
+            fz,
+            under_any(p, policy.stacked),
+            split_of(getattr(leaf, "sharding", None), len(lay.shape), model),
+        )  # fmt: skip
         for (p, lay), leaf, fz in zip(layout_pairs, param_leaves, frozen, strict=True)
         if is_float(lay.dtype)
     ]
@@ -216,8 +235,11 @@ def _bytes_per_param(
     return per_param
 
 
-def _formula(phi: int, policy: ZeroPolicy, per_param: Mapping[str, float]) -> dict[str, float]:
-    """:func:`zero_jax.model_state_bytes` for this Φ, policy and bytes per parameter."""
+def _formula(params: list[ParamInfo], policy: ZeroPolicy, per_param: Mapping[str, float]) -> dict[str, float]:
+    """:func:`zero_jax.model_state_bytes` for this policy and bytes per
+    parameter, on one model shard's Φ: each leaf's elements / how many ways
+    model axes cut it (Φ / M when every leaf is cut M ways; Φ without model axes)."""
+    phi = sum(math.prod(p.layout.shape) / p.model_split for p in params)
     if not phi:
         return {}
     f = model_state_bytes(
@@ -268,9 +290,10 @@ def audit(
         leaf partitionable. By default the library's default threshold, so a
         policy built with a larger ``min_shard_size`` that keeps such leaves
         whole *fails* the check; pass the policy's own value to accept it.
-        It also bounds the all-reduce check: in stages 1–3 an all-reduce of at
-        least this many elements (or of the smallest partitioned leaf, if
-        smaller) is a gradient-sized all-reduce. (An optimizer that reduces
+        It also bounds the all-reduce check: in stages 1–3 an all-reduce over
+        the data (or replica) axes of at least this many elements (or of the
+        smallest partitioned leaf's model shard, if smaller) is a
+        gradient-sized all-reduce; one over model axes only is the model's own. (An optimizer that reduces
         statistics across a parameter, like Adafactor's factored moments, may
         all-reduce vectors that large and be flagged.)
       tolerance: communication may exceed the theory by this fraction.
@@ -307,7 +330,7 @@ def audit(
     abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
     options = dict(_measure.FAST_COMPILE) if fast_compile else {}
     memory, colls, loops, scheduled = _program(train_step, state, batch, policy, options)
-    leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options)
+    leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, model_axes(policy))
     params = _param_infos(train_step, state, policy)
     phi = sum(math.prod(p.layout.shape) for p in params)
     if reduce_dtype is None:
@@ -316,23 +339,49 @@ def audit(
     per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
 
     cats = partitioned_categories(policy)
-    violations = replicated_violations(leaves, policy, min_shard_size, stacked_paths(params))
-    violations += all_reduce_violations(colls, loops, params, min_shard_size, policy)
+    violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size)
     violations += comm_violation(comm, policy.stage, tolerance)
-    violations += accum_violations(colls, loops, steps) if accum_mode == "local" and steps > 1 else []
+    violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
     layers = layer_schedule(scheduled, params, policy, prefetch)
     # gather="all" and local accumulation (one gather per step) hold the whole model by design.
     layerwise = getattr(train_step, "gather", "manual") != "all" and not (accum_mode == "local" and steps > 1)
     violations += layer_violations(layers, policy, layerwise)
     return AuditReport(
         stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
-        formula=_formula(phi, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
+        formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
         replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
         memory=memory, collectives=colls, loops=loops, comm=comm,
-        comm_per_axis=_measure.ring_bytes_per_axis(colls, policy.mesh), violations=tuple(violations),
+        violations=tuple(violations), **_by_axes(colls, params, policy),
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
         abstract=abstract, layers=layers,
     )  # fmt: skip
+
+
+def _by_axes(colls: tuple[Collective, ...], params: list[ParamInfo], policy: ZeroPolicy) -> dict[str, Any]:
+    """The report's fields about mesh axes: communication per axis (and kind),
+    the model axes, M and Φ per model shard."""
+    return {
+        "comm_per_axis": _measure.ring_bytes_per_axis(colls, policy.mesh),
+        "comm_per_axis_kind": _measure.ring_bytes_per_axis_kind(colls, policy.mesh),
+        "model_axes": model_axes(policy),
+        "model_parallel": model_parallel(policy),
+        "params_per_model_shard": sum(math.prod(p.layout.shape) / p.model_split for p in params),
+    }
+
+
+def _program_violations(
+    colls: tuple[Collective, ...],
+    loops: dict[str, tuple[int, ...]],
+    leaves: list[LeafBytes],
+    params: list[ParamInfo],
+    policy: ZeroPolicy,
+    min_shard_size: int,
+) -> list[Violation]:
+    """Leaves kept whole that the stage partitions, gradient-sized all-reduces
+    over data and weights gathered across a model axis."""
+    violations = replicated_violations(leaves, policy, min_shard_size, stacked_paths(params))
+    violations += all_reduce_violations(colls, loops, params, min_shard_size, policy)
+    return violations + model_gather_violations(colls, params, policy)
 
 
 def _program(

@@ -18,7 +18,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -35,6 +35,9 @@ _INSTR = re.compile(
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\((?P<args>.*)$"
 )
 _ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PAIR = re.compile(r"\{(\d+),(\d+)\}")
 
 
 def resident_bytes(tree: Any) -> dict[Any, int]:
@@ -54,7 +57,10 @@ class Collective:
     collective-permute and all-to-all, the gathered result for all-gather and
     the scattered input for reduce-scatter. ``ring_bytes`` is what one device
     sends per execution in a ring of ``group_size``; ``trips`` how many times
-    the enclosing loops run it.
+    the enclosing loops run it. ``group``: the devices (partition ids) of one
+    replica group, or of every source-target pair of a collective-permute,
+    when the HLO lists them; ``op_name``: the JAX name of the op that made it
+    (HLO ``metadata={op_name=...}``).
     """
 
     kind: str
@@ -64,21 +70,31 @@ class Collective:
     group_size: int
     trips: int = 1
     name: str = ""
-    group: tuple[int, ...] = ()  # the devices (partition ids) of one replica group, when the HLO lists them
+    group: tuple[int, ...] = ()
+    op_name: str = ""
+    pairs: tuple[tuple[int, int], ...] = ()  # a collective-permute's source-target pairs
 
     def axes(self, mesh: Any) -> tuple[str, ...]:
         """The mesh axes this collective runs across: those along which the
-        devices of its group differ (every axis when the group is unknown).
+        devices of its group differ, in the mesh's order (every axis of size
+        > 1 when the group is unknown). A collective-permute runs across the
+        axes along which any of its pairs differ.
 
         Partition ids are positions in ``mesh.devices.flat`` (jit's device
         assignment), so this reads ``replica_groups={{0,4},{1,5},...}`` on a
-        ``("replica", "data")`` mesh of shape (2, 4) as ``("replica",)``.
+        ``("replica", "data")`` mesh of shape (2, 4) as ``("replica",)`` and
+        ``{{0,2,4,6},{1,3,5,7}}`` on a ``("data", "model")`` mesh of shape
+        (4, 2) as ``("data",)``.
         """
         names = tuple(mesh.axis_names)
-        if not self.group:
+        sets = [p for p in self.pairs if p[0] != p[1]] or ([self.group] if self.group else [])
+        if not sets:
             return tuple(n for n in names if mesh.shape[n] > 1)
-        coords = np.array(np.unravel_index(np.asarray(self.group), mesh.devices.shape))
-        return tuple(n for i, n in enumerate(names) if len(set(coords[i].tolist())) > 1)
+        varying: set[int] = set()
+        for ids in sets:
+            coords = np.array(np.unravel_index(np.asarray(ids), mesh.devices.shape))
+            varying |= {i for i in range(len(names)) if len(set(coords[i].tolist())) > 1}
+        return tuple(n for i, n in enumerate(names) if i in varying)
 
     @property
     def ring_bytes(self) -> float:
@@ -96,6 +112,16 @@ class Collective:
         return self.ring_bytes * self.trips
 
 
+def axes_key(axes: Iterable[str]) -> str:
+    """The report's name for a set of mesh axes: ``"data"``, ``"model"``,
+    ``"data+model"`` (in the mesh's order), ``"none"`` for no axis.
+
+    >>> axes_key(("data", "model")), axes_key(())
+    ('data+model', 'none')
+    """
+    return "+".join(axes) or "none"
+
+
 def _array_bytes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
     out = []
     for m in _ARRAY.finditer(text):
@@ -107,78 +133,79 @@ def _array_bytes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
     return out
 
 
-def _first_group(line: str) -> tuple[int, ...]:
-    """The first replica group of a collective, from either HLO spelling:
-    ``{{0,4},{1,5}}`` or the iota form ``[G,S]<=[dims]T(perm)``."""
+def _replica_group(line: str, num_devices: int) -> tuple[int, tuple[int, ...]]:
+    """The group size of a collective and its first replica group, from any
+    HLO spelling: ``{{0,4},{1,5}}``, the iota form ``[G,S]<=[dims]T(perm)``,
+    ``mesh['data'=4,'model'=2]{'data'}`` or ``source_target_pairs``."""
     m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", line)
     if m:
-        return tuple(int(x) for x in m.group(1).split(",") if x.strip())
+        group = tuple(int(x) for x in m.group(1).split(",") if x.strip())
+        return len(group), group
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if m:
-        g, size = int(m.group(1)), int(m.group(2))
-        dims = [int(d) for d in m.group(3).split(",")]
+        g, size, dims = int(m.group(1)), int(m.group(2)), [int(d) for d in m.group(3).split(",")]
         ids = np.arange(math.prod(dims)).reshape(dims)
         if m.group(4):
             ids = ids.transpose([int(p) for p in m.group(4).split(",")])
-        return tuple(int(i) for i in ids.reshape(g, size)[0])
-    return ()
-
-
-def _group_size(line: str, num_devices: int) -> int:
-    m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", line)
-    if m:
-        return len([x for x in m.group(1).split(",") if x.strip()])
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-    if m:
-        return int(m.group(2))
+        return size, tuple(int(i) for i in ids.reshape(g, size)[0])
     m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
     if m:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        names = re.findall(r"'(\w+)'", m.group(2))
-        return math.prod(int(sizes[n]) for n in names)
-    m = re.search(r"source_target_pairs=\{(.*?)\}\s*(,|$)", line)
-    if m:
-        return 2
-    return num_devices
+        sizes = [(n, int(k)) for n, k in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
+        names = set(re.findall(r"'(\w+)'", m.group(2)))
+        ids = np.arange(math.prod(k for _, k in sizes)).reshape([k for _, k in sizes])
+        first = ids[tuple(slice(None) if n in names else 0 for n, _ in sizes)]
+        return math.prod(k for n, k in sizes if n in names), tuple(int(i) for i in np.ravel(first))
+    if re.search(r"source_target_pairs=\{(.*?)\}\s*(,|$)", line):
+        return 2, ()
+    return num_devices, ()
 
 
-def _trip_counts(hlo: str) -> dict[str, int]:
-    """Computation name -> how many times it runs per step (nested loops multiply).
+def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, tuple[str, int | None]]]:
+    """Each computation's lines, and computation -> (its caller, the trip count
+    if it is a while loop's body, else None).
 
     Right after SPMD partitioning the while loops carry no trip-count
     annotation, so it is read off the loop condition ``compare(i, constant(K)),
     direction=LT``.
     """
-    comps: dict[str, str] = {}
+    comps: dict[str, list[str]] = {}
     current = None
     for line in hlo.splitlines():
-        m = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$", line)
+        m = _COMPUTATION.match(line)
         if m:
             current = m.group(1)
-            comps[current] = ""
+            comps[current] = []
         elif current is not None:
-            comps[current] += line + "\n"
-    parent: dict[str, tuple[str, int]] = {}
-    for name, body in comps.items():
+            comps[current].append(line)
+    parent: dict[str, tuple[str, int | None]] = {}
+    for name, lines in comps.items():
+        body = "\n".join(lines)
         for m in re.finditer(r"while\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", body):
-            cond, loop_body = m.group(1), m.group(2)
-            trips = 1
-            c = re.search(r"constant\((\d+)\)", comps.get(cond, ""))
-            if c:
-                trips = int(c.group(1))
-            parent[loop_body] = (name, trips)
+            c = re.search(r"constant\((\d+)\)", "\n".join(comps.get(m.group(1), [])))
+            parent[m.group(2)] = (name, int(c.group(1)) if c else 1)
         for m in re.finditer(
             r"(?:to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)", body
         ):
-            parent.setdefault(m.group(1), (name, 1))
+            parent.setdefault(m.group(1), (name, None))
+    return comps, parent
 
-    def count(name: str, seen: frozenset[str] = frozenset()) -> int:
-        if name not in parent or name in seen:
-            return 1
-        p, trips = parent[name]
-        return trips * count(p, seen | {name})
 
-    return {name: count(name) for name in comps}
+def _loops(name: str, parent: Mapping[str, tuple[str, int | None]]) -> tuple[int, ...]:
+    """The trip counts of the while loops around computation ``name``, outermost first."""
+    out: list[int] = []
+    seen = set()
+    while name in parent and name not in seen:
+        seen.add(name)
+        name, trips = parent[name]
+        if trips is not None:
+            out.append(trips)
+    return tuple(reversed(out))
+
+
+def _trip_counts(hlo: str) -> dict[str, int]:
+    """Computation name -> how many times it runs per step (nested loops multiply)."""
+    comps, parent = _call_graph(hlo)
+    return {name: math.prod(_loops(name, parent)) for name in comps}
 
 
 def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
@@ -187,7 +214,7 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
     out = []
     current = ""
     for line in hlo.splitlines():
-        m = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$", line)
+        m = _COMPUTATION.match(line)
         if m:
             current = m.group(1)
             continue
@@ -195,13 +222,16 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
         if not m:
             continue
         kind = m.group("kind")
-        n = _group_size(line, num_devices)
+        n, group = _replica_group(line, num_devices)
+        op_name = _OP_NAME.search(line)
+        pairs = line.split("source_target_pairs=")[1].split("}}")[0] + "}" if "source_target_pairs=" in line else ""
         for dtype, shape, nbytes in _array_bytes(m.group("type")):
             if kind == "reduce-scatter":  # count the input: N pieces of the result
                 nbytes *= n
-            out.append(
-                Collective(kind, dtype, shape, nbytes, n, trips.get(current, 1), m.group("name"), _first_group(line))
-            )
+            out.append(Collective(
+                kind, dtype, shape, nbytes, n, trips.get(current, 1), m.group("name"), group,
+                op_name.group(1) if op_name else "", tuple((int(a), int(b)) for a, b in _PAIR.findall(pairs)),
+            ))  # fmt: skip
     return out
 
 
@@ -223,25 +253,28 @@ def ring_bytes(colls: Iterable[Collective]) -> float:
 def memory(compiled: Any) -> dict[str, int]:
     """Per-device figures of ``compiled.memory_analysis()`` and the peak estimate."""
     m = compiled.memory_analysis()
-    fig = {
-        "argument": int(m.argument_size_in_bytes),
-        "output": int(m.output_size_in_bytes),
-        "temp": int(m.temp_size_in_bytes),
-        "alias": int(m.alias_size_in_bytes),
-    }
+    fig = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
     fig["peak"] = fig["argument"] + fig["output"] + fig["temp"] - fig["alias"]
     return fig
 
 
 def ring_bytes_per_axis(colls: Iterable[Collective], mesh: Any) -> dict[str, float]:
-    """Ring bytes one device sends per step, by the mesh axes each collective
-    spans: ``"data"``, ``"replica"``, or ``"replica+data"`` for one spanning
-    both (the loss, stage 0's all-reduce, stages 1–2's all-gather with
-    ``optimizer_over_replicas``)."""
-    out: dict[str, float] = collections.defaultdict(float)
+    """Ring bytes one device sends per step, by the exact set of mesh axes each
+    collective spans (:func:`axes_key`): ``"data"``, ``"replica"``,
+    ``"replica+data"`` for one spanning both (the loss, stage 0's all-reduce,
+    stages 1–2's all-gather with ``optimizer_over_replicas``); on a
+    ``("data", "model")`` mesh ``"data"``, ``"model"`` and ``"data+model"``."""
+    return {key: sum(kinds.values()) for key, kinds in ring_bytes_per_axis_kind(colls, mesh).items()}
+
+
+def ring_bytes_per_axis_kind(colls: Iterable[Collective], mesh: Any) -> dict[str, dict[str, float]]:
+    """:func:`ring_bytes_per_axis`, split by collective kind: axes key ->
+    kind -> ring bytes one device sends per step."""
+    out: dict[str, dict[str, float]] = {}
     for c in colls:
-        out["+".join(c.axes(mesh)) or "none"] += c.total_ring_bytes
-    return dict(out)
+        kinds = out.setdefault(axes_key(c.axes(mesh)), {})
+        kinds[c.kind] = kinds.get(c.kind, 0.0) + c.total_ring_bytes
+    return out
 
 
 def summarize(colls: Iterable[Collective]) -> dict[str, dict[str, float]]:
@@ -254,9 +287,6 @@ def summarize(colls: Iterable[Collective]) -> dict[str, dict[str, float]]:
 
 
 # -- helpers for zj.audit / zj.plan (appended) -----------------------------------------------------------
-
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$")
-
 
 #: Compiler options for programs compiled only to be read (audit, plan): LLVM
 #: optimisation off. The HLO passes, buffer assignment and so
@@ -290,43 +320,13 @@ def loop_nesting(hlo: str) -> dict[str, tuple[int, ...]]:
     it, outermost first (``()`` outside any loop). The product is
     :attr:`Collective.trips`; the nesting tells an accumulation loop from a
     layer scan inside it."""
-    comps: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = m.group(1)
-            comps[current] = []
-        elif current is not None:
-            comps[current].append(line)
-    parent: dict[str, tuple[str, int | None]] = {}  # computation -> (caller, trips if a loop body)
-    for name, lines in comps.items():
-        body = "\n".join(lines)
-        for m in re.finditer(r"while\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", body):
-            c = re.search(r"constant\((\d+)\)", "\n".join(comps.get(m.group(1), [])))
-            parent[m.group(2)] = (name, int(c.group(1)) if c else 1)
-        for m in re.finditer(
-            r"(?:to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)", body
-        ):
-            parent.setdefault(m.group(1), (name, None))
-
-    def chain(name: str) -> tuple[int, ...]:
-        out: list[int] = []
-        seen = set()
-        while name in parent and name not in seen:
-            seen.add(name)
-            name, trips = parent[name]
-            if trips is not None:
-                out.append(trips)
-        return tuple(reversed(out))
-
+    comps, parent = _call_graph(hlo)
     nesting = {}
     for name, lines in comps.items():
-        loops = chain(name)
         for line in lines:
             m = _INSTR.match(line)
             if m:
-                nesting[m.group("name")] = loops
+                nesting[m.group("name")] = _loops(name, parent)
     return nesting
 
 
@@ -352,7 +352,6 @@ def resident_bytes_by_kind(tree: Any) -> dict[tuple[Any, str], int]:
 _SCHEDULED = re.compile(
     r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
 )
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 #: Ops whose result holds the same (gathered) data as their operand: a layer
 #: stays whole while any of them is alive.
 _ALIASES = frozenset({

@@ -30,6 +30,7 @@ REPLICATED_LEAF = "partitionable leaf replicated"
 COMM_OVER_THEORY = "communication over theory"
 REDUCE_IN_ACCUM_LOOP = "collective inside the accumulation loop"
 LAYERS_ALIVE = "more whole layers alive than prefetch + 1"
+MODEL_AXIS_GATHER = "weight gathered across a model axis"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +45,12 @@ class LeafBytes:
     nbytes: int
     per_device: int
     memory_kind: str = "device"  # "pinned_host": offloaded (counted in host_bytes, not state_bytes)
+    model_split: int = 1  # how many ways its sharding cuts it over model axes
 
     @property
     def replicated(self) -> bool:
-        """Whole on some device."""
-        return self.per_device >= self.nbytes
+        """Whole on some device (with model axes: its whole model shard)."""
+        return self.per_device * self.model_split >= self.nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +59,10 @@ class Communication:
 
     Attributes:
       measured: every collective of the partitioned program, times its loops'
-        trip counts.
-      theory: the stage's accounting on this model: gradients reduce-scattered
+        trip counts; with model axes, those spanning a data or replica axis
+        (ZeRO's side: a collective over model axes only is the model's own).
+      theory: the stage's accounting on this model, for each leaf's model
+        shard (its bytes / how many ways model axes cut it): gradients reduce-scattered
         and (stages 1–2) updated parameters all-gathered on the padded
         partitioned leaves, or (stage 3) gathered twice per microbatch; leaves
         kept whole all-reduced (two passes); all in the dtypes the step moves.
@@ -204,7 +208,10 @@ class AuditReport:
         memory (offloaded leaves; empty without offload).
       state_bytes_min: category -> the least (devices should be balanced).
       formula: category -> :func:`zero_jax.model_state_bytes` for this Φ, N,
-        stage and the run's bytes per parameter (``bytes_per_param``).
+        stage and the run's bytes per parameter (``bytes_per_param``); with
+        model axes, for one model shard: each leaf counts its elements / how
+        many ways model axes cut it (the formula / M when all leaves are cut
+        M ways).
       bytes_per_param: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` as
         this run stores them (optimizer: all float optimizer-state leaves and a
         master copy, per parameter).
@@ -219,7 +226,14 @@ class AuditReport:
       comm: :class:`Communication`, measured beside the theory.
       comm_per_axis: measured ring bytes per device per step by the mesh
         axes each collective spans (``"data"``; on a hybrid mesh also
-        ``"replica"`` and ``"replica+data"``): what crosses the slow axis.
+        ``"replica"`` and ``"replica+data"``; on a ``("data", "model")`` mesh
+        ``"data"``, ``"model"``, ``"data+model"``): what crosses the slow axis.
+      comm_per_axis_kind: the same, by collective kind (axes -> kind -> bytes).
+      model_axes, model_parallel: the mesh axes in no ZeRO role and M, the
+        product of their sizes (``()`` and 1 on a data-only mesh).
+      params_per_model_shard: Φ of one model shard, the Φ the formula and
+        the theory are for: each leaf's elements / how many ways model axes
+        cut it (Φ / M when every leaf is cut M ways, Φ on a data-only mesh).
       violations: what ``check()`` raises about.
       layers: the per-layer schedule (:class:`LayerSchedule`) when the step
         runs blocks (``zj.apply_layer(s)``, ``zj.scan_layers``, or repeated
@@ -249,6 +263,10 @@ class AuditReport:
     abstract: bool = False
     host_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     layers: LayerSchedule | None = None
+    comm_per_axis_kind: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    model_axes: tuple[str, ...] = ()
+    model_parallel: int = 1
+    params_per_model_shard: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -276,9 +294,14 @@ class AuditReport:
 
     def __str__(self) -> str:
         lines = [
-            f"zj.audit: stage {self.stage}, N = {self.num_devices}, Φ = {self.num_params:,} parameters"
+            f"zj.audit: stage {self.stage}, N = {self.num_devices}"
+            + (f", M = {self.model_parallel} (model axes {'+'.join(self.model_axes)})" if self.model_axes else "")
+            + f", Φ = {self.num_params:,} parameters"
+            + (self._per_shard() if self.model_axes else "")
             + (" (abstract inputs: bytes from shardings)" if self.abstract else ""),
-            "state bytes per device (max over devices / ZeRO formula at "
+            "state bytes per device (max over devices / ZeRO formula"
+            + (" per model shard" if self.model_axes else "")
+            + " at "
             + ", ".join(f"{k}={v:g}" for k, v in self.bytes_per_param.items())
             + " B per parameter):",
         ]
@@ -305,21 +328,42 @@ class AuditReport:
                 f"  {r['kind']:<19}{r['dtype']:<5} {'in loop' if r['in_loop'] else '       '} "
                 f"x{r['count']:<5} {fmt_bytes(r['bytes']):>11}  ring {fmt_bytes(r['ring_bytes'])}"
             )
-        c = self.comm
-        lines.append(
-            f"communication: {fmt_bytes(c.measured)} per device per step; theory {fmt_bytes(c.theory)} "
-            f"(measured/theory {c.ratio:.4f}); accounted {fmt_bytes(c.accounted)} ({c.accounted_ratio:.4f})"
-        )
-        lines.extend(f"  skipped re-gather: {s}" for s in c.skipped_regathers)
-        if len(self.comm_per_axis) > 1:
-            lines.append(
-                "  by mesh axes: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(self.comm_per_axis.items()))
-            )
+        lines.extend(self.comm_lines())
         lines.extend(self.layers.lines() if self.layers is not None else [])
         if self.violations:
             lines.append(f"VIOLATIONS ({len(self.violations)}):")
             lines.extend(f"  - {v}" for v in self.violations)
         else:
             lines.append("check: passed (no gradient-sized all-reduce, no partitionable leaf replicated, "
-                         f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
+                         + ("no weight gathered across a model axis, " if self.model_axes else "")
+                         + f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
         return "\n".join(lines)
+
+    def _per_shard(self) -> str:
+        shard = self.params_per_model_shard
+        return f" ({shard:,.0f} per model shard: Φ / {self.num_params / shard:.3g})" if shard else ""
+
+    def comm_lines(self) -> list[str]:
+        """The report's text for communication: measured beside the theory,
+        and (with model axes, or on a hybrid mesh) by the mesh axes."""
+        c, model = self.comm, set(self.model_axes)
+        over = " over the data axes" if model else ""
+        lines = [
+            f"communication: {fmt_bytes(c.measured)} per device per step{over}; theory {fmt_bytes(c.theory)}"
+            + (f" (ZeRO formula per model shard, M = {self.model_parallel})" if model else "")
+            + f" (measured/theory {c.ratio:.4f}); accounted {fmt_bytes(c.accounted)} ({c.accounted_ratio:.4f})"
+        ]
+        lines.extend(f"  skipped re-gather: {s}" for s in c.skipped_regathers)
+        if not model:
+            if len(self.comm_per_axis) > 1:
+                by_axes = sorted(self.comm_per_axis.items())
+                lines.append("  by mesh axes: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_axes))
+            return lines
+        lines.append("  by mesh axes (ring bytes per device per step, by kind):")
+        for key, kinds in sorted(self.comm_per_axis_kind.items()):
+            total = sum(kinds.values())
+            model_only = key != "none" and set(key.split("+")) <= model
+            note = "the model's own layout" if model_only else "ZeRO's side"
+            parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(kinds.items()))
+            lines.append(f"    {key:<14}{fmt_bytes(total):>12}  ({parts}; {note})")
+        return lines

@@ -12,6 +12,7 @@ Floor 6 (with ``_audit``): imports the policy, the partition rules and the repor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,7 @@ import numpy as np
 
 from zero_jax import _measure
 from zero_jax._measure import DTYPE_BYTES, Collective, Instruction, ring_bytes
+from zero_jax._model_axes import is_model_only, local_shape, model_axes
 from zero_jax._partition import REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
 from zero_jax._policy import ZeroPolicy
 from zero_jax._report import (
@@ -50,8 +52,9 @@ REPLICATED_MESSAGE = (
     "audit(..., min_shard_size=...) if keeping it whole is intended."
 )
 ALL_REDUCE_MESSAGE = (
-    "all-reduce '{name}' of {shape} ({nbytes}, x{trips}{where}) in stage {stage}{match}: a gradient-sized "
-    "all-reduce (>= {threshold} elements). Stages 1-3 reduce-scatter gradients; only leaves kept whole (below "
+    "all-reduce '{name}' (op {op_name}) of {shape} ({nbytes}, x{trips}{where}) over {axes} in stage {stage}{match}: "
+    "a gradient-sized all-reduce (>= {threshold} elements). Stages 1-3 reduce-scatter gradients over the data axis "
+    "(with model axes: inside a shard_map nested over the leaf's model axes); only leaves kept whole (below "
     "min_shard_size) may be all-reduced."
 )
 ACCUM_MESSAGE = (
@@ -82,6 +85,12 @@ class ParamInfo(NamedTuple):
     dtype: np.dtype
     frozen: bool  # the optimizer never changes it: no gradient is reduced
     stacked: bool  # under one of the policy's ``stacked`` prefixes (a leading layer axis)
+    split: tuple[int, ...] = ()  # how many ways each dimension is cut over model axes (() or all 1: none)
+
+    @property
+    def model_split(self) -> int:
+        """How many model shards the leaf is cut into (1: whole on every model shard)."""
+        return math.prod(self.split)
 
 
 def is_float(dtype: Any) -> bool:
@@ -92,9 +101,19 @@ def _hlo_dtype(dtype: np.dtype) -> str:
     return _HLO_DTYPE.get(str(dtype), str(dtype))
 
 
-def _shapes(lay: LeafLayout) -> tuple[tuple[int, ...], ...]:
-    """The shapes a leaf's gradient may be reduced in: whole or stored, or one layer of either."""
-    return (lay.shape, lay.stored_shape, lay.shape[1:], lay.stored_shape[1:])
+def _model_shard(p: ParamInfo) -> LeafLayout:
+    """The layout of one model shard of a parameter (itself without model axes)."""
+    if p.model_split <= 1:
+        return p.layout
+    return dataclasses.replace(p.layout, shape=local_shape(p.layout.shape, p.split))
+
+
+def _shapes(p: ParamInfo) -> set[tuple[int, ...]]:
+    """The shapes a leaf's gradient may be reduced in: whole or stored, or one
+    layer of either; whole or one model shard."""
+    lay = p.layout
+    shapes = {lay.shape, lay.stored_shape, lay.shape[1:], lay.stored_shape[1:]}
+    return shapes | {local_shape(s, p.split) for s in shapes}
 
 
 def _shape(c: Collective) -> str:
@@ -123,29 +142,30 @@ def communication(
     locally; stages 1-2 all-gather the updated parameters once. Leaves kept
     whole are all-reduced (two passes); frozen leaves are not reduced.
     """
-    n = policy.num_shards
+    n, model = policy.num_shards, set(model_axes(policy))
     ring = (n - 1) / n
     local = steps > 1 and accum_mode == "local"
     reduces = steps if steps > 1 and not local else 1
     gathers = 1 if not policy.partitions_params else (1 if local else 2 * steps)
+    zero_side = tuple(c for c in colls if not is_model_only(c, policy, model))
     gathered: dict[tuple[str, tuple[int, ...]], int] = {}
-    for c in colls:
+    for c in zero_side:
         if c.kind == "all-gather":
             gathered[(c.dtype, c.shape)] = gathered.get((c.dtype, c.shape), 0) + c.trips
     theory = 0.0
     units: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}
     for p in params:
         rb = np.dtype(reduce_dtype if reduce_dtype is not None else p.dtype).itemsize
-        theory += _leaf_theory(p, policy, rb, reduces, gathers)
+        theory += _leaf_theory(p, policy, rb, reduces, gathers) / p.model_split  # one model shard's bytes
         if policy.partitions_params and p.layout.partitioned:
-            # One gather unit per use: the whole leaf, or one layer of a stacked leaf
-            # when the program gathers layer-sized pieces (``scan_layers``).
-            lay = p.layout
-            per_layer = (_hlo_dtype(p.dtype), lay.stored_shape[1:])
-            if p.stacked and gathered.get(per_layer, 0) >= lay.shape[0]:
-                units.setdefault(per_layer, []).append((p.path, lay.shape[0]))
+            # One gather unit per use: the whole leaf (its model shard), or one layer of a
+            # stacked leaf when the program gathers layer-sized pieces (``scan_layers``).
+            stored = local_shape(p.layout.stored_shape, p.split)
+            per_layer = (_hlo_dtype(p.dtype), stored[1:])
+            if p.stacked and gathered.get(per_layer, 0) >= p.layout.shape[0]:
+                units.setdefault(per_layer, []).append((p.path, p.layout.shape[0]))
             else:
-                units.setdefault((_hlo_dtype(p.dtype), lay.stored_shape), []).append((p.path, 1))
+                units.setdefault((_hlo_dtype(p.dtype), stored), []).append((p.path, 1))
     skipped_bytes, notes = 0.0, []
     for (dt, shape), members in sorted(units.items()):
         expected = gathers * sum(m for _, m in members)
@@ -154,7 +174,7 @@ def communication(
             skipped_bytes += (expected - ran) * math.prod(shape) * DTYPE_BYTES.get(dt, 4) * ring
             names = ", ".join(path for path, _ in members)
             notes.append(f"{dt}[{','.join(map(str, shape))}] gathered {ran}x, theory {expected}x ({names})")
-    return Communication(ring_bytes(colls), theory, theory - skipped_bytes, tuple(notes))
+    return Communication(ring_bytes(zero_side), theory, theory - skipped_bytes, tuple(notes))
 
 
 def _leaf_theory(p: ParamInfo, policy: ZeroPolicy, rb: int, reduces: int, gathers: int) -> float:
@@ -203,7 +223,11 @@ def replicated_violations(
         return []
     cats, out = partitioned_categories(policy), []
     for leaf in leaves:
-        if leaf.category not in cats or not is_float(leaf.dtype) or leaf.per_device * n <= leaf.nbytes:
+        if (
+            leaf.category not in cats
+            or not is_float(leaf.dtype)
+            or leaf.per_device * n * leaf.model_split <= leaf.nbytes
+        ):
             continue
         size = math.prod(leaf.shape)
         skip = mirrors_stacked(leaf.path, stacked)
@@ -227,23 +251,27 @@ def all_reduce_violations(
     min_shard_size: int,
     policy: ZeroPolicy,
 ) -> list[Violation]:
-    """Gradient-sized all-reduces in a stage that reduce-scatters gradients."""
+    """Gradient-sized all-reduces over the data (or replica) axes in a stage
+    that reduce-scatters gradients: at least ``min_shard_size`` elements, or
+    the smallest partitioned leaf's model shard if smaller. One spanning model
+    axes only is the model's own layout (a row-parallel matmul's all-reduce)."""
     if not policy.partitions_opt_state:  # data parallelism all-reduces by design
         return []
-    sizes = [math.prod(p.layout.shape) for p in params if p.layout.partitioned]
+    sizes = [math.prod(p.layout.shape) // p.model_split for p in params if p.layout.partitioned]
     threshold = max(1, min([min_shard_size, *sizes]))
-    # HSDP all-reduces each gradient's 1/N piece across the replica axes: expected.
-    pieces = {shard_shape(p.layout, policy.num_shards) for p in params if p.layout.partitioned}
-    replica_axes = set(policy.replica_axes)
+    # HSDP all-reduces each gradient's 1/N piece (of its model shard) across the replica axes: expected.
+    pieces = {local_shape(shard_shape(p.layout, policy.num_shards), p.split) for p in params if p.layout.partitioned}
+    replica_axes, model = set(policy.replica_axes), set(model_axes(policy))
     out = []
     for c in colls:
-        if c.kind != "all-reduce" or math.prod(c.shape) < threshold:
+        if c.kind != "all-reduce" or math.prod(c.shape) < threshold or is_model_only(c, policy, model):
             continue
         if replica_axes and set(c.axes(policy.mesh)) <= replica_axes and c.shape in pieces:
             continue
-        match = [p.path for p in params if c.shape in _shapes(p.layout)]
+        match = [p.path for p in params if c.shape in _shapes(p)]
         message = ALL_REDUCE_MESSAGE.format(
-            name=c.name, shape=_shape(c), nbytes=fmt_bytes(c.bytes), trips=c.trips, stage=policy.stage,
+            name=c.name, op_name=c.op_name or "-", shape=_shape(c), nbytes=fmt_bytes(c.bytes), trips=c.trips,
+            stage=policy.stage, axes="+".join(c.axes(policy.mesh)) or "-",
             where=f" inside loops of {'x'.join(map(str, loops[c.name]))} trips" if loops.get(c.name) else "",
             match=f", the shape of {', '.join(match)}" if match else "", threshold=threshold,
         )  # fmt: skip
@@ -252,12 +280,17 @@ def all_reduce_violations(
 
 
 def accum_violations(
-    colls: tuple[Collective, ...], loops: Mapping[str, tuple[int, ...]], steps: int
+    colls: tuple[Collective, ...], loops: Mapping[str, tuple[int, ...]], steps: int, policy: ZeroPolicy | None = None
 ) -> list[Violation]:
-    """Gradient reductions inside the accumulation loop of a local-accumulation step."""
+    """Gradient reductions inside the accumulation loop of a local-accumulation
+    step (over the data or replica axes: the model's own reductions over model
+    axes run per microbatch by design)."""
+    model = set(model_axes(policy)) if policy is not None else set()
     out = []
     for c in colls:
         nest = loops.get(c.name, ())
+        if policy is not None and is_model_only(c, policy, model):
+            continue
         if c.kind in ("all-reduce", "reduce-scatter") and c.shape != () and nest and nest[0] == steps:
             message = ACCUM_MESSAGE.format(kind=c.kind, name=c.name, shape=_shape(c), steps=steps, trips=c.trips)
             out.append(Violation(REDUCE_IN_ACCUM_LOOP, c.name, message))
@@ -389,6 +422,7 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     None when it runs no blocks (see :class:`LayerSchedule`)."""
     if not policy.partitions_grads:
         return None
+    params = [p._replace(layout=_model_shard(p)) for p in params]  # with model axes: what one device gathers
     groups = _layer_groups(params, policy)
     named, unnamed = _count(hlo, groups, policy)
     blocks = [
