@@ -139,9 +139,11 @@ def _leaves(tree: PyTree, category: str | None, model: tuple[str, ...] = ()) -> 
                 totals[cat][d] = totals[cat].get(d, 0) + b
         nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         name = path_str(path) if category is None else f"{category}/{path_str(path)}"
-        split = math.prod(split_of(getattr(leaf, "sharding", None), len(leaf.shape), model))
+        cuts = split_of(getattr(leaf, "sharding", None), len(leaf.shape), model)
+        split = math.prod(cuts)
         leaves.append(
-            LeafBytes(cat, name, tuple(leaf.shape), str(np.dtype(leaf.dtype)), nbytes, max(per.values()), kind, split)
+            LeafBytes(cat, name, tuple(leaf.shape), str(np.dtype(leaf.dtype)), nbytes, max(per.values()), kind, split,
+                      tuple(c > 1 for c in cuts))  # fmt: skip
         )
     return leaves, totals
 

@@ -46,6 +46,7 @@ class LeafBytes:
     per_device: int
     memory_kind: str = "device"  # "pinned_host": offloaded (counted in host_bytes, not state_bytes)
     model_split: int = 1  # how many ways its sharding cuts it over model axes
+    model_dims: tuple[bool, ...] = ()  # per dimension: cut over a model axis
 
     @property
     def replicated(self) -> bool:

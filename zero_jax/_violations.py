@@ -24,7 +24,7 @@ import numpy as np
 from zero_jax import _measure
 from zero_jax._measure import DTYPE_BYTES, Collective, Instruction, ring_bytes
 from zero_jax._model_axes import is_model_only, local_shape, model_axes
-from zero_jax._partition import REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
+from zero_jax._partition import REASON_ALL_MODEL_SHARDED, REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
 from zero_jax._policy import ZeroPolicy
 from zero_jax._report import (
     COMM_OVER_THEORY,
@@ -231,9 +231,12 @@ def replicated_violations(
             continue
         size = math.prod(leaf.shape)
         skip = mirrors_stacked(leaf.path, stacked)
-        lay = leaf_layout(leaf.shape, leaf.dtype, n, min_shard_size=min_shard_size, skip_leading=skip)
-        if not lay.partitioned and (lay.reason == REASON_NO_DIMENSION or size < min_shard_size):
-            continue  # small, or nothing to cut but a stacked layer axis
+        model = tuple("model" if cut else None for cut in leaf.model_dims) if any(leaf.model_dims) else ()
+        lay = leaf_layout(leaf.shape, leaf.dtype, n, min_shard_size=min_shard_size, skip_leading=skip, model=model)
+        if not lay.partitioned and (
+            lay.reason in (REASON_NO_DIMENSION, REASON_ALL_MODEL_SHARDED) or size < min_shard_size
+        ):
+            continue  # small, nothing to cut but a stacked layer axis, or every free dimension the model's
         message = REPLICATED_MESSAGE.format(
             path=leaf.path, dtype=leaf.dtype, shape=list(leaf.shape), size=size, nbytes=fmt_bytes(leaf.nbytes),
             how="whole" if leaf.replicated else f"{leaf.per_device / leaf.nbytes:.0%}",
@@ -258,16 +261,20 @@ def all_reduce_violations(
     if not policy.partitions_opt_state:  # data parallelism all-reduces by design
         return []
     sizes = [math.prod(p.layout.shape) // p.model_split for p in params if p.layout.partitioned]
-    threshold = max(1, min([min_shard_size, *sizes]))
+    threshold = max(2, min([min_shard_size, *sizes]))  # a scalar (a loss, a norm) is never a gradient
     # HSDP all-reduces each gradient's 1/N piece (of its model shard) across the replica axes: expected.
     pieces = {local_shape(shard_shape(p.layout, policy.num_shards), p.split) for p in params if p.layout.partitioned}
     replica_axes, model = set(policy.replica_axes), set(model_axes(policy))
+    kept_whole = {local_shape(p.layout.shape, p.split) for p in params if not p.layout.partitioned}
+    cut = {s for p in params if p.layout.partitioned for s in _shapes(p) if p.stacked or len(s) == len(p.layout.shape)}
     out = []
     for c in colls:
         if c.kind != "all-reduce" or math.prod(c.shape) < threshold or is_model_only(c, policy, model):
             continue
         if replica_axes and set(c.axes(policy.mesh)) <= replica_axes and c.shape in pieces:
             continue
+        if c.shape in kept_whole and c.shape not in cut:
+            continue  # the gradient of a leaf the policy keeps whole (and says why): all-reduced by design
         match = [p.path for p in params if c.shape in _shapes(p)]
         message = ALL_REDUCE_MESSAGE.format(
             name=c.name, op_name=c.op_name or "-", shape=_shape(c), nbytes=fmt_bytes(c.bytes), trips=c.trips,

@@ -4,7 +4,8 @@ from zero_jax.models.transformer import (
     TransformerConfig,
     init_params,
     make_loss_fn,
+    megatron_specs,
     synthetic_batch,
 )
 
-__all__ = ["TransformerConfig", "init_params", "make_loss_fn", "synthetic_batch"]
+__all__ = ["TransformerConfig", "init_params", "make_loss_fn", "megatron_specs", "synthetic_batch"]

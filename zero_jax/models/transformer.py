@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from zero_jax._layers import gather
 from zero_jax._policy import ZeroPolicy
@@ -91,6 +92,42 @@ def init_params(config: TransformerConfig, key: jax.Array, dtype: Any = jnp.floa
         },
         "final_norm": {"scale": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
         "head": normal((d, config.vocab), d),
+    }
+
+
+def megatron_specs(axis: str = "model") -> Params:
+    """The reference model's tensor-parallel layout (``ZeroPolicy(param_specs=...)``),
+    Megatron-style over mesh axis ``axis``: the QKV and MLP-in matrices (and
+    the MLP-in bias) split by output column, the attention-out and MLP-out
+    matrices by input row, the token embedding and the head by vocabulary,
+    the position embedding by channel; norms and the MLP-out bias whole (a
+    few thousand parameters). The QKV columns are ``[q | k | v]``, so a model shard holds
+    whole heads of none of them: the compiler moves the pieces it needs (a
+    layout change the model would make to keep attention local).
+
+    >>> import jax
+    >>> from zero_jax.models import megatron_specs
+    >>> megatron_specs()["layers"]["mlp_in"], megatron_specs()["layers"]["mlp_out"]
+    (PartitionSpec(None, None, 'model'), PartitionSpec(None, 'model', None))
+    """
+    column, row = PartitionSpec(None, None, axis), PartitionSpec(None, axis, None)
+    whole = PartitionSpec()
+    return {
+        "embed": {"tokens": PartitionSpec(axis, None), "positions": PartitionSpec(None, axis)},
+        "layers": {
+            "norm1_scale": whole,
+            "norm1_bias": whole,
+            "attn_qkv": column,
+            "attn_out": row,
+            "norm2_scale": whole,
+            "norm2_bias": whole,
+            "mlp_in": column,
+            "mlp_in_bias": PartitionSpec(None, axis),
+            "mlp_out": row,
+            "mlp_out_bias": whole,
+        },
+        "final_norm": {"scale": whole, "bias": whole},
+        "head": PartitionSpec(None, axis),
     }
 
 
