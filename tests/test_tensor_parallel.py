@@ -267,3 +267,35 @@ def test_a_leaf_with_no_free_dimension_is_reported_not_hidden() -> None:
     replicated = {r.path: r.reason for r in policy.replicated_leaves(_params())}
     assert replicated == {"up_bias": "every dimension is model-sharded (param_specs): none is free for the data axis"}
     assert policy.model_axes == ("model",) and policy.model_parallel == 2
+
+
+@pytest.mark.parametrize("policy_kind", ["hsdp_over_replicas", "offloaded"])
+def test_hybrid_and_offloaded_policies_on_a_model_axis(policy_kind: str, reference) -> None:
+    if policy_kind == "offloaded":
+        policy = zj.ZeroPolicy(3, _mesh(4, 2), param_specs=SPECS, min_shard_size=0, stacked="layers",
+                               offload_optimizer=True, offload_params=True)  # fmt: skip
+    else:  # (replica, data, model) = (2, 2, 2): HSDP with the optimizer over the replicas too
+        mesh = jax.make_mesh((2, 2, 2), ("replica", "data", "model"))
+        policy = zj.ZeroPolicy(3, mesh, replica_axis="replica", optimizer_over_replicas=True, param_specs=SPECS,
+                               min_shard_size=0, stacked="layers")  # fmt: skip
+    state, losses, _ = _train(policy, 4)
+    host = jax.tree.map(np.asarray, zj.full_params(state))  # offloaded leaves live in host memory
+    errors = relative_update_error(host, reference[0], _params())
+    assert max(errors.values()) <= FP32_RTOL, errors
+    np.testing.assert_allclose(losses, reference[1], atol=LOSS_ATOL, rtol=0)
+
+
+def test_export_is_whole_over_both_axes_and_loads_at_another_layout(tmp_path) -> None:
+    import safetensors.numpy
+
+    policy = zj.ZeroPolicy(3, _mesh(4, 2), param_specs=SPECS, min_shard_size=0, stacked="layers")
+    state, _, _ = _train(policy, 1)
+    path = zj.export_params(tmp_path / "model.safetensors", state)
+    tensors, full = safetensors.numpy.load_file(path), zj.full_params(state)
+    assert tensors["up"].shape == (D, F) and tensors["layers.down"].shape == (L, F, D)
+    np.testing.assert_array_equal(tensors["up"], np.asarray(full["up"]))
+    np.testing.assert_array_equal(tensors["layers.down"], np.asarray(full["layers"]["down"]))
+    other = zj.ZeroPolicy(1, _mesh(2, 4), param_specs=SPECS, min_shard_size=0, stacked="layers")
+    loaded = zj.load_params(path, other, like=_params())
+    assert loaded["up"].sharding.spec == P(None, "model")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), loaded, full)

@@ -12,6 +12,7 @@ Floor 6 (with ``_audit``): imports the policy, the partition rules and the repor
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -265,16 +266,18 @@ def all_reduce_violations(
     # HSDP all-reduces each gradient's 1/N piece (of its model shard) across the replica axes: expected.
     pieces = {local_shape(shard_shape(p.layout, policy.num_shards), p.split) for p in params if p.layout.partitioned}
     replica_axes, model = set(policy.replica_axes), set(model_axes(policy))
-    kept_whole = {local_shape(p.layout.shape, p.split) for p in params if not p.layout.partitioned}
-    cut = {s for p in params if p.layout.partitioned for s in _shapes(p) if p.stacked or len(s) == len(p.layout.shape)}
+    # Leaves the policy keeps whole (and says why) have their gradient all-reduced by design: one
+    # all-reduce per such leaf of its (model-shard) shape is expected, whatever else shares the shape.
+    expected = collections.Counter(local_shape(p.layout.shape, p.split) for p in params if not p.layout.partitioned)
     out = []
     for c in colls:
         if c.kind != "all-reduce" or math.prod(c.shape) < threshold or is_model_only(c, policy, model):
             continue
         if replica_axes and set(c.axes(policy.mesh)) <= replica_axes and c.shape in pieces:
             continue
-        if c.shape in kept_whole and c.shape not in cut:
-            continue  # the gradient of a leaf the policy keeps whole (and says why): all-reduced by design
+        if expected[c.shape] > 0:
+            expected[c.shape] -= 1
+            continue
         match = [p.path for p in params if c.shape in _shapes(p)]
         message = ALL_REDUCE_MESSAGE.format(
             name=c.name, op_name=c.op_name or "-", shape=_shape(c), nbytes=fmt_bytes(c.bytes), trips=c.trips,
