@@ -40,6 +40,7 @@ Floor 4: imports the collectives and the layer scope.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import get_opaque_trace_state
+from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
 from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
@@ -75,6 +77,67 @@ def batched_by_vmap(x: Any) -> bool:
 
     probe(jax.lax.stop_gradient(x))
     return bool(seen and seen[0])
+
+
+def activation_axes(policy: ZeroPolicy | None) -> tuple[str, ...]:
+    """The axes saved layer inputs are cut over (``partition_activations``):
+    the policy's model axes of size > 1; none without the option."""
+    if policy is None or not policy.partition_activations:
+        return ()
+    return tuple(a for a in policy.model_axes if policy.mesh.shape[a] > 1)
+
+
+def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool) -> PyTree:
+    """Each float leaf with a dimension that divides by ``size`` cut over
+    ``axes`` (``cut``) or gathered back, in a ``shard_map`` nested over
+    ``axes``: its specs are fixed boundaries, so the cut layout does not
+    spread into the forward compute (a bare sharding constraint did: the
+    compiler then all-gathered every block's input before its matmul)."""
+    name = axes[0] if len(axes) == 1 else axes
+
+    def one(x: Any) -> Any:
+        if not _is_float(x):
+            return x
+        dims = [d for d in range(x.ndim - 1, -1, -1) if x.shape[d] % size == 0]
+        if not dims:  # no dimension divides: kept as it is, in both passes
+            return x
+        d = dims[0]
+        piece = PartitionSpec(*[name if j == d else None for j in range(x.ndim)])
+
+        def slice_mine(a: jax.Array) -> jax.Array:
+            k = a.shape[d] // size
+            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(name) * k, k, axis=d)
+
+        def gather(a: jax.Array) -> jax.Array:
+            return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
+
+        fn, specs = (slice_mine, (PartitionSpec(), piece)) if cut else (gather, (piece, PartitionSpec()))
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], axis_names=set(axes))(x)
+
+    return jax.tree.map(one, tree)
+
+
+def partition_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
+    """ZeRO-R's P_a: each float leaf of a saved layer input cut over
+    :func:`activation_axes` on its last dimension that divides by their size
+    (each device keeps its slice; no communication); ``tree`` itself without
+    the option. Only a layout: no value changes."""
+    axes = activation_axes(policy)
+    if not axes:
+        return tree
+    size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
+    return _constrain(tree, axes, size, True)
+
+
+def regather_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
+    """A :func:`partition_saved` input made whole again for its recompute (an
+    all-gather over the model axes); ``tree`` itself without the option."""
+    axes = activation_axes(policy)
+    if not axes:
+        return tree
+    size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
+    return _constrain(tree, axes, size, False)
 
 
 UNDER_VMAP = (
@@ -198,7 +261,9 @@ class LayerChain:
             or not policy.partitions_grads
             or not any(_is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_is_sharded))
         ):
-            return jax.checkpoint(layer_fn)(params, *args)
+            # The checkpoint saves its inputs: with partition_activations, cut over the model axes.
+            body = jax.checkpoint(lambda p, *a: layer_fn(p, *regather_saved(a, policy)))
+            return body(params, *partition_saved(args, policy))
         if any(batched_by_vmap(a) for a in jax.tree.leaves(args)):
             raise ValueError(UNDER_VMAP.format(where=self.where, index=index))
         block = _Block.of(index, params)
@@ -283,8 +348,10 @@ def _run_block(
         del slots, token_in
         out = apply(ws, plain_f, arg_f, const_f, fixed)
         token = _token_zeros(ws, axis) if prefetch else []
-        # Only the inputs are kept (and the pieces, which the step holds anyway).
-        return (out, token), (plain_f, arg_f, const_f, sources, prev_sources, fixed)
+        # Only the inputs are kept (and the pieces, which the step holds anyway);
+        # with partition_activations the block's inputs cut over the model axes.
+        saved = partition_saved(arg_f, policy)
+        return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]
         plain_f, arg_f, const_f, sources, prev_sources, fixed = res
@@ -296,7 +363,7 @@ def _run_block(
         # The recompute waits for this block's cotangent: a handed (prefetched)
         # block exists while the next block's backward pass still runs, and
         # recomputing beside it would hold both blocks' activations at once.
-        arg_f = coll.tie(arg_f, ct_out)
+        arg_f = regather_saved(coll.tie(arg_f, ct_out), policy)  # (the piece waits, then is gathered)
         _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from zero_jax import _collectives as coll
 from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
+from zero_jax._layerwise import partition_saved, regather_saved
 from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import ZeroPolicy
@@ -121,8 +122,11 @@ def scan_layers(
     leaves = jax.tree.leaves(stacked_params, is_leaf=_is_sharded)
     if policy is None or not policy.partitions_grads or not any(_is_sharded(x) for x in leaves):
         check_parameter_pieces(stacked_params, policy, "zj.scan_layers") if policy is not None else None
-        body = jax.checkpoint(layer_fn) if remat else layer_fn
-        return jax.lax.scan(lambda c, layer: (body(layer, c), None), carry, stacked_params)[0]
+        if not remat:
+            return jax.lax.scan(lambda c, layer: (layer_fn(layer, c), None), carry, stacked_params)[0]
+        # What the checkpoint saves is its input: with partition_activations, cut over the model axes.
+        body = jax.checkpoint(lambda layer, c: layer_fn(layer, regather_saved(c, policy)))
+        return jax.lax.scan(lambda c, layer: (body(layer, partition_saved(c, policy)), None), carry, stacked_params)[0]
     if not remat:
         raise ValueError(
             "zj.scan_layers: remat=False is only available in stages 0–1; stages 2–3 recompute each "
@@ -139,7 +143,7 @@ def scan_layers(
     # keeps at least two trips: XLA inlines a one-trip loop and then merges the
     # backward re-gathers into the forward gathers, keeping every layer alive.
     ahead = min(prefetch, max(depth - 2, 0)) if policy.partitions_params else 0
-    return _zero_scan(layer_fn, treedef, nodes, carry, policy.comm, ahead, depth)
+    return _zero_scan(layer_fn, treedef, nodes, carry, policy, ahead, depth)
 
 
 class _ScanPlan(NamedTuple):
@@ -242,12 +246,12 @@ def _zero_scan(
     treedef: Any,
     nodes: list[Any],
     carry: Any,
-    axis: Any,
+    policy: ZeroPolicy,
     prefetch: int,
     depth: int,
 ) -> Any:
     """The stage 2–3 schedule (see the module docstring)."""
-    plan, diff, wholes = _scan_plan(treedef, nodes, axis, prefetch, depth)
+    plan, diff, wholes = _scan_plan(treedef, nodes, policy.comm, prefetch, depth)
     sharded = plan.sharded
     with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)
         example = _fetch(plan, jnp.asarray(0), diff, wholes)
@@ -266,7 +270,8 @@ def _zero_scan(
 
     def forward(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> tuple[Any, Any]:
         def step(c: Any, i: Any, params: PyTree) -> tuple[Any, Any]:
-            return layer(params, c, float_consts), c  # keep only the layer's input
+            # Keep only the layer's input (cut over the model axes with partition_activations).
+            return layer(params, c, float_consts), partition_saved(c, policy)
 
         out, inputs = _pipelined(plan, step, carry, diff, wholes, reverse=False)
         plain = [None if s else d for s, d in zip(sharded, diff, strict=True)]
@@ -277,7 +282,7 @@ def _zero_scan(
 
         def step(state: tuple[Any, Any], i: Any, params: PyTree) -> tuple[Any, Any]:
             g, g_consts = state
-            carry_in = jax.tree.map(lambda a: a[i], inputs)
+            carry_in = regather_saved(jax.tree.map(lambda a: a[i], inputs), policy)
             # Recompute layer i from its input (remat) to get its VJP.
             _, vjp = jax.vjp(layer, params, carry_in, float_consts)
             g_params, g_in, g_k = vjp(g)
