@@ -68,9 +68,9 @@ def _setup(kind: str, depth: int, partition: bool, stage: int = 3):
     return state, zj.make_train_step(loss_fn, tx, policy, gather="manual"), policy
 
 
-def _model_gathers(text: str) -> list[str]:
-    """Result shapes of the all-gathers over the model groups in a compiled program."""
-    found = re.finditer(r"= (\S+) all-gather\(.*?replica_groups=(\{\{[\d,{}]*\}\}|\[[^ ]*)", text)
+def _model_collectives(text: str, kind: str = "all-gather") -> list[str]:
+    """Result shapes of the all-gathers (or reduce-scatters) over the model groups in a compiled program."""
+    found = re.finditer(rf"= (\S+) {kind}\(.*?replica_groups=(\{{\{{[\d,{{}}]*\}}\}}|\[[^ ]*)", text)
     return [m.group(1).split("{")[0] for m in found if m.group(2) in (MODEL_GROUPS, "[4,2]<=[8],")]
 
 
@@ -97,26 +97,52 @@ def test_scan_layers_keeps_saved_inputs_cut_over_the_model_axis() -> None:
     saved_bytes = L * B * S * H * 4
     temp_plain, temp_cut = plain.memory_analysis().temp_size_in_bytes, parted.memory_analysis().temp_size_in_bytes
     assert temp_plain - temp_cut >= 0.8 * (MODEL - 1) / MODEL * saved_bytes, (temp_plain, temp_cut, saved_bytes)
-    assert _model_gathers(plain.as_text()) == []
-    gathers = _model_gathers(parted.as_text())
+    assert _model_collectives(plain.as_text()) == []
+    gathers = _model_collectives(parted.as_text())
     assert gathers and set(gathers) == {f"f32[{B},{S},{H}]"}, gathers  # the input, never a weight
 
 
 def test_apply_layers_bitwise_with_a_model_axis_gather_per_block() -> None:
-    """The per-block primitive: the same parameters bitwise; each block's saved input comes back
-    by one all-gather over the model groups before its recompute (4 blocks, 4 gathers)."""
+    """The per-block primitive: the same parameters bitwise; each block's saved input is cut in
+    the forward pass (a reduce-scatter of its bits over the model groups: a plain slice was fused
+    into its backward consumer, keeping the whole input alive) and comes back by one all-gather
+    before its recompute (4 blocks: 4 of each). Measured at L = 8, B = 64 (XLA's live peak, from
+    the live-range dump): 7.08 MB -> 5.75 MB; the compiled temp 6.58 -> 6.54 MiB (heap packing)."""
     depth, batch = 4, 8
     whole, _ = _train("list", depth, batch, partition=False)
     cut, compiled = _train("list", depth, batch, partition=True)
     _assert_bitwise(whole, cut)
-    assert _model_gathers(compiled.as_text()) == [f"f32[{batch},{S},{H}]"] * depth
+    text = compiled.as_text()
+    assert _model_collectives(text) == [f"f32[{batch},{S},{H}]"] * depth
+    assert _model_collectives(text, "reduce-scatter") == [f"u32[{batch},{S},{H // MODEL}]"] * depth
 
 
-def test_stage_2_scan_bitwise() -> None:
-    whole, _ = _train("scan", 3, 8, partition=False, stage=2)
-    cut, compiled = _train("scan", 3, 8, partition=True, stage=2)
-    _assert_bitwise(whole, cut)
-    assert _model_gathers(compiled.as_text())
+def test_stage_2_scan_bitwise_and_a_leaf_with_no_dividing_dimension_left_whole() -> None:
+    """Stage 2, a carry (x, s) with s of shape (3,): x is cut and gathered, s (3 does not divide
+    by M = 2) stays whole; the same parameters bitwise."""
+    state, step, policy = _setup("scan", 3, False, stage=2)
+    results = []
+    for partition in (False, True):
+        policy = policy.replace(partition_activations=partition)
+
+        def block(p: dict, carry: tuple) -> tuple:
+            x, s = carry
+            return _block(p, x), s * 0.5 + jnp.mean(x)
+
+        def loss_fn(p: dict, batch: dict, policy=policy) -> jax.Array:
+            x, s = zj.scan_layers(block, p["layers"], (batch["x"], jnp.ones(3) * jnp.mean(batch["x"])), policy)
+            return jnp.mean(x**2) + jnp.sum(s**2)
+
+        tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+        state = zj.init_state(_stacked(3), tx, policy)
+        step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+        batches = _batches(8)
+        compiled = step.lower(state, batches[0]).compile()
+        for b in batches:
+            state, _ = step(state, b)
+        results.append(zj.full_params(state))
+    _assert_bitwise(*results)
+    assert set(_model_collectives(compiled.as_text())) == {f"f32[8,{S},{H}]"}
 
 
 def test_the_option_is_part_of_the_policy_and_checked() -> None:
@@ -130,5 +156,7 @@ def test_the_option_is_part_of_the_policy_and_checked() -> None:
         zj.ZeroPolicy(3, _mesh(), partition_activations=True)
     with pytest.raises(ValueError, match="param_specs is None and the mesh has no model axis"):
         zj.ZeroPolicy(3, jax.make_mesh((8,), ("data",)), partition_activations=True)
+    with pytest.raises(ValueError, match="acts in the layer-wise schedule of stages 2-3.*stage 1 runs layers"):
+        zj.ZeroPolicy(1, _mesh(), param_specs=specs, partition_activations=True)
     with pytest.raises(TypeError, match="partition_activations must be True or False, got 'yes'"):
         zj.ZeroPolicy(3, _mesh(), param_specs=specs, partition_activations="yes")

@@ -87,12 +87,20 @@ def activation_axes(policy: ZeroPolicy | None) -> tuple[str, ...]:
     return tuple(a for a in policy.model_axes if policy.mesh.shape[a] > 1)
 
 
-def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool) -> PyTree:
+_UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materialize: bool = False) -> PyTree:
     """Each float leaf with a dimension that divides by ``size`` cut over
     ``axes`` (``cut``) or gathered back, in a ``shard_map`` nested over
     ``axes``: its specs are fixed boundaries, so the cut layout does not
     spread into the forward compute (a bare sharding constraint did: the
-    compiler then all-gathered every block's input before its matmul)."""
+    compiler then all-gathered every block's input before its matmul).
+
+    A cut is a slice of the local copy, unless ``materialize``: then a
+    reduce-scatter, which XLA cannot fuse into a later consumer (a slice
+    whose only consumer is in the backward pass was fused into it there,
+    keeping the whole input alive through the forward pass)."""
     name = axes[0] if len(axes) == 1 else axes
 
     def one(x: Any) -> Any:
@@ -105,8 +113,16 @@ def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool) -> PyT
         piece = PartitionSpec(*[name if j == d else None for j in range(x.ndim)])
 
         def slice_mine(a: jax.Array) -> jax.Array:
-            k = a.shape[d] // size
-            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(name) * k, k, axis=d)
+            if not materialize:
+                k = a.shape[d] // size
+                return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(name) * k, k, axis=d)
+            # The same slice, by a reduce-scatter of the bits with zeros from every
+            # device but one (integer sums: exact for every value, -0.0 and NaN included).
+            bits = jax.lax.bitcast_convert_type(a, _UINT[jnp.dtype(a.dtype).itemsize])
+            mine = jnp.where(jax.lax.axis_index(name) == 0, bits, jnp.zeros_like(bits))
+            return jax.lax.bitcast_convert_type(
+                jax.lax.psum_scatter(mine, name, scatter_dimension=d, tiled=True), a.dtype
+            )
 
         def gather(a: jax.Array) -> jax.Array:
             return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
@@ -118,16 +134,16 @@ def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool) -> PyT
     return jax.tree.map(one, tree)
 
 
-def partition_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
+def partition_saved(tree: PyTree, policy: ZeroPolicy | None, *, materialize: bool = False) -> PyTree:
     """ZeRO-R's P_a: each float leaf of a saved layer input cut over
     :func:`activation_axes` on its last dimension that divides by their size
-    (each device keeps its slice; no communication); ``tree`` itself without
-    the option. Only a layout: no value changes."""
+    (each device keeps its slice; ``materialize``: see ``_constrain``);
+    ``tree`` itself without the option. Only a layout: no value changes."""
     axes = activation_axes(policy)
     if not axes:
         return tree
     size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
-    return _constrain(tree, axes, size, True)
+    return _constrain(tree, axes, size, True, materialize)
 
 
 def regather_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
@@ -261,9 +277,7 @@ class LayerChain:
             or not policy.partitions_grads
             or not any(_is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_is_sharded))
         ):
-            # The checkpoint saves its inputs: with partition_activations, cut over the model axes.
-            body = jax.checkpoint(lambda p, *a: layer_fn(p, *regather_saved(a, policy)))
-            return body(params, *partition_saved(args, policy))
+            return jax.checkpoint(layer_fn)(params, *args)
         if any(batched_by_vmap(a) for a in jax.tree.leaves(args)):
             raise ValueError(UNDER_VMAP.format(where=self.where, index=index))
         block = _Block.of(index, params)
@@ -349,8 +363,9 @@ def _run_block(
         out = apply(ws, plain_f, arg_f, const_f, fixed)
         token = _token_zeros(ws, axis) if prefetch else []
         # Only the inputs are kept (and the pieces, which the step holds anyway);
-        # with partition_activations the block's inputs cut over the model axes.
-        saved = partition_saved(arg_f, policy)
+        # with partition_activations the block's inputs cut over the model axes,
+        # by a collective: a plain slice was fused into its backward-pass consumer.
+        saved = partition_saved(arg_f, policy, materialize=True)
         return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]

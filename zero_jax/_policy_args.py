@@ -47,6 +47,11 @@ PARTITION_ACTIVATIONS_WITHOUT_MODEL = (
     "axes of a tensor- or sequence-parallel layout, but param_specs is None{why}. Pass param_specs=... (the "
     "model's layout over a mesh axis other than the ZeRO and replica axes), or drop partition_activations."
 )
+PARTITION_ACTIVATIONS_STAGE = (
+    "ZeroPolicy: partition_activations=True acts in the layer-wise schedule of stages 2-3 (zj.scan_layers, "
+    "zj.apply_layer(s) keep each layer's input for its backward recompute there); stage {stage} runs layers under "
+    "a plain jax.checkpoint. Use stage=2 or 3, or drop partition_activations."
+)
 SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
 Problem = tuple[type[Exception], str]
 
@@ -103,6 +108,8 @@ def argument_problems(
     if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
         problems.append((TypeError, BAD_STACKED.format(stacked)))
     problems.extend(_activation_problems(mesh, axis, replica_axis, param_specs, partition_activations))
+    if isinstance(partition_activations, (bool, np.bool_)) and partition_activations and stage_ok and int(stage) < 2:
+        problems.append((ValueError, PARTITION_ACTIVATIONS_STAGE.format(stage=stage)))
     return problems
 
 

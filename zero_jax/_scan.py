@@ -122,11 +122,8 @@ def scan_layers(
     leaves = jax.tree.leaves(stacked_params, is_leaf=_is_sharded)
     if policy is None or not policy.partitions_grads or not any(_is_sharded(x) for x in leaves):
         check_parameter_pieces(stacked_params, policy, "zj.scan_layers") if policy is not None else None
-        if not remat:
-            return jax.lax.scan(lambda c, layer: (layer_fn(layer, c), None), carry, stacked_params)[0]
-        # What the checkpoint saves is its input: with partition_activations, cut over the model axes.
-        body = jax.checkpoint(lambda layer, c: layer_fn(layer, regather_saved(c, policy)))
-        return jax.lax.scan(lambda c, layer: (body(layer, partition_saved(c, policy)), None), carry, stacked_params)[0]
+        body = jax.checkpoint(layer_fn) if remat else layer_fn
+        return jax.lax.scan(lambda c, layer: (body(layer, c), None), carry, stacked_params)[0]
     if not remat:
         raise ValueError(
             "zj.scan_layers: remat=False is only available in stages 0–1; stages 2–3 recompute each "
