@@ -97,15 +97,14 @@ class ZeroPolicy:
         the ZeRO axes only: the model axes are the compiler's, so the loss is
         plain ``jnp`` (constrain activations with
         ``jax.lax.with_sharding_constraint(x, P(..., "model"))``).
-      partition_activations: ZeRO-R's P_a, for ``scan_layers`` and the
-        per-layer primitives (``apply_layer(s)``): each layer input they save
-        for the backward recompute is kept cut over the model axes (on its
-        last dimension that divides by their size; other leaves stay as they
-        are) and all-gathered just before the recompute. Values are bitwise
-        unchanged; the saved inputs take 1/M of the memory for one all-gather
-        per layer. Meant for layer inputs replicated over the model axes
-        (Megatron-style tensor parallelism); a no-op when every model axis
-        has size 1.
+      partition_activations: ZeRO-R's P_a, stages 2-3 with ``param_specs``:
+        each layer input ``scan_layers`` and ``apply_layer(s)`` keep for the
+        backward recompute is cut over the model axes (on its last dimension
+        that divides by their size; other leaves stay whole) and all-gathered
+        just before the recompute. Values are bitwise unchanged; the saved
+        inputs take 1/M of the memory for one all-gather per layer. Meant for
+        layer inputs replicated over the model axes (Megatron-style tensor
+        parallelism); a no-op when every model axis has size 1.
 
     Example:
 
