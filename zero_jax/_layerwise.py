@@ -7,7 +7,9 @@ call of a block is one ``jax.custom_vjp`` whose schedule is ours:
 
 * forward: the block's pieces are all-gathered just before use (with
   ``prefetch=k``, block i + k's gather is issued when block i starts), the
-  block runs, and only its inputs are kept;
+  block runs, and only its inputs are kept (cut over the model axes with
+  ``partition_activations``, by a reduce-scatter of their bits: XLA fused a
+  plain slice into its backward-pass consumer, keeping the whole input);
 * backward: the block is gathered *again* (ZeRO-3's 3Ψ), recomputed for its
   vector-Jacobian product, and its gradient reduce-scattered at once. With
   prefetch, block i's backward issues the re-gather of block i − 1 and hands
@@ -53,6 +55,7 @@ from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
 from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import ZeroPolicy
+from zero_jax._scan import partition_saved, regather_saved
 from zero_jax._tree import PyTree
 
 
@@ -283,8 +286,9 @@ def _run_block(
         del slots, token_in
         out = apply(ws, plain_f, arg_f, const_f, fixed)
         token = _token_zeros(ws, axis) if prefetch else []
-        # Only the inputs are kept (and the pieces, which the step holds anyway).
-        return (out, token), (plain_f, arg_f, const_f, sources, prev_sources, fixed)
+        # Only the inputs are kept (and the pieces, which the step holds anyway), cut with partition_activations.
+        saved = partition_saved(arg_f, policy, materialize=True)
+        return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]
         plain_f, arg_f, const_f, sources, prev_sources, fixed = res
@@ -296,7 +300,7 @@ def _run_block(
         # The recompute waits for this block's cotangent: a handed (prefetched)
         # block exists while the next block's backward pass still runs, and
         # recomputing beside it would hold both blocks' activations at once.
-        arg_f = coll.tie(arg_f, ct_out)
+        arg_f = regather_saved(coll.tie(arg_f, ct_out), policy)  # (the piece waits, then is gathered)
         _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):

@@ -97,6 +97,14 @@ class ZeroPolicy:
         the ZeRO axes only: the model axes are the compiler's, so the loss is
         plain ``jnp`` (constrain activations with
         ``jax.lax.with_sharding_constraint(x, P(..., "model"))``).
+      partition_activations: ZeRO-R's P_a, stages 2-3 with ``param_specs``:
+        each layer input ``scan_layers`` and ``apply_layer(s)`` keep for the
+        backward recompute is cut over the model axes (on its last dimension
+        that divides by their size; other leaves stay whole) and all-gathered
+        just before the recompute. Values are bitwise unchanged; the saved
+        inputs take 1/M of the memory for one all-gather per layer. Meant for
+        layer inputs replicated over the model axes (Megatron-style tensor
+        parallelism); a no-op when every model axis has size 1.
 
     Example:
 
@@ -140,6 +148,7 @@ class ZeroPolicy:
         offload_optimizer: bool | float = False,
         offload_params: bool = False,
         param_specs: PyTree | Callable[[KeyPath, Any], PartitionSpec] | None = None,
+        partition_activations: bool = False,
     ) -> None:
         #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
         self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
@@ -162,6 +171,8 @@ class ZeroPolicy:
         self.stacked: tuple[tuple[str, ...], ...] = tuple(split_prefix(prefix) for prefix in prefixes)
         #: The model-parallel layout as given (see ``_model_specs``); None: data parallelism only.
         self.param_specs = param_specs
+        #: ZeRO-R's P_a: layer inputs saved for the backward pass are kept cut over the model axes.
+        self.partition_activations = bool(partition_activations)
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
@@ -276,6 +287,7 @@ class ZeroPolicy:
             self.offload_optimizer,
             self.offload_params,
             _model_specs.spec_key(self.param_specs),
+            self.partition_activations,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -295,6 +307,7 @@ class ZeroPolicy:
             + (f", offload_optimizer={self.offload_optimizer}" if self.offload_optimizer else "")
             + (", offload_params=True" if self.offload_params else "")
             + (f", param_specs=..., M={self.model_parallel}" if self.param_specs is not None else "")
+            + (", partition_activations=True" if self.partition_activations else "")
             + ")"
         )
 

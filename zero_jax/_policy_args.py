@@ -41,6 +41,17 @@ OVER_REPLICAS_WITHOUT_REPLICAS = (
     "well; pass replica_axis=... (the mesh axis holding the replicas)."
 )
 BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
+BAD_PARTITION_ACTIVATIONS = "ZeroPolicy: partition_activations must be True or False, got {!r}."
+PARTITION_ACTIVATIONS_WITHOUT_MODEL = (
+    "ZeroPolicy: partition_activations=True cuts the layer inputs saved for the backward pass over the model "
+    "axes of a tensor- or sequence-parallel layout, but param_specs is None{why}. Pass param_specs=... (the "
+    "model's layout over a mesh axis other than the ZeRO and replica axes), or drop partition_activations."
+)
+PARTITION_ACTIVATIONS_STAGE = (
+    "ZeroPolicy: partition_activations=True acts in the layer-wise schedule of stages 2-3 (zj.scan_layers, "
+    "zj.apply_layer(s) keep each layer's input for its backward recompute there); stage {stage} runs layers under "
+    "a plain jax.checkpoint. Use stage=2 or 3, or drop partition_activations."
+)
 SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
 Problem = tuple[type[Exception], str]
 
@@ -60,6 +71,8 @@ def argument_problems(
     min_shard_size: Any,
     stacked: Any,
     precision: Any,
+    param_specs: Any = None,
+    partition_activations: Any = False,
     **_offload_arguments: Any,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
@@ -94,7 +107,22 @@ def argument_problems(
         problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))
     if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
         problems.append((TypeError, BAD_STACKED.format(stacked)))
+    problems.extend(_activation_problems(mesh, axis, replica_axis, param_specs, partition_activations))
+    if isinstance(partition_activations, (bool, np.bool_)) and partition_activations and stage_ok and int(stage) < 2:
+        problems.append((ValueError, PARTITION_ACTIVATIONS_STAGE.format(stage=stage)))
     return problems
+
+
+def _activation_problems(mesh: Any, axis: Any, replica_axis: Any, param_specs: Any, partition: Any) -> list[Problem]:
+    if not isinstance(partition, (bool, np.bool_)):
+        return [(TypeError, BAD_PARTITION_ACTIVATIONS.format(partition))]
+    if not partition or param_specs is not None:
+        return []
+    others = [] if not isinstance(mesh, Mesh) else [
+        a for a in mesh.axis_names if a not in _names(axis) + _names(replica_axis)
+    ]  # fmt: skip
+    why = f" (the mesh's other axes {tuple(others)} hold replicas)" if others else " and the mesh has no model axis"
+    return [(ValueError, PARTITION_ACTIVATIONS_WITHOUT_MODEL.format(why=why))]
 
 
 def raise_problems(problems: list[Problem]) -> None:

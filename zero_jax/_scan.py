@@ -13,16 +13,24 @@ schedule is ours, not the compiler's:
 
 (With JAX's own autodiff the prefetched layer would be a loop carry, and a
 loop carry is saved for the backward pass: every layer would stay alive.)
+
+With ``ZeroPolicy(partition_activations=True)`` (ZeRO-R's P_a) the kept input
+of each layer is cut over the model axes (each device keeps its slice, 1/M)
+and all-gathered over them just before the layer's recompute;
+:func:`partition_saved` and :func:`regather_saved` do it here and for the
+per-block primitive of ``_layerwise``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
 from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
@@ -46,6 +54,90 @@ def _layer_layout(lay: LeafLayout, path: str) -> LeafLayout:
     return dataclasses.replace(
         lay, shape=lay.shape[1:], dim=None if lay.dim is None else lay.dim - 1, model=lay.model[1:] if lay.model else ()
     )
+
+
+# -- partitioned activations (ZeRO-R's P_a), for scan_layers and the per-block primitive --
+
+
+def _is_float_array(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def activation_axes(policy: ZeroPolicy | None) -> tuple[str, ...]:
+    """The axes saved layer inputs are cut over (``partition_activations``):
+    the policy's model axes of size > 1; none without the option."""
+    if policy is None or not policy.partition_activations:
+        return ()
+    return tuple(a for a in policy.model_axes if policy.mesh.shape[a] > 1)
+
+
+_UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materialize: bool = False) -> PyTree:
+    """Each float leaf with a dimension that divides by ``size`` cut over
+    ``axes`` (``cut``) or gathered back, in a ``shard_map`` nested over
+    ``axes``: its specs are fixed boundaries, so the cut layout does not
+    spread into the forward compute (a bare sharding constraint did: the
+    compiler then all-gathered every block's input before its matmul).
+
+    A cut is a slice of the local copy, unless ``materialize``: then a
+    reduce-scatter, which XLA cannot fuse into a later consumer (a slice
+    whose only consumer is in the backward pass was fused into it there,
+    keeping the whole input alive through the forward pass)."""
+    name = axes[0] if len(axes) == 1 else axes
+
+    def one(x: Any) -> Any:
+        if not _is_float_array(x):
+            return x
+        dims = [d for d in range(x.ndim - 1, -1, -1) if x.shape[d] % size == 0]
+        if not dims:  # no dimension divides: kept as it is, in both passes
+            return x
+        d = dims[0]
+        piece = PartitionSpec(*[name if j == d else None for j in range(x.ndim)])
+
+        def slice_mine(a: jax.Array) -> jax.Array:
+            if not materialize:
+                k = a.shape[d] // size
+                return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(name) * k, k, axis=d)
+            # The same slice, by a reduce-scatter of the bits with zeros from every
+            # device but one (integer sums: exact for every value, -0.0 and NaN included).
+            bits = jax.lax.bitcast_convert_type(a, _UINT[jnp.dtype(a.dtype).itemsize])
+            mine = jnp.where(jax.lax.axis_index(name) == 0, bits, jnp.zeros_like(bits))
+            return jax.lax.bitcast_convert_type(
+                jax.lax.psum_scatter(mine, name, scatter_dimension=d, tiled=True), a.dtype
+            )
+
+        def gather(a: jax.Array) -> jax.Array:
+            return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
+
+        fn, specs = (slice_mine, (PartitionSpec(), piece)) if cut else (gather, (piece, PartitionSpec()))
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], axis_names=set(axes))(x)
+
+    return jax.tree.map(one, tree)
+
+
+def partition_saved(tree: PyTree, policy: ZeroPolicy | None, *, materialize: bool = False) -> PyTree:
+    """ZeRO-R's P_a: each float leaf of a saved layer input cut over
+    :func:`activation_axes` on its last dimension that divides by their size
+    (each device keeps its slice; ``materialize``: see ``_constrain``);
+    ``tree`` itself without the option. Only a layout: no value changes."""
+    axes = activation_axes(policy)
+    if not axes:
+        return tree
+    size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
+    return _constrain(tree, axes, size, True, materialize)
+
+
+def regather_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
+    """A :func:`partition_saved` input made whole again for its recompute (an
+    all-gather over the model axes); ``tree`` itself without the option."""
+    axes = activation_axes(policy)
+    if not axes:
+        return tree
+    size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
+    return _constrain(tree, axes, size, False)
 
 
 UNSCANNED_BLOCKS = (
@@ -139,7 +231,7 @@ def scan_layers(
     # keeps at least two trips: XLA inlines a one-trip loop and then merges the
     # backward re-gathers into the forward gathers, keeping every layer alive.
     ahead = min(prefetch, max(depth - 2, 0)) if policy.partitions_params else 0
-    return _zero_scan(layer_fn, treedef, nodes, carry, policy.comm, ahead, depth)
+    return _zero_scan(layer_fn, treedef, nodes, carry, policy, ahead, depth)
 
 
 class _ScanPlan(NamedTuple):
@@ -242,12 +334,12 @@ def _zero_scan(
     treedef: Any,
     nodes: list[Any],
     carry: Any,
-    axis: Any,
+    policy: ZeroPolicy,
     prefetch: int,
     depth: int,
 ) -> Any:
     """The stage 2–3 schedule (see the module docstring)."""
-    plan, diff, wholes = _scan_plan(treedef, nodes, axis, prefetch, depth)
+    plan, diff, wholes = _scan_plan(treedef, nodes, policy.comm, prefetch, depth)
     sharded = plan.sharded
     with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)
         example = _fetch(plan, jnp.asarray(0), diff, wholes)
@@ -266,7 +358,8 @@ def _zero_scan(
 
     def forward(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> tuple[Any, Any]:
         def step(c: Any, i: Any, params: PyTree) -> tuple[Any, Any]:
-            return layer(params, c, float_consts), c  # keep only the layer's input
+            # Keep only the layer's input (cut over the model axes with partition_activations).
+            return layer(params, c, float_consts), partition_saved(c, policy)
 
         out, inputs = _pipelined(plan, step, carry, diff, wholes, reverse=False)
         plain = [None if s else d for s, d in zip(sharded, diff, strict=True)]
@@ -277,7 +370,7 @@ def _zero_scan(
 
         def step(state: tuple[Any, Any], i: Any, params: PyTree) -> tuple[Any, Any]:
             g, g_consts = state
-            carry_in = jax.tree.map(lambda a: a[i], inputs)
+            carry_in = regather_saved(jax.tree.map(lambda a: a[i], inputs), policy)
             # Recompute layer i from its input (remat) to get its VJP.
             _, vjp = jax.vjp(layer, params, carry_in, float_consts)
             g_params, g_in, g_k = vjp(g)
