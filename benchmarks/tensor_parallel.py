@@ -85,7 +85,9 @@ def _run(stage: int, data: int, model: int, params: Any, batch: Any, steps: int)
         "comm_measured": report.comm.measured,
         "comm_accounted_ratio": report.comm.accounted_ratio,
         "violations": violations,
-        "peak": memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+        "peak": memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
         - memory.alias_size_in_bytes,
         "step_ms": 1e3 * statistics.median(times[1:]),
         "final_loss": float(metrics["loss"]),
@@ -121,10 +123,10 @@ def _table(rows: list[dict[str, Any]], phi: int) -> list[str]:
     for r in rows:
         b, t = r["bytes"], _theory(phi, r["stage"], r["data"], r["model"])
         cells = " ".join(f"{b[c] / MIB:>6.2f} / {t[c] / MIB:>6.2f}" for c in ("params", "grads", "optimizer"))
+        data, model = (r["comm_per_axis"].get(a, 0) / MIB for a in ("data", "model"))
         lines.append(
-            f"{r['stage']:>5} {str((r['data'], r['model'])):>6} {cells} | {r['comm_per_axis'].get('data', 0) / MIB:>7.2f} "
-            f"{t['comm_data'] / MIB:>7.2f} {r['comm_per_axis'].get('model', 0) / MIB:>7.2f} | {r['peak'] / MIB:>6.1f} "
-            f"{r['step_ms']:>7.1f} | {'pass' if not r['violations'] else 'FAIL'}"
+            f"{r['stage']:>5} {str((r['data'], r['model'])):>6} {cells} | {data:>7.2f} {t['comm_data'] / MIB:>7.2f} "
+            f"{model:>7.2f} | {r['peak'] / MIB:>6.1f} {r['step_ms']:>7.1f} | {'FAIL' if r['violations'] else 'pass'}"
         )
     return lines
 
@@ -143,8 +145,10 @@ def _checks(rows: list[dict[str, Any]], phi: int) -> tuple[list[str], bool]:
         ratios = {c: r["bytes"][c] / t[c] for c in ("params", "grads", "optimizer")}
         line(all(abs(x - 1) <= BYTES_TOL for x in ratios.values()),
              f"{where}: bytes / (formula / M): " + ", ".join(f"{c} {x:.4f}" for c, x in ratios.items()))  # fmt: skip
-        line(all(x - 1 <= BALANCE_TOL for x in r["balance"].values()),
-             f"{where}: devices balanced: max / min " + ", ".join(f"{c} {x:.4f}" for c, x in r["balance"].items()))  # fmt: skip
+        balance = ", ".join(f"{c} {x:.4f}" for c, x in r["balance"].items())
+        line(
+            all(x - 1 <= BALANCE_TOL for x in r["balance"].values()), f"{where}: devices balanced: max / min {balance}"
+        )
         data_ratio = r["comm_per_axis"].get("data", 0.0) / t["comm_data"]
         if r["stage"] < 3:
             ok = abs(data_ratio - 1) <= COMM_TOL

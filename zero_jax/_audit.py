@@ -142,8 +142,17 @@ def _leaves(tree: PyTree, category: str | None, model: tuple[str, ...] = ()) -> 
         cuts = split_of(getattr(leaf, "sharding", None), len(leaf.shape), model)
         split = math.prod(cuts)
         leaves.append(
-            LeafBytes(cat, name, tuple(leaf.shape), str(np.dtype(leaf.dtype)), nbytes, max(per.values()), kind, split,
-                      tuple(c > 1 for c in cuts))  # fmt: skip
+            LeafBytes(
+                cat,
+                name,
+                tuple(leaf.shape),
+                str(np.dtype(leaf.dtype)),
+                nbytes,
+                max(per.values()),
+                kind,
+                split,
+                tuple(c > 1 for c in cuts),
+            )  # fmt: skip
         )
     return leaves, totals
 

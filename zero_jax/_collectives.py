@@ -259,16 +259,28 @@ def tie(value: PyTree, anchor: Any) -> PyTree:
     >>> bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32) == jax.lax.bitcast_convert_type(x, jnp.uint32)))
     True
     """
+    return tie_keeping_types(value, anchor, keep_types=False)[0]
+
+
+def tie_keeping_types(value: PyTree, anchor: Any, *, keep_types: bool = True) -> tuple[PyTree, bool]:
+    """:func:`tie` each float leaf of ``value`` whose type the tie keeps: one
+    that varies over every ``shard_map`` axis the anchor varies over (tying a
+    replicated value to a per-device one would make it per-device, changing
+    its type under autodiff). Also says whether any leaf was tied."""
     a = _first_element(anchor)
     if a is None:
-        return value
+        return value, False
     zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), jnp.float32)).astype(jnp.int32)
+    needs, tied = varying_axes(a), []
 
     def one(x: Any) -> Any:
         if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
+        if keep_types and not needs <= varying_axes(x):
+            return x
+        tied.append(True)
         bits = _BITS[jnp.dtype(x.dtype).itemsize]
         raw = jax.lax.bitcast_convert_type(x, bits)
         return jax.lax.bitcast_convert_type(raw | zero.astype(bits), x.dtype)
 
-    return jax.tree.map(one, value)
+    return jax.tree.map(one, value), bool(tied)

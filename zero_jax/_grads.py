@@ -139,7 +139,7 @@ def compute_grads(plan: GradPlan, params: PyTree, batch: PyTree, scale: jax.Arra
     out = jax.shard_map(
         lambda *args: tuple(device_grads(plan, *args)),
         mesh=policy.auto_mesh,
-        in_specs=(param_specs, policy.batch_sharding().spec, PartitionSpec(), PartitionSpec()),
+        in_specs=(param_specs, policy.batch_manual_spec(), PartitionSpec(), PartitionSpec()),
         out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         axis_names=policy.manual_axes,
         # JAX 0.10 cannot type a collective over a vmap axis (a batch norm's

@@ -300,7 +300,12 @@ def _run_block(
         # The recompute waits for this block's cotangent: a handed (prefetched)
         # block exists while the next block's backward pass still runs, and
         # recomputing beside it would hold both blocks' activations at once.
-        arg_f = regather_saved(coll.tie(arg_f, ct_out), policy)  # (the piece waits, then is gathered)
+        # (A saved piece waits, then is gathered.) An input the same on every device
+        # cannot be tied without becoming per-device: then the block's weights wait.
+        arg_f, tied = coll.tie_keeping_types(arg_f, ct_out)
+        arg_f = regather_saved(arg_f, policy)
+        if not tied:
+            ws = coll.tie_keeping_types(ws, ct_out)[0]
         _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):

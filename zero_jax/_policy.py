@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from zero_jax import _memory, _model_specs, _partition
+from zero_jax import _batch, _memory, _model_specs, _partition
 from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
 from zero_jax._policy_args import argument_problems, raise_problems
@@ -28,18 +28,6 @@ STACKED_MATCHES_NOTHING = (
     "ZeroPolicy(stacked=...): the prefix{s} {which} matches no parameter. Top-level entries are {entries}; "
     "pass one of those."
 )
-BATCH_NOT_DIVISIBLE = (
-    "{where}: {leaves}; the leading (batch) dimension must divide by the {n} devices of the batch "
-    "axes {axes}. Use a global batch size that is a multiple of {n}."
-)
-BATCH_NOT_MICROBATCHED = (
-    "{where}: {leaves}: accum_steps={k} microbatches on each of {n} devices need a global batch that "
-    "is a multiple of {nk}. Change the batch size or accum_steps."
-)
-
-
-def _listing(leaves: list[str]) -> str:
-    return ", ".join(f"batch leaf {leaf}" for leaf in leaves)
 
 
 class ZeroPolicy:
@@ -105,6 +93,10 @@ class ZeroPolicy:
         inputs take 1/M of the memory for one all-gather per layer. Meant for
         layer inputs replicated over the model axes (Megatron-style tensor
         parallelism); a no-op when every model axis has size 1.
+      batch_spec: sequence parallelism: how the batch leaves' dimensions after
+        the first split over model axes, e.g. ``P(None, "seq")`` for
+        (batch, seq, ...) leaves; dimension 0 always splits over the batch
+        axes. The loss sees whole sequences, the compiler keeps them split.
 
     Example:
 
@@ -149,6 +141,7 @@ class ZeroPolicy:
         offload_params: bool = False,
         param_specs: PyTree | Callable[[KeyPath, Any], PartitionSpec] | None = None,
         partition_activations: bool = False,
+        batch_spec: PartitionSpec | None = None,
     ) -> None:
         #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
         self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
@@ -173,6 +166,8 @@ class ZeroPolicy:
         self.param_specs = param_specs
         #: ZeRO-R's P_a: layer inputs saved for the backward pass are kept cut over the model axes.
         self.partition_activations = bool(partition_activations)
+        #: How batch dimensions after the first split over model axes (sequence parallelism); None: whole.
+        self.batch_spec = batch_spec
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
@@ -245,9 +240,9 @@ class ZeroPolicy:
     @property
     def manual_axes(self) -> frozenset[str]:
         """The axes the step's ``shard_map`` runs manual over: every mesh axis,
-        or with ``param_specs`` the batch axes only (the model axes stay the
-        compiler's)."""
-        if self.param_specs is None:
+        or with ``param_specs`` / ``batch_spec`` the batch axes only (the
+        model axes stay the compiler's)."""
+        if self.param_specs is None and self.batch_spec is None:
             return frozenset(self.mesh.axis_names)
         return frozenset(self.batch_axes)
 
@@ -288,6 +283,7 @@ class ZeroPolicy:
             self.offload_params,
             _model_specs.spec_key(self.param_specs),
             self.partition_activations,
+            self.batch_spec,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -308,6 +304,7 @@ class ZeroPolicy:
             + (", offload_params=True" if self.offload_params else "")
             + (f", param_specs=..., M={self.model_parallel}" if self.param_specs is not None else "")
             + (", partition_activations=True" if self.partition_activations else "")
+            + (f", batch_spec={self.batch_spec}" if self.batch_spec is not None else "")
             + ")"
         )
 
@@ -434,27 +431,20 @@ class ZeroPolicy:
 
     def batch_sharding(self) -> NamedSharding:
         """Every batch leaf is split along its leading dimension over
-        ``replica_axis`` and ``axis``."""
-        axes = self.batch_axes
-        return NamedSharding(self.auto_mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes))
+        ``replica_axis`` and ``axis`` (and its other dimensions as
+        ``batch_spec`` says)."""
+        return NamedSharding(self.auto_mesh, _batch.batch_partition_spec(self.batch_axes, self.batch_spec))
+
+    def batch_manual_spec(self) -> PartitionSpec:
+        """The batch's spec over the step's manual (batch) axes only: what its ``shard_map`` takes."""
+        return _batch.batch_partition_spec(self.batch_axes, None)
 
     def check_batch(self, batch: PyTree, *, where: str, microbatches: int = 1) -> None:
         """Raise a ValueError naming every batch leaf whose leading (batch)
-        dimension does not split over the data axis (and ``microbatches``)."""
-        n, k = self.num_batch_shards, microbatches
-        uneven, unsplit = [], []
-        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            shape = tuple(getattr(leaf, "shape", ()))
-            if not shape or shape[0] % n:
-                uneven.append(f"'{path_str(path)}' has shape {shape}")
-            elif shape[0] % (n * k):
-                unsplit.append(f"'{path_str(path)}' has shape {shape}")
-        if uneven:
-            raise ValueError(
-                BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=self.batch_axes)
-            )
-        if unsplit:
-            raise ValueError(BATCH_NOT_MICROBATCHED.format(where=where, leaves=_listing(unsplit), k=k, n=n, nk=n * k))
+        dimension does not split over the data axis (and ``microbatches``),
+        or whose ``batch_spec`` dimensions do not split over their axes."""
+        _batch.check_batch(batch, where=where, n=self.num_batch_shards, axes=self.batch_axes,
+                           microbatches=microbatches, batch_spec=self.batch_spec, mesh=self.mesh)  # fmt: skip
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.auto_mesh, PartitionSpec())

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from zero_jax._batch import batch_spec_problem
 from zero_jax._precision import Precision
 
 BAD_STAGE = (
@@ -73,6 +74,7 @@ def argument_problems(
     precision: Any,
     param_specs: Any = None,
     partition_activations: Any = False,
+    batch_spec: Any = None,
     **_offload_arguments: Any,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
@@ -108,6 +110,9 @@ def argument_problems(
     if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
         problems.append((TypeError, BAD_STACKED.format(stacked)))
     problems.extend(_activation_problems(mesh, axis, replica_axis, param_specs, partition_activations))
+    spec_problem = batch_spec_problem(batch_spec, mesh, _names(axis) + _names(replica_axis))
+    if spec_problem:
+        problems.append((ValueError, spec_problem))
     if isinstance(partition_activations, (bool, np.bool_)) and partition_activations and stage_ok and int(stage) < 2:
         problems.append((ValueError, PARTITION_ACTIVATIONS_STAGE.format(stage=stage)))
     return problems

@@ -266,9 +266,11 @@ def all_reduce_violations(
     # HSDP all-reduces each gradient's 1/N piece (of its model shard) across the replica axes: expected.
     pieces = {local_shape(shard_shape(p.layout, policy.num_shards), p.split) for p in params if p.layout.partitioned}
     replica_axes, model = set(policy.replica_axes), set(model_axes(policy))
-    # Leaves the policy keeps whole (and says why) have their gradient all-reduced by design: one
-    # all-reduce per such leaf of its (model-shard) shape is expected, whatever else shares the shape.
-    expected = collections.Counter(local_shape(p.layout.shape, p.split) for p in params if not p.layout.partitioned)
+    # A leaf model-sharded on every free dimension stays whole over data (the policy says so): its
+    # gradient is all-reduced by design, one all-reduce of its model-shard shape, whatever shares it.
+    expected = collections.Counter(
+        local_shape(p.layout.shape, p.split) for p in params if p.layout.reason == REASON_ALL_MODEL_SHARDED
+    )
     out = []
     for c in colls:
         if c.kind != "all-reduce" or math.prod(c.shape) < threshold or is_model_only(c, policy, model):

@@ -108,7 +108,7 @@ def megatron_specs(axis: str = "model") -> Params:
     >>> import jax
     >>> from zero_jax.models import megatron_specs
     >>> megatron_specs()["layers"]["mlp_in"], megatron_specs()["layers"]["mlp_out"]
-    (PartitionSpec(None, None, 'model'), PartitionSpec(None, 'model', None))
+    (P(None, None, 'model'), P(None, 'model', None))
     """
     column, row = PartitionSpec(None, None, axis), PartitionSpec(None, axis, None)
     whole = PartitionSpec()
