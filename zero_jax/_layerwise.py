@@ -228,6 +228,20 @@ def _token_zeros(wholes: list[Any], axis: Any) -> list[Any]:
     return [None if w is None else coll.to_varying(jnp.zeros(w.shape, w.dtype), axis) for w in wholes]
 
 
+def _recompute_inputs(arg_f: Any, ws: Any, ct_out: Any, policy: ZeroPolicy) -> tuple[Any, Any]:
+    """A block's backward recompute inputs, tied to its output's cotangent: a
+    handed (prefetched) block exists while the next block's backward pass
+    still runs, and recomputing beside it would hold both blocks' activations
+    at once. A saved piece (``partition_activations``) waits, then is
+    gathered. An input the same on every device cannot be tied without
+    becoming per-device: then the block's weights wait instead."""
+    arg_f, tied = coll.tie_keeping_types(arg_f, ct_out)
+    arg_f = regather_saved(arg_f, policy)
+    if not tied:
+        ws = coll.tie_keeping_types(ws, ct_out)[0]
+    return arg_f, ws
+
+
 def _run_block(
     policy: ZeroPolicy,
     prefetch: int,
@@ -297,15 +311,7 @@ def _run_block(
         handed = ct_token if prefetch and not any(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
             ct_token, is_leaf=lambda x: isinstance(x, SymbolicZero))) else None  # fmt: skip
         ws = handed if handed is not None else block.wholes(sources, policy, ct_out)
-        # The recompute waits for this block's cotangent: a handed (prefetched)
-        # block exists while the next block's backward pass still runs, and
-        # recomputing beside it would hold both blocks' activations at once.
-        # (A saved piece waits, then is gathered.) An input the same on every device
-        # cannot be tied without becoming per-device: then the block's weights wait.
-        arg_f, tied = coll.tie_keeping_types(arg_f, ct_out)
-        arg_f = regather_saved(arg_f, policy)
-        if not tied:
-            ws = coll.tie_keeping_types(ws, ct_out)[0]
+        arg_f, ws = _recompute_inputs(arg_f, ws, ct_out, policy)
         _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):
