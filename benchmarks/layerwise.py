@@ -45,21 +45,12 @@ Measured for each variant and depth:
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
-
-# Every compilation dumps its HLO right after SPMD partitioning. Set for the whole process (not as
-# per-call compiler options) so that `lower(...).compile()` and the jit-dispatched call compile
-# with the same options: the step then reuses the executable instead of compiling a second time.
-DUMP_DIR = tempfile.mkdtemp(prefix="layerwise-hlo-")
-atexit.register(shutil.rmtree, DUMP_DIR, ignore_errors=True)
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=spmd-partitioning"
-)
 
 import jax  # noqa: E402
+
+# First, before jax: every compilation of the process dumps the HLO this benchmark reads.
+from _hlo_dump import compile_with_hlo  # noqa: I001
 
 # Before anything makes an array: the process sees 8 CPU devices.
 jax.config.update("jax_num_cpu_devices", 8)
@@ -69,7 +60,6 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
@@ -180,22 +170,6 @@ def _is_layout(x: Any) -> bool:
 # -- reading the compiled program -------------------------------------------------------------------
 
 
-def compile_with_hlo(lowerable: Any, *args: Any) -> tuple[Any, str]:
-    """Compile ``lowerable(*args)`` and return the executable with the HLO right after SPMD
-    partitioning (what ``_measure.collectives`` reads), dumped by this compilation."""
-    pattern = os.path.join(DUMP_DIR, "*after_spmd-partitioning*")
-    before = set(glob.glob(pattern))
-    compiled = lowerable.lower(*args).compile()
-    new = sorted(set(glob.glob(pattern)) - before)
-    if not new:
-        raise RuntimeError("XLA wrote no post-SPMD-partitioning dump")
-    with open(new[-1]) as f:
-        hlo = f.read()
-    for path in new:
-        os.remove(path)
-    return compiled, hlo
-
-
 def _section(hlo: str, name: str) -> str:
     m = re.search(rf"^{name}\n(.*?)(?:\n\s*\n|\Z)", hlo, re.S | re.M)
     return m.group(1) if m else ""
@@ -294,7 +268,7 @@ def zero_run(variant: str, depth: int, mesh: Mesh, sizes: Sizes) -> Run:
     state = zj.init_state(lambda: init_params(cfg, jax.random.key(0)), tx, policy)
     batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), policy.batch_sharding())
     train_step = zj.make_train_step(make_loss_fn(cfg, policy), tx, policy, gather="manual")
-    compiled, spmd_hlo = compile_with_hlo(train_step, state, batch)
+    compiled, spmd_hlo, _ = compile_with_hlo(train_step, state, batch)
     final_hlo = compiled.as_text()
     holder: dict[str, Any] = {"state": state}
 
@@ -368,7 +342,7 @@ def gspmd_run(depth: int, mesh: Mesh) -> Run:
         out_shardings=(param_sh, opt_sh, replicated),
         donate_argnums=(0, 1),
     )
-    compiled, spmd_hlo = compile_with_hlo(jitted, params, opt_state, batch)
+    compiled, spmd_hlo, _ = compile_with_hlo(jitted, params, opt_state, batch)
     holder: dict[str, Any] = {"p": params, "o": opt_state}
 
     def step() -> Any:

@@ -31,19 +31,12 @@ layer-wise variants, all-gathers and reduce-scatters per block weight (ops named
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
-
-# Every compilation dumps its HLO right after SPMD partitioning (see benchmarks/layerwise.py).
-DUMP_DIR = tempfile.mkdtemp(prefix="unscanned-hlo-")
-atexit.register(shutil.rmtree, DUMP_DIR, ignore_errors=True)
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=spmd-partitioning"
-)
 
 import jax  # noqa: E402
+
+# First, before jax: every compilation of the process dumps the HLO this benchmark reads.
+from _hlo_dump import compile_with_hlo  # noqa: I001
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -51,7 +44,6 @@ jax.config.update("jax_platforms", "cpu")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
@@ -248,32 +240,6 @@ def sizes_for(depth: int, mesh: jax.sharding.Mesh) -> Sizes:
 
 
 # -- compiling and reading the program -------------------------------------------------------------
-
-
-_LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
-
-
-def compile_with_hlo(lowerable: Any, *args: Any) -> tuple[Any, str, int]:
-    """The compiled step, its HLO right after SPMD partitioning, and XLA's live
-    peak: the bytes of the values alive at once at the busiest point of the
-    schedule (``HloLiveRange``), before the heap packs them into buffers."""
-    pattern = os.path.join(DUMP_DIR, "*after_spmd-partitioning*")
-    ranges = os.path.join(DUMP_DIR, "*after_optimizations-live-range.txt")
-    before = set(glob.glob(pattern)) | set(glob.glob(ranges))
-    compiled = lowerable.lower(*args).compile()
-    new = sorted(set(glob.glob(pattern)) - before)
-    new_ranges = sorted(set(glob.glob(ranges)) - before)
-    if not new or not new_ranges:
-        raise RuntimeError("XLA wrote no post-SPMD-partitioning or live-range dump")
-    with open(new[-1]) as f:
-        hlo = f.read()
-    with open(new_ranges[-1]) as f:
-        found = _LIVE_PEAK.search(f.read())
-    if found is None:
-        raise RuntimeError(f"no peak-usage line in {new_ranges[-1]}")
-    for path in new + new_ranges:
-        os.remove(path)
-    return compiled, hlo, int(found.group(1).replace(" ", ""))
 
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (\S+?)(?:\{[^}]*\})? ([\w\-]+)\(.*?op_name=\"([^\"]*)\"", re.M)
