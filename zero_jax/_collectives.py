@@ -28,6 +28,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, PartitionSpec
 
 from zero_jax._partition import LeafLayout, pad, shard_shape, unpad
+from zero_jax._quantize import WireFormat, dequantize_blocks, quantize_blocks
 from zero_jax._tree import PyTree
 
 
@@ -38,12 +39,14 @@ class Axes(NamedTuple):
     ``replica``: the batch is split across these too, but they hold replicas
     of the partitioned state. ``scatter_replicas``: the reduced gradient
     piece is cut once more across ``replica`` (optimizer state partitioned
-    over both).
+    over both). ``wire``: how weight gathers and gradient reduce-scatters
+    travel (int8 blocks with ZeRO++'s qwZ / qgZ).
     """
 
     shard: tuple[str, ...]
     replica: tuple[str, ...] = ()
     scatter_replicas: bool = False
+    wire: WireFormat = WireFormat()
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -133,10 +136,49 @@ def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.
     piece still differs per replica: :func:`reduce_across_replicas` finishes."""
     if layout.dim is None:
         return sum_all_reduce_leaf(x, layout, axis)
-    shard = _name(_axes(axis).shard)
+    axes = _axes(axis)
+    shard, block = _name(axes.shard), axes.wire.block
+    if axes.wire.grads is not None:
+        return per_model_shard(lambda g: _quantized_reduce_scatter(pad(g, layout), shard, layout.dim, block), layout, x)
     return per_model_shard(
         lambda g: jax.lax.psum_scatter(pad(g, layout), shard, scatter_dimension=layout.dim, tiled=True), layout, x
     )
+
+
+def _quantized_reduce_scatter(g: jax.Array, shard: Any, dim: int, block: int) -> jax.Array:
+    """qgZ: ``psum_scatter(g, shard, scatter_dimension=dim, tiled=True)`` with
+    each destination's piece sent as int8 blocks + float32 scales by one
+    all-to-all, then dequantized and summed in float32 on the receiver (the
+    sum itself is exact float32, in device order: deterministic)."""
+    pieces = _cut_into_pieces(g, dim, jax.lax.axis_size(shard))
+    q, scale = jax.vmap(lambda piece: quantize_blocks(piece, block))(pieces)
+    q = jax.lax.all_to_all(q, shard, 0, 0)
+    scale = jax.lax.all_to_all(scale, shard, 0, 0)
+    received = jax.vmap(lambda qi, si: dequantize_blocks(qi, si, pieces.shape[1:], jnp.float32))(q, scale)
+    return jnp.sum(received, axis=0).astype(g.dtype)
+
+
+def _cut_into_pieces(whole: jax.Array, dim: int, n: int) -> jax.Array:
+    """``whole`` (``dim`` divisible by ``n``) as ``(n, *piece)``: piece i is
+    the i-th of ``n`` equal slices along ``dim``."""
+    shape = whole.shape
+    return jnp.moveaxis(whole.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :]), dim, 0)
+
+
+def _join_pieces(pieces: jax.Array, dim: int) -> jax.Array:
+    """The inverse of :func:`_cut_into_pieces`: ``(n, *piece)`` concatenated along ``dim``."""
+    n, shape = pieces.shape[0], pieces.shape[1:]
+    return jnp.moveaxis(pieces, 0, dim).reshape(shape[:dim] + (n * shape[dim],) + shape[dim + 1 :])
+
+
+def _quantized_all_gather(p: jax.Array, shard: Any, dim: int, block: int) -> jax.Array:
+    """qwZ: ``all_gather(p, shard, axis=dim, tiled=True)`` sent as int8 blocks
+    + float32 scales, dequantized to ``p``'s dtype after the gather."""
+    q, scale = quantize_blocks(p, block)
+    q = jax.lax.all_gather(q, shard)
+    scale = jax.lax.all_gather(scale, shard)
+    pieces = jax.vmap(lambda qi, si: dequantize_blocks(qi, si, p.shape, p.dtype))(q, scale)
+    return _join_pieces(pieces, dim)
 
 
 def reduce_across_replicas(piece: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
@@ -163,12 +205,36 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
     gradient: ZeRO-3's backward communication for free."""
     if layout.dim is None:
         return to_varying(x, axis)
+    if _axes(axis).wire.weights is not None:
+        return _quantized_gather_for_use(x, layout, _axes(axis))
     shard = _name(_axes(axis).shard)
     whole = per_model_shard(lambda p: jax.lax.all_gather(p, shard, axis=layout.dim, tiled=True), layout, x)
     # Per-replica too: the gathered weights meet replica-varying activations,
     # and an invariant value there would make autodiff all-reduce the whole
     # gradient across the replicas behind our back.
     return to_varying(unpad(whole, layout), axis)
+
+
+def _quantized_gather_for_use(x: jax.Array, layout: LeafLayout, axes: Axes) -> jax.Array:
+    """:func:`gather_for_use` over an int8 wire (qwZ). Integers carry no
+    gradient, so the transpose is spelled out: the cotangent is
+    reduce-scattered (int8 too with qgZ) and summed over the axes the piece
+    does not vary over (the replicas), as autodiff of the plain gather does."""
+    varying, shard = varying_axes(x), _name(axes.shard)
+
+    @jax.custom_vjp
+    def zero_jax_quantized_gather(piece: jax.Array) -> jax.Array:
+        gather = lambda p: _quantized_all_gather(p, shard, layout.dim, axes.wire.block)  # noqa: E731
+        return to_varying(unpad(per_model_shard(gather, layout, piece), layout), axes)
+
+    def fwd(piece: jax.Array) -> tuple[jax.Array, None]:
+        return zero_jax_quantized_gather(piece), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
+        return (sum_to_varying(sum_reduce_scatter(ct, layout, axes), varying),)
+
+    zero_jax_quantized_gather.defvjp(fwd, bwd)
+    return zero_jax_quantized_gather(x)
 
 
 def gather_replicated(x: jax.Array, layout: LeafLayout, axes: tuple[str, ...], *, unpadded: bool = True) -> jax.Array:

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from zero_jax import _batch, _memory, _model_specs, _partition
+from zero_jax import _batch, _memory, _model_specs, _partition, _quantize
 from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
 from zero_jax._policy_args import argument_problems, raise_problems
@@ -97,6 +97,17 @@ class ZeroPolicy:
         the first split over model axes, e.g. ``P(None, "seq")`` for
         (batch, seq, ...) leaves; dimension 0 always splits over the batch
         axes. The loss sees whole sequences, the compiler keeps them split.
+      quantize_weights: ZeRO++'s qwZ, stage 3: ``"int8"`` sends each
+        partitioned weight's all-gather (forward and backward re-gather) as
+        int8 blocks plus a float32 scale per block, dequantized to the
+        compute dtype after the gather. The master copy, the optimizer and
+        the gradients are untouched: quantization exists only on the wire.
+      quantize_grads: ZeRO++'s qgZ, stages 1-3: ``"int8"`` sends each
+        gradient reduce-scatter as an all-to-all of int8 blocks + scales,
+        dequantized and summed in float32 on the receiver. Leaves kept whole
+        (all-reduced) and the replica-axis reduction stay unquantized.
+      quant_block: elements per float32 scale (a piece smaller than it is
+        one block).
 
     Example:
 
@@ -142,6 +153,9 @@ class ZeroPolicy:
         param_specs: PyTree | Callable[[KeyPath, Any], PartitionSpec] | None = None,
         partition_activations: bool = False,
         batch_spec: PartitionSpec | None = None,
+        quantize_weights: str | None = None,
+        quantize_grads: str | None = None,
+        quant_block: int = _quantize.DEFAULT_BLOCK,
     ) -> None:
         #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
         self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
@@ -168,6 +182,8 @@ class ZeroPolicy:
         self.partition_activations = bool(partition_activations)
         #: How batch dimensions after the first split over model axes (sequence parallelism); None: whole.
         self.batch_spec = batch_spec
+        #: How weights and gradients travel (ZeRO++ qwZ / qgZ); the default sends the leaves' own dtypes.
+        self.wire = _quantize.WireFormat(quantize_weights, quantize_grads, int(quant_block))
         # Internally everything runs on an Auto-axes copy of the mesh (same
         # devices, same names): sharding constraints inside the step are
         # rejected on Explicit axes, and jit accepts arrays placed on either.
@@ -263,7 +279,7 @@ class ZeroPolicy:
     @property
     def comm(self) -> Axes:
         """The axes the step's collectives run over (a ``_collectives.Axes``)."""
-        return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas)
+        return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas, self.wire)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -284,6 +300,7 @@ class ZeroPolicy:
             _model_specs.spec_key(self.param_specs),
             self.partition_activations,
             self.batch_spec,
+            self.wire,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -305,6 +322,7 @@ class ZeroPolicy:
             + (f", param_specs=..., M={self.model_parallel}" if self.param_specs is not None else "")
             + (", partition_activations=True" if self.partition_activations else "")
             + (f", batch_spec={self.batch_spec}" if self.batch_spec is not None else "")
+            + (f", wire={self.wire}" if self.wire != _quantize.WireFormat() else "")
             + ")"
         )
 
@@ -381,17 +399,11 @@ class ZeroPolicy:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(state)
         out = []
         for path, leaf in pairs:
-            shape, _ = shape_dtype(leaf)
-            chosen = None
-            for start in range(len(path) + 1):
-                hit = by_path.get(tuple(path[start:]))
-                if hit is not None and hit[0] == shape:
-                    lay = hit[1]
-                    chosen = dataclasses.replace(lay, dtype=shape_dtype(leaf)[1])
-                    if not jax.numpy.issubdtype(chosen.dtype, jax.numpy.inexact):
-                        chosen = None
-                    break
-            out.append(chosen if chosen is not None else self.leaf_layout(leaf, stacked=False))
+            shape, dtype = shape_dtype(leaf)
+            hits = (by_path.get(tuple(path[start:])) for start in range(len(path) + 1))
+            hit = next((h for h in hits if h is not None and h[0] == shape), None)
+            mirrors = hit is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+            out.append(dataclasses.replace(hit[1], dtype=dtype) if mirrors else self.leaf_layout(leaf, stacked=False))
         return jax.tree_util.tree_unflatten(treedef, out)
 
     # -- shardings -----------------------------------------------------------------

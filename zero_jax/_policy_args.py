@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from zero_jax._batch import batch_spec_problem
 from zero_jax._precision import Precision
+from zero_jax._quantize import DEFAULT_BLOCK, FORMATS
 
 BAD_STAGE = (
     "ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain data parallelism; 1 partitions "
@@ -53,6 +54,22 @@ PARTITION_ACTIVATIONS_STAGE = (
     "zj.apply_layer(s) keep each layer's input for its backward recompute there); stage {stage} runs layers under "
     "a plain jax.checkpoint. Use stage=2 or 3, or drop partition_activations."
 )
+BAD_WIRE_FORMAT = (
+    "ZeroPolicy: {name}={value!r} is not a wire format; the formats are {formats} (or None, the leaves' own "
+    "dtype). int4 and fp8 are not built."
+)
+QUANTIZE_WEIGHTS_STAGE = (
+    "ZeroPolicy: quantize_weights={value!r} quantizes the all-gathers of partitioned parameters, which only "
+    "stage 3 has (stage {stage} keeps parameters whole and never gathers them for use). Use stage=3, or drop "
+    "quantize_weights."
+)
+QUANTIZE_GRADS_STAGE = (
+    "ZeroPolicy: quantize_grads={value!r} quantizes the gradient reduce-scatter of stages 1-3; stage 0 all-reduces "
+    "whole gradients. Use stage=1 or higher, or drop quantize_grads."
+)
+BAD_QUANT_BLOCK = (
+    "ZeroPolicy: quant_block must be a positive int (elements per float32 scale, e.g. 256), got {value!r}."
+)
 SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
 Problem = tuple[type[Exception], str]
 
@@ -75,6 +92,9 @@ def argument_problems(
     param_specs: Any = None,
     partition_activations: Any = False,
     batch_spec: Any = None,
+    quantize_weights: Any = None,
+    quantize_grads: Any = None,
+    quant_block: Any = DEFAULT_BLOCK,
     **_offload_arguments: Any,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
@@ -115,6 +135,23 @@ def argument_problems(
         problems.append((ValueError, spec_problem))
     if isinstance(partition_activations, (bool, np.bool_)) and partition_activations and stage_ok and int(stage) < 2:
         problems.append((ValueError, PARTITION_ACTIVATIONS_STAGE.format(stage=stage)))
+    problems.extend(_wire_problems(stage if stage_ok else None, quantize_weights, quantize_grads, quant_block))
+    return problems
+
+
+def _wire_problems(stage: int | None, weights: Any, grads: Any, block: Any) -> list[Problem]:
+    problems: list[Problem] = []
+    for name, value in (("quantize_weights", weights), ("quantize_grads", grads)):
+        if value is not None and value not in FORMATS:
+            problems.append((ValueError, BAD_WIRE_FORMAT.format(name=name, value=value, formats=FORMATS)))
+    if weights is not None and stage is not None and int(stage) < 3:
+        problems.append((ValueError, QUANTIZE_WEIGHTS_STAGE.format(value=weights, stage=stage)))
+    if grads is not None and stage is not None and int(stage) == 0:
+        problems.append((ValueError, QUANTIZE_GRADS_STAGE.format(value=grads)))
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
+        problems.append((TypeError, BAD_QUANT_BLOCK.format(value=block)))
+    elif block <= 0:
+        problems.append((ValueError, BAD_QUANT_BLOCK.format(value=block)))
     return problems
 
 
