@@ -205,6 +205,19 @@ def shard_shape(layout: LeafLayout, num_shards: int) -> tuple[int, ...]:
     return tuple(s)
 
 
+def piece_elements(layout: LeafLayout, num_shards: int, mesh_shape: Any, stacked: bool) -> int:
+    """Elements of one device's piece of one layer of a partitioned leaf: what
+    one of its collectives moves (its model shard only, one layer of a stacked
+    leaf).
+
+    >>> lay = leaf_layout((4, 64, 30), "float32", 8, min_shard_size=0, skip_leading=True, model=(None, None, "m"))
+    >>> piece_elements(lay, 8, {"data": 8, "m": 2}, stacked=True)
+    120
+    """
+    shape = shard_shape(layout, num_shards)[1 if stacked else 0 :]
+    return math.prod(shape) // math.prod(mesh_shape[a] for a in layout.model_axes)
+
+
 def is_layout(x: Any) -> bool:
     """Whether ``x`` is a :class:`LeafLayout` (the ``is_leaf`` of layout trees)."""
     return isinstance(x, LeafLayout)

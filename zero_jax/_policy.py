@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from zero_jax import _batch, _memory, _model_specs, _partition, _quantize
 from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
-from zero_jax._policy_args import argument_problems, raise_problems
+from zero_jax._policy_args import argument_problems, check_quant_block, raise_problems
 from zero_jax._precision import Precision
 from zero_jax._tree import KeyPath, PyTree, path_str, split_prefix, under, under_any
 
@@ -375,13 +375,12 @@ class ZeroPolicy:
         models = _model_specs.model_entries(
             self.param_specs, params, self.mesh, self.axes + self.replica_axes, lambda leaf: shape_dtype(leaf)[0]
         )
-        return jax.tree_util.tree_unflatten(
-            treedef,
-            [
-                self.leaf_layout(leaf, stacked=self.is_stacked(p), model=m)
-                for (p, leaf), m in zip(pairs, models, strict=True)
-            ],
-        )
+        stacked = [self.is_stacked(p) for p, _ in pairs]
+        layouts = [self.leaf_layout(x, stacked=s, model=m) for (_, x), s, m in zip(pairs, stacked, models, strict=True)]
+        if self.wire != _quantize.WireFormat():
+            paths = [path_str(p) for p, _ in pairs]
+            check_quant_block(paths, layouts, stacked, self.num_shards, self.mesh.shape, self.wire.block)
+        return jax.tree_util.tree_unflatten(treedef, layouts)
 
     def state_layouts(self, state: PyTree, params: PyTree | None = None) -> PyTree:
         """Layouts for an optimizer state tree.

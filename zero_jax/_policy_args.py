@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zero_jax._batch import batch_spec_problem
+from zero_jax._partition import LeafLayout, piece_elements
 from zero_jax._precision import Precision
 from zero_jax._quantize import DEFAULT_BLOCK, FORMATS
 
@@ -69,6 +70,11 @@ QUANTIZE_GRADS_STAGE = (
 )
 BAD_QUANT_BLOCK = (
     "ZeroPolicy: quant_block must be a positive int (elements per float32 scale, e.g. 256), got {value!r}."
+)
+QUANT_BLOCK_TOO_LARGE = (
+    "ZeroPolicy: quant_block={block} is larger than every piece it would quantize: the largest, '{path}', "
+    "is {elements} elements per device and layer. Pass quant_block <= {elements} (a power of two such as "
+    "{suggest} keeps blocks aligned)."
 )
 SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
 Problem = tuple[type[Exception], str]
@@ -165,6 +171,25 @@ def _activation_problems(mesh: Any, axis: Any, replica_axis: Any, param_specs: A
     ]  # fmt: skip
     why = f" (the mesh's other axes {tuple(others)} hold replicas)" if others else " and the mesh has no model axis"
     return [(ValueError, PARTITION_ACTIVATIONS_WITHOUT_MODEL.format(why=why))]
+
+
+def check_quant_block(
+    paths: list[str], layouts: list[LeafLayout], stacked: list[bool], num_shards: int, mesh_shape: Any, block: int
+) -> None:
+    """Raise when ``block`` exceeds every piece the wire quantizes (one
+    device's piece of one layer of each partitioned leaf): no piece could
+    then be cut into blocks."""
+    pieces = [
+        (path, piece_elements(lay, num_shards, mesh_shape, s))
+        for path, lay, s in zip(paths, layouts, stacked, strict=True)
+        if lay.partitioned
+    ]
+    if not pieces:
+        return
+    path, elements = max(pieces, key=lambda item: item[1])
+    if block > elements:
+        suggest = 1 << (elements.bit_length() - 1)
+        raise ValueError(QUANT_BLOCK_TOO_LARGE.format(block=block, path=path, elements=elements, suggest=suggest))
 
 
 def raise_problems(problems: list[Problem]) -> None:

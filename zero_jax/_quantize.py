@@ -2,11 +2,11 @@
 
 A piece travels as symmetric int8 values plus one float32 scale per block of
 ``block`` consecutive elements (the piece flattened, its tail padded with
-zeros): ``scale = max|block| / 127`` and ``q = round(x / scale)``. The
-round trip is off by at most ``scale / 2`` per element (plus the float
-rounding of the multiply), and a block holding a NaN or an infinity comes
-back non-finite everywhere, so a loss-scaled fp16 overflow step is still
-seen (and skipped). Quantization exists only on the wire: ``_collectives``
+zeros; a piece smaller than ``block`` is one block): ``scale = max|block| /
+127`` and ``q = round(x / scale)``. The round trip is off by at most
+``scale / 2`` per element (plus the float rounding of the multiply), and a
+block holding a NaN or an infinity comes back non-finite everywhere, so a
+loss-scaled fp16 overflow step is still seen (and skipped). Quantization exists only on the wire: ``_collectives``
 dequantizes right after the collective, and the master copy, the optimizer
 and the reduced gradients never hold int8.
 
@@ -53,20 +53,26 @@ class WireFormat(NamedTuple):
     block: int = DEFAULT_BLOCK
 
 
+def block_size(elements: int, block: int) -> int:
+    """The block a piece of ``elements`` values is cut into: ``block``, or
+    the whole piece when it is smaller (one scale, no padding sent)."""
+    return max(1, min(block, elements))
+
+
 def num_blocks(elements: int, block: int) -> int:
     """How many blocks (and scales) a piece of ``elements`` values takes."""
-    return -(-elements // block)
+    return -(-elements // block_size(elements, block))
 
 
 def wire_bytes(elements: int, block: int) -> int:
     """Bytes one quantized piece of ``elements`` values sends: one int8 per
     value of every block (the last padded) plus a float32 scale per block.
 
-    >>> wire_bytes(1024, 256), wire_bytes(1000, 256)
-    (1040, 1040)
+    >>> wire_bytes(1024, 256), wire_bytes(1000, 256), wire_bytes(100, 256)
+    (1040, 1040, 104)
     """
     blocks = num_blocks(elements, block)
-    return blocks * block + blocks * SCALE_BYTES
+    return blocks * block_size(elements, block) + blocks * SCALE_BYTES
 
 
 def quantize_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -74,7 +80,7 @@ def quantize_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     values of shape ``(blocks, block)`` and float32 scales ``(blocks,)``
     (several pieces at once: ``jax.vmap`` it)."""
     flat = jnp.ravel(x).astype(jnp.float32)
-    blocks = num_blocks(flat.size, block)
+    blocks, block = num_blocks(flat.size, block), block_size(flat.size, block)
     flat = jnp.pad(flat, (0, blocks * block - flat.size))
     grid = flat.reshape(blocks, block)
     scale = jnp.max(jnp.abs(grid), axis=1) / _INT8_MAX
@@ -98,7 +104,7 @@ def round_trip_bound(x: np.ndarray | jax.Array, block: int) -> jax.Array:
     """Per element, the largest error the round trip may make: half a
     quantization step of its block (``max|block| / 127 / 2``)."""
     flat = jnp.ravel(jnp.asarray(x, jnp.float32))
-    blocks = num_blocks(flat.size, block)
+    blocks, block = num_blocks(flat.size, block), block_size(flat.size, block)
     grid = jnp.pad(flat, (0, blocks * block - flat.size)).reshape(blocks, block)
     step = jnp.max(jnp.abs(grid), axis=1, keepdims=True) / _INT8_MAX
     return jnp.broadcast_to(step / 2, grid.shape).reshape(-1)[: flat.size].reshape(jnp.shape(x))
