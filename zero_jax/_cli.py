@@ -31,9 +31,10 @@ from rich.table import Table
 from zero_jax import _demo
 from zero_jax._audit import audit
 from zero_jax._optimizer import shard_optimizer
-from zero_jax._plan import plan
+from zero_jax._plan import plan, sized_config
 from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import Precision
+from zero_jax._quantize import DEFAULT_BLOCK, FORMATS
 from zero_jax._state import init_state
 from zero_jax._theory import (
     STAGE_NAMES,
@@ -45,6 +46,7 @@ from zero_jax._theory import (
     model_state_bytes,
     required_bandwidth,
 )
+from zero_jax._theory_args import quantization_at, wire_rates
 from zero_jax._train import make_train_step
 from zero_jax._units import fmt_bytes, parse_bandwidth, parse_count, parse_size_argument
 from zero_jax.models.transformer import TransformerConfig, init_params, make_loss_fn, synthetic_batch
@@ -65,6 +67,15 @@ COMPILE_TP = (
     "mesh the table describes. Leave out --compile for the formula table, or --tensor-parallel to compile the "
     "data-only step."
 )
+WIRE_CAPTION = (
+    "; ZeRO++ wire: {what}, int8 + a float32 scale per {block} elements = {rate:.4g} bytes per element in those "
+    "passes (stage 0 and the stage 1-2 gathers of updated parameters stay in --grad-bytes)"
+)
+COMPILED_WIRE = (
+    "; compiled with ZeroPolicy(quantize_weights={quantize_weights!r}, quantize_grads={quantize_grads!r}, "
+    "quant_block={quant_block}) where the stage has each (qwZ: stage 3; qgZ: stages 1-3)"
+)
+HYBRID_WIRE = "; the ZeRO++ wire formats quantize within N only: ZeroPolicy reduces across R in --grad-bytes."
 TP_CAPTION = (
     "; tensor-parallel over M = {m}: every model-state term and ZeRO's data-axis communication / M (the model's own "
     "traffic over the model axis, its activation all-reduces, is not counted: zj.audit measures it)"
@@ -124,18 +135,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", help="number of parameters, e.g. 7e9 or 7B (default: the --compile model's)")
     p.add_argument("--devices", type=positive_int, default=8, help="data-parallel devices N (default 8)")
     p.add_argument(
-        "--replicas",
-        type=positive_int,
-        default=1,
+        "--replicas", type=positive_int, default=1,
         help="hybrid mesh: R replicas of N-device partitions (HSDP, R*N devices); adds per-axis figures",
-    )
+    )  # fmt: skip
     p.add_argument(
-        "--tensor-parallel",
-        type=positive_int,
-        default=1,
+        "--tensor-parallel", type=positive_int, default=1,
         help="tensor-parallel size M (model axes beside the data axis, N*M devices): model states and ZeRO's "
         "data-axis communication per device / M (default 1)",
-    )
+    )  # fmt: skip
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB or 16GiB")
     p.add_argument("--activations", default="0", help="activation memory per device, e.g. 10GB (default 0)")
     p.add_argument("--bandwidth", help="bandwidth per device, e.g. 300GB/s or 200Gb/s (with --compute-time)")
@@ -145,6 +152,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element (2)")
     p.add_argument("--optimizer-bytes", type=float, default=12, help="optimizer bytes per parameter, K (12: Adam)")
     p.add_argument("--plot", help="write the stacked-bar chart of model states per stage to this file (matplotlib)")
+    w = p.add_argument_group("ZeRO++ wire formats (ZeroPolicy's quantize_weights, quantize_grads, quant_block)")
+    w.add_argument("--quantize-weights", choices=FORMATS, help="qwZ: stage 3's weight all-gathers in int8 blocks")
+    w.add_argument("--quantize-grads", choices=FORMATS, help="qgZ: the gradient reduction of stages 1-3 in int8 blocks")
+    w.add_argument("--quant-block", type=positive_int, default=DEFAULT_BLOCK, help="elements per float32 scale (256)")
     c = p.add_argument_group("compile: check the reference transformer's compiled step (simulated devices)")
     c.add_argument("--compile", action="store_true", help="also compile each stage's step for N simulated devices")
     add_model_arguments(c, vocab=32000, dim=2048, depth=None, heads=16, seq=512, batch_per_device=1)
@@ -159,23 +170,6 @@ def run_plan_command(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"python -m zero_jax plan: error: {e}", file=sys.stderr)
         return 2
-
-
-def sized_config(base: TransformerConfig, num_params: float) -> TransformerConfig:
-    """The reference transformer of about ``num_params`` parameters: ``base``'s
-    vocabulary, sequence and heads; its width, halved while the embeddings
-    and head alone would exceed half the budget; as many layers as fit."""
-    dim = base.dim
-    while dim % 2 == 0 and (dim // 2) % base.heads == 0 and dim // 2 >= 8 * base.heads:
-        shell = TransformerConfig(vocab=base.vocab, dim=dim, depth=1, heads=base.heads, seq=base.seq)
-        if shell.num_params() <= num_params / 2:
-            break
-        dim //= 2
-    one = TransformerConfig(vocab=base.vocab, dim=dim, depth=1, heads=base.heads, seq=base.seq)
-    two = TransformerConfig(vocab=base.vocab, dim=dim, depth=2, heads=base.heads, seq=base.seq)
-    per_layer = two.num_params() - one.num_params()
-    depth = max(1, round((num_params - (one.num_params() - per_layer)) / per_layer))
-    return TransformerConfig(vocab=base.vocab, dim=dim, depth=depth, heads=base.heads, seq=base.seq)
 
 
 def _compile_model(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -194,7 +188,15 @@ def _compile_model(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         note = COMPILED_AS_GIVEN.format(depth=cfg.depth, dim=cfg.dim, phi=cfg.num_params(), params=args.params)
     model = dict(vocab=cfg.vocab, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq=cfg.seq)
     model.update(batch_per_device=args.batch_per_device, compute_dtype="bfloat16" if args.bf16 else None)
+    if args.quantize_weights or args.quantize_grads:  # reference_step applies each where the stage has it
+        wire = dict(quantize_weights=args.quantize_weights, quantize_grads=args.quantize_grads)
+        model.update(wire, quant_block=args.quant_block)
     return model, note
+
+
+def _wire(args: argparse.Namespace, stage: int) -> dict[str, Any]:
+    """The ``--quantize-*`` flags that apply at ``stage``, as :func:`comm_bytes`' keywords."""
+    return quantization_at(stage, args.quantize_weights, args.quantize_grads) | {"quant_block": args.quant_block}
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -224,11 +226,12 @@ def _plan_command(args: argparse.Namespace) -> int:
         s = choice.stage if choice.stage is not None else 3
         target, dtype_bytes = args.target_efficiency, args.grad_bytes
         need = required_bandwidth(
-            num_params, n, s, compute_time=args.compute_time, target=target, dtype_bytes=dtype_bytes, model_parallel=m
-        )
+            num_params, n, s, compute_time=args.compute_time, target=target, dtype_bytes=dtype_bytes, model_parallel=m,
+            **_wire(args, s),
+        )  # fmt: skip
         out.print(f"Bandwidth for {args.target_efficiency:.0%} efficiency at stage {s}: {_si(need)}/s per device.")
     if args.replicas > 1:
-        out.print(_hybrid_table(num_params, n, args.replicas, per, args.grad_bytes, m))
+        out.print(_hybrid_table(num_params, n, args, per, m))
     if args.plot:
         plot_choice(choice, args.plot)
         out.print(f"Chart written to {args.plot}")
@@ -242,48 +245,61 @@ def _plan_command(args: argparse.Namespace) -> int:
 def _formula_table(choice: StageChoice, args: argparse.Namespace, bandwidth: float | None) -> Table:
     """Model states, fit and communication per stage (and time and efficiency given a bandwidth)."""
     psi, n, act, mem = choice.num_params, choice.num_devices, choice.activation_bytes, choice.device_bytes
-    m = choice.model_parallel
+    m, quantized = choice.model_parallel, bool(args.quantize_weights or args.quantize_grads)
     tp = f", M = {m} tensor-parallel ({n * m} devices)" if m > 1 else ""
     table = Table(
         title=f"ZeRO model states per device: Ψ = {psi / 1e9:.2f}B parameters, N = {n}{tp}, {_si(mem)} per device",
         caption=f"{args.param_bytes:g} + {args.grad_bytes:g} + {args.optimizer_bytes:g} bytes per parameter "
         f"(params + grads + optimizer); activations {_si(act)} per device; communication counted as a ring moves it"
-        + (TP_CAPTION.format(m=m) if m > 1 else ""),
+        + (TP_CAPTION.format(m=m) if m > 1 else "")
+        + (_wire_caption(args) if quantized else ""),
     )
     cols = ("stage", "params", "grads", "optimizer", "total") + (("+ activations",) if act else ()) + ("fits",)
-    for col in (*cols, "comm/step", *(("t_comm", "efficiency") if bandwidth is not None else ())):
+    cols += ("comm/step", *(("unquantized",) if quantized else ()))
+    for col in (*cols, *(("t_comm", "efficiency") if bandwidth is not None else ())):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for s in range(4):
         st = choice.state[s]
         row = [f"{s} {STAGE_NAMES[s]}", _si(st.params), _si(st.grads), _si(st.optimizer), _si(st.total)]
         row += [_si(st.total + act)] if act else []
         row.append("[green]yes[/green]" if choice.fits[s] else "[red]no[/red]")
-        comm = comm_bytes(psi, n, s, dtype_bytes=args.grad_bytes, model_parallel=m)
+        comm = comm_bytes(psi, n, s, dtype_bytes=args.grad_bytes, model_parallel=m, **_wire(args, s))
         row.append(_si(comm))
+        row += [_si(comm_bytes(psi, n, s, dtype_bytes=args.grad_bytes, model_parallel=m))] if quantized else []
         if bandwidth is not None:
             eff = efficiency(
                 psi, n, s, compute_time=args.compute_time, bandwidth=bandwidth, dtype_bytes=args.grad_bytes,
-                model_parallel=m,
+                model_parallel=m, **_wire(args, s),
             )  # fmt: skip
             row += [f"{comm / bandwidth:.2f} s", f"{eff:.1%}"]
         table.add_row(*row, style="bold" if s == choice.stage else None)
     return table
 
 
-def _hybrid_table(num_params: float, n: int, r: int, per: dict[str, float], dtype_bytes: float, m: int = 1) -> Table:
+def _wire_caption(args: argparse.Namespace) -> str:
+    """What the ``--quantize-*`` flags put on the wire, for a table's caption."""
+    qw, qg = wire_rates(3, args.quantize_weights, args.quantize_grads, args.quant_block, "plan")  # 3: both apply
+    what = [f"qwZ {args.quantize_weights} at stage 3"] if qw else []
+    what += [f"qgZ {args.quantize_grads} at stages 1-3"] if qg else []
+    return WIRE_CAPTION.format(what=" + ".join(what), block=args.quant_block, rate=qw or qg)
+
+
+def _hybrid_table(num_params: float, n: int, args: argparse.Namespace, per: dict[str, float], m: int = 1) -> Table:
     """Per-device model states and per-axis communication of the hybrid policies (tensor-parallel over ``m``)."""
+    r, b = args.replicas, args.grad_bytes
     tp = f" x M = {m} tensor-parallel" if m > 1 else ""
     table = Table(
         title=f"Hybrid mesh: R = {r} replicas x N = {n} partitions{tp} ({r * n * m} devices)",
         caption="HSDP: ZeroPolicy(..., replica_axis=...); hpZ: also optimizer_over_replicas=True. Per step, per "
-        "device, as a ring moves it: within the partition axis (fast), across the replica axis (slow).",
+        "device, as a ring moves it: within the partition axis (fast), across the replica axis (slow)"
+        + (HYBRID_WIRE if args.quantize_weights or args.quantize_grads else "."),
     )
     for col in ("stage", "HSDP per device", "hpZ per device", "comm within N", "comm across R"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for s in range(1, 4):
         hsdp = model_state_bytes(num_params, n, s, replicas=r, model_parallel=m, **per).total
         hpz = model_state_bytes(num_params, n, s, replicas=r, optimizer_over_replicas=True, model_parallel=m, **per)
-        comm = comm_bytes_per_axis(num_params, n, s, replicas=r, dtype_bytes=dtype_bytes, model_parallel=m)
+        comm = comm_bytes_per_axis(num_params, n, s, replicas=r, dtype_bytes=b, model_parallel=m, **_wire(args, s))
         table.add_row(f"{s} {STAGE_NAMES[s]}", _si(hsdp), _si(hpz.total), _si(comm["shard"]), _si(comm["replica"]))
     return table
 
@@ -326,7 +342,8 @@ def _compiled_table(out: Console, n: int, mem: float, model: dict[str, Any], sta
         title=f"Compiled step (reference transformer, Φ = {phi:,}, AdamW, "
         f"{'bf16 compute / fp32 master' if model['compute_dtype'] else FP32_NOTE})",
         caption=f"compiled in {result.seconds:.1f} s; peak resident memory of the compiling process "
-        f"{fmt_bytes(result.max_rss_bytes)}; peak = argument + output + temp - alias (memory_analysis)",
+        f"{fmt_bytes(result.max_rss_bytes)}; peak = argument + output + temp - alias (memory_analysis)"
+        + (COMPILED_WIRE.format(**model) if "quant_block" in model else ""),
     )
     for col in ("stage", "params", "grads", "optimizer", "temp", "peak", "fits", "comm/step", "/theory", "check"):
         table.add_column(col, justify="left" if col == "stage" else "right")

@@ -28,9 +28,10 @@ from zero_jax._child import importable_path, resolve, run_child
 from zero_jax._optimizer import shard_optimizer
 from zero_jax._policy import ZeroPolicy
 from zero_jax._precision import Precision
+from zero_jax._quantize import DEFAULT_BLOCK
 from zero_jax._report import AuditReport
 from zero_jax._state import init_state
-from zero_jax._theory import check_devices, check_stage
+from zero_jax._theory_args import check_devices, check_stage, quantization_at
 from zero_jax._train import make_train_step
 from zero_jax._units import fmt_bytes, parse_bytes
 from zero_jax.models.transformer import TransformerConfig, init_params, make_loss_fn
@@ -175,11 +176,17 @@ def reference_step(
     min_shard_size: int | None = None,
     accum_steps: int = 1,
     learning_rate: float = 1e-3,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
+    quant_block: int = DEFAULT_BLOCK,
 ) -> tuple[Any, Any, Any]:
     """The default :func:`plan` factory: the reference transformer
     (``zero_jax.models``) with AdamW, stacked layers run layer-wise
     (``gather="manual"``), on abstract inputs: ``(step, abstract_state,
-    abstract_batch)``. ``compute_dtype="bfloat16"`` plans mixed precision."""
+    abstract_batch)``. ``compute_dtype="bfloat16"`` plans mixed precision.
+    ``quantize_weights`` / ``quantize_grads`` (ZeRO++, ``ZeroPolicy``'s
+    arguments) apply where the stage has them: qwZ at stage 3, qgZ at stages
+    1–3 (a plan of every stage compiles stages 0–2 without qwZ, 0 without qgZ)."""
     n = mesh.size
     batch = global_batch if global_batch is not None else batch_per_device * n * accum_steps
     check_global_batch(batch, n, accum_steps)
@@ -187,7 +194,8 @@ def reference_step(
     extra: dict[str, Any] = {} if min_shard_size is None else {"min_shard_size": min_shard_size}
     if compute_dtype is not None:
         extra["precision"] = Precision(compute_dtype=jnp.dtype(compute_dtype))
-    policy = ZeroPolicy(stage, mesh, stacked="layers", **extra)
+    extra |= quantization_at(stage, quantize_weights, quantize_grads)
+    policy = ZeroPolicy(stage, mesh, stacked="layers", quant_block=quant_block, **extra)
     tx = shard_optimizer(optax.adamw(learning_rate), policy)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     state = init_state(params, tx, policy)
@@ -195,6 +203,23 @@ def reference_step(
     step = make_train_step(make_loss_fn(cfg, model_policy), tx, policy, gather=gather, accum_steps=accum_steps)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=policy.batch_sharding())
     return step, state, {"tokens": tokens}
+
+
+def sized_config(base: TransformerConfig, num_params: float) -> TransformerConfig:
+    """The reference transformer of about ``num_params`` parameters: ``base``'s
+    vocabulary, sequence and heads; its width, halved while the embeddings
+    and head alone would exceed half the budget; as many layers as fit."""
+    dim = base.dim
+    while dim % 2 == 0 and (dim // 2) % base.heads == 0 and dim // 2 >= 8 * base.heads:
+        shell = TransformerConfig(vocab=base.vocab, dim=dim, depth=1, heads=base.heads, seq=base.seq)
+        if shell.num_params() <= num_params / 2:
+            break
+        dim //= 2
+    one = TransformerConfig(vocab=base.vocab, dim=dim, depth=1, heads=base.heads, seq=base.seq)
+    two = TransformerConfig(vocab=base.vocab, dim=dim, depth=2, heads=base.heads, seq=base.seq)
+    per_layer = two.num_params() - one.num_params()
+    depth = max(1, round((num_params - (one.num_params() - per_layer)) / per_layer))
+    return TransformerConfig(vocab=base.vocab, dim=dim, depth=depth, heads=base.heads, seq=base.seq)
 
 
 def factory_path(factory: Any) -> str:

@@ -23,70 +23,26 @@ by M, and ZeRO's collectives over the data axis move only the local model
 shard. The model's own tensor-parallel traffic (activation all-reduces over
 the model axis) depends on the model: :func:`zero_jax.audit` measures it.
 
-Floor 1: imports only ``_units``. With ``_policy``, the only module that
-compares stage numbers.
+ZeRO++'s int8 wire formats (``quantize_weights=``: qwZ, stage 3's two
+weight gathers; ``quantize_grads=``: qgZ, the gradient reduction of stages
+1–3) send 1 + 4/block bytes per element in those passes (:func:`comm_bytes`).
+
+Floor 1: imports ``_units``, ``_quantize`` and ``_theory_args`` (the argument
+checks). With ``_policy``, the only module that compares stage numbers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from zero_jax._units import fmt_bytes, number, parse_bytes, parse_count, parse_seconds
+from zero_jax._quantize import DEFAULT_BLOCK
+from zero_jax._theory_args import check_devices, check_nonneg, check_params, check_stage, wire_rates
+from zero_jax._units import fmt_bytes, parse_bytes, parse_seconds
 
 #: The stages' names in the paper (P_os: optimizer state partitioned, +g gradients, +p parameters).
 STAGE_NAMES = ("DP", "P_os", "P_os+g", "P_os+g+p")
-#: What a count is, said when it is bad.
-TP_ROLE = (
-    " (the tensor-parallel size M: the product of the model axes' sizes, policy.model_parallel; "
-    "1 without tensor parallelism)"
-)
-COUNT_ROLES = {"num_devices": " (the data-parallel size N)", "model_parallel": TP_ROLE, "tensor_parallel": TP_ROLE}
-BAD_STAGE = (
-    "{where}: stage must be 0, 1, 2 or 3, got {stage!r} (0 is plain data parallelism; 1 partitions "
-    "optimizer state, 2 also gradients, 3 also parameters)."
-)
-
-# -- checking arguments ----------------------------------------------------------------------------------------
-
-
-def check_params(num_params: Any, where: str) -> float:
-    """Ψ from a number or ``"7B"``; positive."""
-    psi = parse_count(num_params, f"{where}: num_params")
-    if psi <= 0:
-        raise ValueError(f"{where}: num_params must be positive, got {num_params!r}.")
-    return psi
-
-
-def check_devices(num_devices: Any, where: str, what: str = "num_devices") -> int:
-    """A positive integer count of devices (an integral float passes)."""
-    integral = isinstance(num_devices, numbers.Integral) or (
-        isinstance(num_devices, float) and num_devices.is_integer()
-    )
-    role = COUNT_ROLES.get(what, "")
-    if isinstance(num_devices, bool) or not integral:
-        raise TypeError(f"{where}: {what} must be a positive integer{role}, got {num_devices!r}.")
-    if num_devices < 1:
-        raise ValueError(f"{where}: {what} must be a positive integer{role}, got {num_devices}.")
-    return int(num_devices)
-
-
-def check_stage(stage: Any, where: str) -> int:
-    """A ZeRO stage, 0 to 3."""
-    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage <= 3:
-        raise ValueError(BAD_STAGE.format(where=where, stage=stage))
-    return int(stage)
-
-
-def check_nonneg(value: Any, what: str) -> float:
-    """A finite number >= 0."""
-    x = number(value, what)
-    if x < 0:
-        raise ValueError(f"{what} must be >= 0, got {value!r}.")
-    return x
-
 
 # -- the formulas --------------------------------------------------------------------------------------
 
@@ -190,7 +146,15 @@ def model_state_bytes(
 
 
 def comm_bytes(
-    num_params: float, num_devices: int, stage: int, *, dtype_bytes: float = 2, model_parallel: int = 1
+    num_params: float,
+    num_devices: int,
+    stage: int,
+    *,
+    dtype_bytes: float = 2,
+    model_parallel: int = 1,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
+    quant_block: int = DEFAULT_BLOCK,
 ) -> float:
     """Bytes one device sends per step over the data axis, counted as a ring
     moves them.
@@ -203,18 +167,38 @@ def comm_bytes(
     moves only the device's model shard: the figure / M. The model's own
     traffic over the model axis is not counted (:func:`comm_bytes_per_axis`).
 
+    ZeRO++, as ``ZeroPolicy``'s arguments of the same names: ``"int8"`` sends
+    int8 plus a float32 scale per ``quant_block`` elements, 1 + 4/block bytes
+    per element (``wire_bytes`` of a whole block: a real piece pads its last
+    block, which ``zj.audit`` counts) in place of ``dtype_bytes``, in stage 3's
+    two weight gathers (``quantize_weights``, qwZ) and in the gradient
+    reduction of stages 1–3 (``quantize_grads``, qgZ: an all-to-all, the same
+    (N−1)/N). Stages 1–2 gather the updated parameters exactly.
+
     >>> import zero_jax as zj
     >>> zj.comm_bytes(1e9, 8, 0) / 1e9, zj.comm_bytes(1e9, 8, 3) / 1e9
     (3.5, 5.25)
     >>> zj.comm_bytes(1e9, 4, 0, model_parallel=2) / 1e9, zj.comm_bytes(1e9, 4, 3, model_parallel=2) / 1e9
     (1.5, 2.25)
+
+    Stage 3 with both on moves less than data parallelism's 2Ψ (3.5 GB): 3 x 1.015625 B x Ψ x 7/8.
+
+    >>> zj.comm_bytes(1e9, 8, 3, quantize_weights="int8", quantize_grads="int8") / 1e9
+    2.666015625
+    >>> zj.comm_bytes(1e9, 8, 1, quantize_grads="int8") / 1e9  # (1.015625 + 2) B x Ψ x 7/8
+    2.638671875
     """
     psi = check_params(num_params, "comm_bytes")
     n = check_devices(num_devices, "comm_bytes")
     stage = check_stage(stage, "comm_bytes")
     b = check_nonneg(dtype_bytes, "comm_bytes: dtype_bytes")
     m = check_devices(model_parallel, "comm_bytes", "model_parallel")
-    return (3 if stage == 3 else 2) * psi / m * b * (n - 1) / n
+    qw, qg = wire_rates(stage, quantize_weights, quantize_grads, quant_block, "comm_bytes")
+    gathers = 2 if stage == 3 else 1  # stage 0's all-reduce counts as a reduce-scatter + an all-gather
+    plain = (0 if qw else gathers) + (0 if qg else 1)
+    quantized = (gathers * qw if qw else 0.0) + (qg or 0.0)
+    # Unquantized this is exactly the plain formula (+ 0.0): tests compare it with ==.
+    return (plain * psi / m * b + quantized * psi / m) * (n - 1) / n
 
 
 def comm_bytes_per_axis(
@@ -225,6 +209,9 @@ def comm_bytes_per_axis(
     replicas: int = 1,
     dtype_bytes: float = 2,
     model_parallel: int = 1,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
+    quant_block: int = DEFAULT_BLOCK,
 ) -> dict[str, float]:
     """Bytes one device sends per step on a hybrid mesh, by axis (ring-counted).
 
@@ -243,9 +230,15 @@ def comm_bytes_per_axis(
     depends on the model; :func:`zero_jax.audit` measures it, this does not
     predict it.
 
+    ``quantize_weights``, ``quantize_grads`` and ``quant_block`` quantize
+    ``"shard"`` as in :func:`comm_bytes`; ``"replica"`` stays unquantized, in
+    ``dtype_bytes``: ``ZeroPolicy`` never quantizes the replica-axis reduction.
+
     >>> import zero_jax as zj
     >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2).items()}
     {'shard': 4.5, 'replica': 0.5}
+    >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2, quantize_grads="int8").items()}
+    {'shard': 3.76171875, 'replica': 0.5}
     >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2, model_parallel=2).items()}
     {'shard': 2.25, 'replica': 0.25, 'model': 0.0}
     """
@@ -254,8 +247,9 @@ def comm_bytes_per_axis(
     r = check_devices(replicas, "comm_bytes_per_axis", "replicas")
     b = check_nonneg(dtype_bytes, "comm_bytes_per_axis: dtype_bytes")
     m = check_devices(model_parallel, "comm_bytes_per_axis", "model_parallel")
+    wire = {"quantize_weights": quantize_weights, "quantize_grads": quantize_grads, "quant_block": quant_block}
     out = {
-        "shard": comm_bytes(psi, n, stage, dtype_bytes=b, model_parallel=m),
+        "shard": comm_bytes(psi, n, stage, dtype_bytes=b, model_parallel=m, **wire),
         "replica": 2 * psi / m / n * b * (r - 1) / r,
     }
     return out | ({"model": 0.0} if m > 1 else {})
@@ -270,17 +264,24 @@ def efficiency(
     bandwidth: float | str,
     dtype_bytes: float = 2,
     model_parallel: int = 1,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
+    quant_block: int = DEFAULT_BLOCK,
 ) -> float:
     """The fraction of a step spent computing when communication does not
     overlap compute: ``t_compute / (t_compute + comm_bytes / bandwidth)``.
 
     ``compute_time`` is seconds per step (``"10s"`` works); ``bandwidth`` is
     bytes per second and per device (``"300GB/s"``, ``"200Gb/s"``);
-    ``model_parallel`` as in :func:`comm_bytes` (ZeRO's data-axis bytes only).
+    ``model_parallel`` and the quantization (``quantize_weights``,
+    ``quantize_grads``, ``quant_block``) as in :func:`comm_bytes` (ZeRO's
+    data-axis bytes only).
 
     >>> import zero_jax as zj
     >>> round(zj.efficiency(7e9, 64, 3, compute_time="10s", bandwidth="10GB/s"), 3)
     0.707
+    >>> round(zj.efficiency(7e9, 64, 3, compute_time="10s", bandwidth="10GB/s", quantize_weights="int8"), 3)
+    0.783
     """
     t_compute = parse_seconds(compute_time, "efficiency: compute_time")
     bw = parse_bytes(bandwidth, "efficiency: bandwidth", rate=True)
@@ -288,8 +289,9 @@ def efficiency(
         raise ValueError(
             f"efficiency: compute_time and bandwidth must be positive, got {compute_time!r}, {bandwidth!r}."
         )
-    t_comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes, model_parallel=model_parallel) / bw
-    return t_compute / (t_compute + t_comm)
+    wire = {"quantize_weights": quantize_weights, "quantize_grads": quantize_grads, "quant_block": quant_block}
+    comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes, model_parallel=model_parallel, **wire)
+    return t_compute / (t_compute + comm / bw)
 
 
 def required_bandwidth(
@@ -301,10 +303,14 @@ def required_bandwidth(
     target: float = 0.9,
     dtype_bytes: float = 2,
     model_parallel: int = 1,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
+    quant_block: int = DEFAULT_BLOCK,
 ) -> float:
     """Bytes per second and device needed for :func:`efficiency` to reach
     ``target``: ``comm_bytes / (t_compute · (1/target − 1))`` (ZeRO's
-    data-axis bytes, / M with ``model_parallel`` = M).
+    data-axis bytes, / M with ``model_parallel`` = M, quantized as in
+    :func:`comm_bytes`).
 
     >>> import zero_jax as zj
     >>> zj.required_bandwidth(1e9, 8, 0, compute_time=1.0, target=0.5) / 1e9  # comm (3.5 GB) in 1 s
@@ -315,7 +321,8 @@ def required_bandwidth(
         raise ValueError(f"required_bandwidth: compute_time must be positive, got {compute_time!r}.")
     if not 0 < target < 1:
         raise ValueError(f"required_bandwidth: target efficiency must be in (0, 1), got {target!r}.")
-    comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes, model_parallel=model_parallel)
+    wire = {"quantize_weights": quantize_weights, "quantize_grads": quantize_grads, "quant_block": quant_block}
+    comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes, model_parallel=model_parallel, **wire)
     return comm / (t_compute * (1 / target - 1))
 
 
