@@ -100,7 +100,7 @@ def _setup(policy: zj.ZeroPolicy, tx: optax.GradientTransformation, *, gather: s
     return state, zj.make_train_step(loss, stx, policy, gather=gather, **kw)
 
 
-@functools.lru_cache(maxsize=None)  # the unquantized references recur across tests: compile each once
+@functools.cache  # the unquantized references recur across tests: compile each once
 def _cached_step(policy: zj.ZeroPolicy, step_kw: tuple) -> tuple:
     stx = zj.shard_optimizer(optax.sgd(0.1), policy)
     return stx, zj.make_train_step(_manual_loss(policy), stx, policy, gather="manual", **dict(step_kw))

@@ -14,8 +14,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from zero_jax import _batch, _memory, _model_specs, _partition, _quantize
 from zero_jax._collectives import Axes
 from zero_jax._partition import LeafLayout, ReplicatedLeaf, is_layout, shape_dtype
-from zero_jax._policy_args import argument_problems, check_quant_block, raise_problems
+from zero_jax._policy_args import WHERE, argument_problems, check_quant_block
 from zero_jax._precision import Precision
+from zero_jax._theory_args import raise_problems
 from zero_jax._tree import KeyPath, PyTree, path_str, split_prefix, under, under_any
 
 #: ``setattr`` / ``delattr`` on a policy.
@@ -159,7 +160,7 @@ class ZeroPolicy:
     ) -> None:
         #: The arguments as given (first statement: ``locals()`` holds just them): what :meth:`replace` starts from.
         self.arguments: Mapping[str, Any] = types.MappingProxyType({k: v for k, v in locals().items() if k != "self"})
-        raise_problems(argument_problems(**self.arguments))
+        raise_problems(argument_problems(**self.arguments), WHERE)
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
         replicas = (replica_axis,) if isinstance(replica_axis, str) else tuple(replica_axis or ())
         if precision is None:

@@ -12,8 +12,10 @@ from jax.sharding import Mesh
 from zero_jax._batch import batch_spec_problem
 from zero_jax._partition import LeafLayout, piece_elements
 from zero_jax._precision import Precision
-from zero_jax._quantize import DEFAULT_BLOCK, FORMATS
+from zero_jax._quantize import DEFAULT_BLOCK
+from zero_jax._theory_args import Problem, wire_problems
 
+WHERE = "ZeroPolicy"
 BAD_STAGE = (
     "ZeroPolicy: stage must be 0, 1, 2 or 3, got {stage!r}. Stage 0 is plain data parallelism; 1 partitions "
     "optimizer state, 2 also gradients, 3 also parameters."
@@ -55,29 +57,11 @@ PARTITION_ACTIVATIONS_STAGE = (
     "zj.apply_layer(s) keep each layer's input for its backward recompute there); stage {stage} runs layers under "
     "a plain jax.checkpoint. Use stage=2 or 3, or drop partition_activations."
 )
-BAD_WIRE_FORMAT = (
-    "ZeroPolicy: {name}={value!r} is not a wire format; the formats are {formats} (or None, the leaves' own "
-    "dtype). int4 and fp8 are not built."
-)
-QUANTIZE_WEIGHTS_STAGE = (
-    "ZeroPolicy: quantize_weights={value!r} quantizes the all-gathers of partitioned parameters, which only "
-    "stage 3 has (stage {stage} keeps parameters whole and never gathers them for use). Use stage=3, or drop "
-    "quantize_weights."
-)
-QUANTIZE_GRADS_STAGE = (
-    "ZeroPolicy: quantize_grads={value!r} quantizes the gradient reduce-scatter of stages 1-3; stage 0 all-reduces "
-    "whole gradients. Use stage=1 or higher, or drop quantize_grads."
-)
-BAD_QUANT_BLOCK = (
-    "ZeroPolicy: quant_block must be a positive int (elements per float32 scale, e.g. 256), got {value!r}."
-)
 QUANT_BLOCK_TOO_LARGE = (
     "ZeroPolicy: quant_block={block} is larger than every piece it would quantize: the largest, '{path}', "
     "is {elements} elements per device and layer. Pass quant_block <= {elements} (a power of two such as "
     "{suggest} keeps blocks aligned)."
 )
-SEVERAL_PROBLEMS = "ZeroPolicy: {count} problems with the arguments (fix each):\n"
-Problem = tuple[type[Exception], str]
 
 
 def _names(value: Any) -> tuple[Any, ...]:
@@ -141,23 +125,8 @@ def argument_problems(
         problems.append((ValueError, spec_problem))
     if isinstance(partition_activations, (bool, np.bool_)) and partition_activations and stage_ok and int(stage) < 2:
         problems.append((ValueError, PARTITION_ACTIVATIONS_STAGE.format(stage=stage)))
-    problems.extend(_wire_problems(stage if stage_ok else None, quantize_weights, quantize_grads, quant_block))
-    return problems
-
-
-def _wire_problems(stage: int | None, weights: Any, grads: Any, block: Any) -> list[Problem]:
-    problems: list[Problem] = []
-    for name, value in (("quantize_weights", weights), ("quantize_grads", grads)):
-        if value is not None and value not in FORMATS:
-            problems.append((ValueError, BAD_WIRE_FORMAT.format(name=name, value=value, formats=FORMATS)))
-    if weights is not None and stage is not None and int(stage) < 3:
-        problems.append((ValueError, QUANTIZE_WEIGHTS_STAGE.format(value=weights, stage=stage)))
-    if grads is not None and stage is not None and int(stage) == 0:
-        problems.append((ValueError, QUANTIZE_GRADS_STAGE.format(value=grads)))
-    if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
-        problems.append((TypeError, BAD_QUANT_BLOCK.format(value=block)))
-    elif block <= 0:
-        problems.append((ValueError, BAD_QUANT_BLOCK.format(value=block)))
+    known_stage = int(stage) if stage_ok else None
+    problems.extend(wire_problems(known_stage, quantize_weights, quantize_grads, quant_block, WHERE))
     return problems
 
 
@@ -190,16 +159,3 @@ def check_quant_block(
     if block > elements:
         suggest = 1 << (elements.bit_length() - 1)
         raise ValueError(QUANT_BLOCK_TOO_LARGE.format(block=block, path=path, elements=elements, suggest=suggest))
-
-
-def raise_problems(problems: list[Problem]) -> None:
-    """Raise one error for all ``problems``: the single problem's own, or a
-    ``ValueError`` listing them (a ``TypeError`` when every one is a type
-    problem)."""
-    if not problems:
-        return
-    if len(problems) == 1:
-        kind, message = problems[0]
-        raise kind(message)
-    kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
-    raise kind(SEVERAL_PROBLEMS.format(count=len(problems)) + "\n".join(f"  - {m}" for _, m in problems))

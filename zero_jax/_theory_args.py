@@ -2,8 +2,9 @@
 the ZeRO++ wire formats (as ``ZeroPolicy`` checks them), with the error
 messages that name the bad value and the fix.
 
-Split from :mod:`zero_jax._theory` as ``_policy_args`` is from ``_policy``:
-with ``_policy``, ``_policy_args`` and ``_theory``, the only modules that
+Split from :mod:`zero_jax._theory`; ``_policy_args`` (``ZeroPolicy``'s checks)
+shares the wire checks and the one-error-for-all-problems raise from here.
+With ``_policy``, ``_policy_args`` and ``_theory``, the only modules that
 compare stage numbers.
 
 Floor 1: imports ``_units`` and ``_quantize``.
@@ -27,7 +28,10 @@ BAD_STAGE = (
     "{where}: stage must be 0, 1, 2 or 3, got {stage!r} (0 is plain data parallelism; 1 partitions "
     "optimizer state, 2 also gradients, 3 also parameters)."
 )
-BAD_WIRE_FORMAT = "{where}: {name}={value!r} is not a wire format; the formats are {formats} (or None: dtype_bytes)."
+BAD_WIRE_FORMAT = (
+    "{where}: {name}={value!r} is not a wire format; the formats are {formats} (or None: unquantized). "
+    "int4 and fp8 are not built."
+)
 WEIGHTS_NEED_STAGE_3 = (
     "{where}: quantize_weights={value!r} quantizes the all-gathers of partitioned parameters, which only stage 3 "
     "has (stage {stage} keeps parameters whole). Use stage=3, or drop quantize_weights."
@@ -37,7 +41,8 @@ GRADS_NEED_STAGE_1 = (
     "whole gradients. Use stage=1 or higher, or drop quantize_grads."
 )
 BAD_QUANT_BLOCK = "{where}: quant_block must be a positive int (elements per float32 scale, e.g. 256), got {value!r}."
-SEVERAL_WIRE_PROBLEMS = "{where}: {count} problems with the wire-format arguments (fix each):\n"
+SEVERAL_PROBLEMS = "{where}: {count} problems with the arguments (fix each):\n"
+Problem = tuple[type[Exception], str]
 
 
 def check_params(num_params: Any, where: str) -> float:
@@ -76,30 +81,43 @@ def check_nonneg(value: Any, what: str) -> float:
     return x
 
 
-def wire_rates(stage: int, weights: Any, grads: Any, block: Any, where: str) -> tuple[float | None, float | None]:
-    """Bytes per element on the wire of ``stage``'s weight gathers and of its
-    gradient reduction (``None``: unquantized, ``dtype_bytes``), after
-    checking the wire arguments as ``ZeroPolicy`` does (one error naming
-    every bad one). A model-level Ψ uses the per-element rate of a whole
-    block, ``wire_bytes(block, block) / block`` = 1 + 4/block."""
-    problems: list[tuple[type[Exception], str]] = []
+def wire_problems(stage: int | None, weights: Any, grads: Any, block: Any, where: str) -> list[Problem]:
+    """Every problem with the ZeRO++ wire arguments, each with its exception
+    type (``stage`` None: not known to be valid, so not compared)."""
+    problems: list[Problem] = []
     for name, value in (("quantize_weights", weights), ("quantize_grads", grads)):
         if value is not None and value not in FORMATS:
             problems.append((ValueError, BAD_WIRE_FORMAT.format(where=where, name=name, value=value, formats=FORMATS)))
-    if weights is not None and stage < 3:
+    if weights is not None and stage is not None and stage < 3:
         problems.append((ValueError, WEIGHTS_NEED_STAGE_3.format(where=where, value=weights, stage=stage)))
     if grads is not None and stage == 0:
         problems.append((ValueError, GRADS_NEED_STAGE_1.format(where=where, value=grads)))
     integral = isinstance(block, numbers.Integral) and not isinstance(block, bool)
     if not integral or block <= 0:
         problems.append((ValueError if integral else TypeError, BAD_QUANT_BLOCK.format(where=where, value=block)))
+    return problems
+
+
+def raise_problems(problems: list[Problem], where: str) -> None:
+    """Raise one error for all ``problems``: the single problem's own, or a
+    ``ValueError`` listing them (a ``TypeError`` when every one is a type
+    problem)."""
+    if not problems:
+        return
     if len(problems) == 1:
-        raise problems[0][0](problems[0][1])
-    if problems:  # one error naming each, as ZeroPolicy's (a TypeError only when every one is a type problem)
-        kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
-        raise kind(
-            SEVERAL_WIRE_PROBLEMS.format(where=where, count=len(problems)) + "\n".join(f"  - {m}" for _, m in problems)
-        )
+        kind, message = problems[0]
+        raise kind(message)
+    kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
+    raise kind(SEVERAL_PROBLEMS.format(where=where, count=len(problems)) + "\n".join(f"  - {m}" for _, m in problems))
+
+
+def wire_rates(stage: int, weights: Any, grads: Any, block: Any, where: str) -> tuple[float | None, float | None]:
+    """Bytes per element on the wire of ``stage``'s weight gathers and of its
+    gradient reduction (``None``: unquantized, ``dtype_bytes``), after
+    checking the wire arguments as ``ZeroPolicy`` does (one error naming
+    every bad one). A model-level Ψ uses the per-element rate of a whole
+    block, ``wire_bytes(block, block) / block`` = 1 + 4/block."""
+    raise_problems(wire_problems(stage, weights, grads, block, where), where)
     rate = wire_bytes(block, block) / block
     return (rate if weights is not None else None), (rate if grads is not None else None)
 
