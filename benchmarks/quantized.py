@@ -1,35 +1,32 @@
 """ZeRO++ wire formats (qwZ int8 weight all-gathers, qgZ int8 gradient reduce-scatters): bytes, quality, time.
 
 Run: ``python benchmarks/quantized.py`` (8 simulated CPU devices in one process; a few minutes on 2
-cores). It prints one table, the bytes per collective kind and dtype, and the issue's must-show
-checks (PASS / FAIL with their numbers), and writes them with the command and the machine to
-``benchmarks/results/quantized.txt``, the raw numbers to ``quantized.json`` and a plot (the loss
-curves of the four variants; wire bytes per collective kind) to ``quantized.png``.
+cores). It prints one table, the bytes per collective kind and dtype and the issue's must-show
+checks (PASS / FAIL with their numbers; exit status 1 if any fails), and writes them with the
+command and the machine to ``benchmarks/results/quantized.txt``, the raw numbers to
+``quantized.json`` and a plot (loss curves of the four variants; wire bytes per kind) to ``quantized.png``.
 
 The model is the reference transformer (``zero_jax.models``: vocab 256, dim 128, depth 4, 4 heads,
-seq 64, MLP 512), ZeRO stage 3 over N = 8 devices with ``stacked="layers"`` and
-``gather="manual"`` (``scan_layers``), AdamW, global batch 16. Variants: ``off`` (today's program),
-``qwZ`` (``quantize_weights="int8"``), ``qgZ`` (``quantize_grads="int8"``) and ``both``, all fp32
-and trained for ``--steps`` steps; compiled only, for the byte comparisons: stage 0 (plain data
-parallelism, 2Ψ) and a bf16-compute run (``zj.Precision(compute_dtype=bfloat16)``) of ``off`` and
-``qwZ``.
+seq 64, MLP 512), ZeRO stage 3 over N = 8 devices, ``stacked="layers"``, ``gather="manual"``
+(``scan_layers``), AdamW, global batch 16. Variants ``off`` (today's program), ``qwZ``
+(``quantize_weights="int8"``), ``qgZ`` (``quantize_grads="int8"``) and ``both``, fp32, trained for
+``--steps`` steps; compiled only, for the byte comparisons: stage 0 (data parallelism, 2Ψ) and a
+bf16-compute run (``zj.Precision(compute_dtype=bfloat16)``) of ``off`` and ``qwZ``.
 
-* **Bytes**: every collective of the program right after SPMD partitioning (dtypes still the logical
-  ones) and of the final compiled program (after every XLA pass: XLA has moved a cast after an
-  all-gather before, jax issue 23543, so the int8 must be seen to stay int8), read by
-  ``zero_jax._measure.parse_collectives``, counted as a ring moves them, per device per step, loop
-  trip counts included; split by collective kind and dtype. "Reduction" is everything that reduces
-  gradients: reduce-scatter, all-to-all (qgZ's) and all-reduce (leaves kept whole, the loss).
-* **Quality**: the learnable task is a fixed random bigram table (each token has 8 successors with
-  Dirichlet weights): the same batches in the same order for every variant; the final loss is the
-  loss of ``zj.full_params(state)`` on a held-out batch of 64 sequences, beside the table's own
-  cross-entropy (the floor). One step from identical state: each variant's parameter update (new -
-  old) against ``off``'s, relative L2, from the initial state and from ``off``'s trained state
-  (its leaves re-laid under each variant's state structure: the arrays are the same, only the static
-  policy differs). Determinism: that step run twice per variant, compared bitwise.
-* **Step time**: median of the training steps after the first two, the variants taking turns one
-  step each. XLA:CPU's collectives are memcpys between simulated devices: quantizing costs compute
-  here and saves nothing, so the column is no statement about an interconnect.
+* **Bytes**: every collective right after SPMD partitioning (logical dtypes) and in the final
+  compiled program (after every XLA pass: XLA has moved a cast after an all-gather before, jax
+  issue 23543, so the int8 must be seen to stay int8), read by ``_measure.parse_collectives``,
+  ring-counted per device per step with loop trip counts, by kind and dtype. "Reduction" is what
+  reduces gradients: reduce-scatter, all-to-all (qgZ's) and all-reduce (leaves kept whole, the loss).
+* **Quality**: a fixed random bigram table (each token has 8 successors, Dirichlet weights) makes
+  the tokens; every variant sees the same batches in the same order; the final loss is that of
+  ``zj.full_params(state)`` on a held-out batch, beside the table's own cross-entropy (the floor).
+  One step from identical state: each variant's update (new - old parameters) against ``off``'s,
+  relative L2, from the initial state and from ``off``'s trained state (its leaves under each
+  variant's state structure: same arrays, only the static policy differs), run twice per variant
+  and compared bitwise (determinism).
+* **Step time**: median of the training steps after the first two, the variants taking turns. XLA:CPU
+  collectives are memcpys between simulated devices: quantizing costs compute here and saves nothing.
 """
 
 from __future__ import annotations
@@ -92,11 +89,12 @@ def bigram_table(seed: int = 0) -> np.ndarray:
 def sample(table: np.ndarray, sequences: int, rng: np.random.Generator) -> np.ndarray:
     """``sequences`` chains of ``seq + 1`` tokens drawn from the table (int32)."""
     cumulative = np.cumsum(table, axis=1)
+    cumulative[:, -1] = 1.0  # no draw past the last successor through rounding
     out = np.empty((sequences, CFG.seq + 1), np.int32)
     out[:, 0] = rng.integers(0, CFG.vocab, sequences)
     for t in range(1, CFG.seq + 1):
         u = rng.random(sequences)[:, None]
-        out[:, t] = np.minimum((u > cumulative[out[:, t - 1]]).sum(axis=1), CFG.vocab - 1)
+        out[:, t] = (u > cumulative[out[:, t - 1]]).sum(axis=1)
     return out
 
 
@@ -179,15 +177,10 @@ def one_step_probe(runs: list[Run], tokens: np.ndarray) -> dict[str, dict[str, A
     before = host_params(source)
     results: dict[str, dict[str, Any]] = {}
     for r in runs:
-        treedef = jax.tree.structure(r.state)
-        ours = jax.tree.leaves(r.state)
-        assert [(x.shape, x.dtype) for x in ours] == [(x.shape, x.dtype) for x in leaves], r.name
-        batch = jax.device_put({"tokens": tokens}, r.policy.batch_sharding())
-        outs = []
-        for _ in range(2):
-            state, metrics = r.step(jax.tree.unflatten(treedef, copy_tree(leaves)), batch)
-            outs.append((state, float(metrics["loss"])))
-        (a, la), (b, lb) = outs
+        treedef, batch = jax.tree.structure(r.state), jax.device_put({"tokens": tokens}, r.policy.batch_sharding())
+        assert [(x.shape, x.dtype) for x in jax.tree.leaves(r.state)] == [(x.shape, x.dtype) for x in leaves], r.name
+        (a, ma), (b, mb) = (r.step(jax.tree.unflatten(treedef, copy_tree(leaves)), batch) for _ in range(2))
+        la, lb = float(ma["loss"]), float(mb["loss"])
         pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
         same = la == lb and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
         results[r.name] = {"params": host_params(a), "bitwise_equal": bool(same), "loss": la}
@@ -315,7 +308,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(
             f"{name:<9} {row['stage']:>5} {row['compute']:>7} | {s['all_gather'] / MiB:10.4f} "
             f"{s['reduction'] / MiB:9.4f} {s['total'] / MiB:7.4f} {'(' + format(c['total'] / MiB, '.4f') + ')':>10} | "
-            f"{_ratio(s['all_gather'], base['all_gather'])} {_ratio(s['reduction'], base['reduction']):>7} "
+            f"{s['all_gather'] / base['all_gather']:6.3f} {s['reduction'] / base['reduction']:7.3f} "
             f"{s['total'] / dp['total']:6.3f} | {quality}"
         )
     lines += ["", "by collective kind and dtype, MiB per device per step: post-SPMD / compiled"]
@@ -326,10 +319,6 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         ]
         lines.append(f"  {name:<9} " + "; ".join(cells))
     return lines
-
-
-def _ratio(x: float, base: float) -> str:
-    return f"{x / base:6.3f}" if base else f"{'-':>6}"
 
 
 def format_checks(rows: dict, runs: dict[str, Run], probe: dict, first: dict, groups: dict) -> tuple[list[str], bool]:
@@ -391,12 +380,19 @@ def plot(rows: dict[str, dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 4.5))
+    off = np.asarray(rows["off"]["losses"])
     for i, name in enumerate(TRAINED):
-        left.plot(rows[name]["losses"], color=f"C{i}", lw=1.2, ls=("-", "--", ":", "-.")[i], label=name)
+        losses = np.asarray(rows[name]["losses"])
+        left.plot(losses, color=f"C{i}", lw=1.2, ls=("-", "--", ":", "-.")[i], label=name)
+        if name != "off":  # the curves overlap at this scale: their difference to off's
+            middle.plot(100 * (losses / off - 1), color=f"C{i}", lw=1.0, label=name)
     left.axhline(rows["off"]["floor"], color="gray", lw=0.8, ls=":", label="bigram table's floor")
     left.set(title="training loss (same batches), stage 3, N = 8", xlabel="step", ylabel="cross-entropy", yscale="log")
     left.legend(fontsize=8)
+    middle.axhline(0, color="gray", lw=0.8)
+    middle.set(title="training loss vs off's", xlabel="step", ylabel="% (loss / off's - 1)")
+    middle.legend(fontsize=8)
     names = list(rows)
     bottom = np.zeros(len(names))
     for j, kind in enumerate((AG, *REDUCTION)):
@@ -406,7 +402,11 @@ def plot(rows: dict[str, dict[str, Any]], path: str) -> None:
                 right.bar(names, height, bottom=bottom, color=f"C{j}", alpha=(1.0, 0.7, 0.4)[k], edgecolor="k",
                           lw=0.4, label=f"{kind} {dtype}")  # fmt: skip
                 bottom += height
-    right.set(title="wire bytes per device per step (post-SPMD, ring-counted)", ylabel="MiB")
+    for x, total in enumerate(bottom):
+        right.annotate(f"{total:.2f}", (x, total), ha="center", va="bottom", fontsize=8)
+    right.set(
+        title="wire bytes per device per step (post-SPMD, ring-counted)", ylabel="MiB", ylim=(0, 1.12 * max(bottom))
+    )
     right.tick_params(axis="x", labelsize=8)
     right.legend(fontsize=7)
     fig.tight_layout()
@@ -456,7 +456,8 @@ def main() -> None:
         "ZeRO++ wire formats at stage 3: qwZ / qgZ (benchmarks/quantized.py)",
         f"command: {command}",
         f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__}, numpy {np.__version__}",
+        f"jax {jax.__version__}, optax {optax.__version__}, numpy {np.__version__}, zero_jax {zj.__version__} "
+        f"from {os.path.dirname(zj.__file__)}",
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
         f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         f"model: reference transformer vocab {CFG.vocab}, dim {CFG.dim}, depth {CFG.depth}, heads {CFG.heads}, "
