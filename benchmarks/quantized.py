@@ -229,14 +229,22 @@ def stacked_groups(policy: zj.ZeroPolicy) -> dict[tuple[int, ...], dict[str, Any
         if not (name.startswith("['layers']") and lay.partitioned):
             continue
         per_layer = tuple(lay.stored_shape[1:])
-        blocks = _quantize.num_blocks(math.prod(per_layer) // N, block)
-        group = groups.setdefault((N, blocks, block), {"leaves": [], "plain": set()})
+        piece = math.prod(per_layer) // N
+        key = (N, _quantize.num_blocks(piece, block), _quantize.block_size(piece, block))  # a small piece: one block
+        group = groups.setdefault(key, {"leaves": [], "plain": set()})
         group["leaves"].append(name.removeprefix("['layers']"))
         group["plain"].add(per_layer)
     return groups
 
 
-def weight_gather_check(q: list, off: list, groups: dict, block: int) -> tuple[bool, str]:
+def scale_bytes(colls: list, kind: str) -> float:
+    """The bytes the float32 scales of the int8 collectives of ``kind`` take: 4 per block of each
+    ``(N, blocks, block)`` int8 collective."""
+    int8 = [c for c in colls if c.kind == kind and c.dtype == "s8"]
+    return sum(c.total_ring_bytes * _quantize.SCALE_BYTES / c.shape[-1] for c in int8)
+
+
+def weight_gather_check(q: list, off: list, groups: dict) -> tuple[bool, str]:
     """The stacked weights' all-gathers in ``q`` are int8, one for each unquantized gather in ``off``,
     and every float32 all-gather left is a scale gather (4 bytes per int8 block)."""
     parts, ok = [], True
@@ -247,18 +255,18 @@ def weight_gather_check(q: list, off: list, groups: dict, block: int) -> tuple[b
         ok &= s8 == plain > 0 and wide == 0
         parts.append(f"{'+'.join(g['leaves'])}: s8{list(shape)} x{s8} (off's wide gathers x{plain}; wide left {wide})")
     s8_bytes, f32_bytes = of(q, AG, "s8"), of(q, AG, "f32")
-    scales = s8_bytes * _quantize.SCALE_BYTES / block
+    scales = scale_bytes(q, AG)
     ok &= math.isclose(f32_bytes, scales, rel_tol=1e-9) and of(q, AG) == s8_bytes + f32_bytes
     parts.append(f"f32 all-gathers {f32_bytes / MiB:.4f} MiB = scales of the s8 ({scales / MiB:.4f} MiB)")
     return ok, "; ".join(parts)
 
 
-def grad_reduction_check(q: list, block: int, min_shard: int) -> tuple[bool, str]:
+def grad_reduction_check(q: list, min_shard: int) -> tuple[bool, str]:
     """With qgZ: no reduce-scatter left, the float32 all-to-alls are the scales of the int8 ones, and
     every float32 all-reduce is a leaf kept whole (fewer than ``min_shard`` elements)."""
     rs = of(q, "reduce-scatter")
     s8, f32 = of(q, "all-to-all", "s8"), of(q, "all-to-all", "f32")
-    scales = s8 * _quantize.SCALE_BYTES / block
+    scales = scale_bytes(q, "all-to-all")
     wide = [c for c in q if c.kind in REDUCTION and c.dtype in WIDE]
     big = max(wide, key=lambda c: math.prod(c.shape), default=None)
     largest = math.prod(big.shape) if big else 0
@@ -323,7 +331,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 def format_checks(rows: dict, runs: dict[str, Run], probe: dict, first: dict, groups: dict) -> tuple[list[str], bool]:
     out, all_ok = [], True
-    block, min_shard = runs["off"].policy.wire.block, runs["off"].policy.min_shard_size
+    min_shard = runs["off"].policy.min_shard_size
 
     def line(ok: bool, text: str) -> None:
         nonlocal all_ok
@@ -333,7 +341,7 @@ def format_checks(rows: dict, runs: dict[str, Run], probe: dict, first: dict, gr
     for name in ("qwZ", "both", "qwZ bf16"):
         base = "off bf16" if name.endswith("bf16") else "off"
         for where in ("spmd", "compiled"):
-            ok, text = weight_gather_check(getattr(runs[name], where), getattr(runs[base], where), groups, block)
+            ok, text = weight_gather_check(getattr(runs[name], where), getattr(runs[base], where), groups)
             line(ok, f"{name} {where}: stacked weights' all-gathers are s8 (+ f32 scales): {text}")
     s = {k: r["spmd"] for k, r in rows.items()}
     c = {k: r["compiled"] for k, r in rows.items()}
@@ -350,7 +358,7 @@ def format_checks(rows: dict, runs: dict[str, Run], probe: dict, first: dict, gr
             q, base = d[name]["reduction"], d["off"]["reduction"]
             line(q / base <= REDUCTION_VS_OFF, f"gradient reduction bytes {name} / off ({where}) = {q / MiB:.4f} / "
                  f"{base / MiB:.4f} MiB = {q / base:.4f} (<= {REDUCTION_VS_OFF})")  # fmt: skip
-            ok, text = grad_reduction_check(getattr(runs[name], where), block, min_shard)
+            ok, text = grad_reduction_check(getattr(runs[name], where), min_shard)
             line(ok, f"{name} {where}: no float32 collective of gradient size: {text}")
     for where, d in (("spmd", s), ("compiled", c)):
         both, dp, off = (d[k]["total"] for k in ("both", "DP", "off"))
