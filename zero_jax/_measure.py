@@ -415,6 +415,7 @@ def _intervals(
     """Per group [first def, last use] and its elements; the ROOT tuple slots
     holding gathered data (``carried``: the body parameter's slots that do)."""
     holders: dict[str, frozenset[Any]] = {}
+    narrow: dict[str, int] = {}  # held int8 buffers (qwZ) -> elements: a read of one about as big dequantizes it
     span: dict[Any, list[int]] = {}
     size: dict[Any, int] = {}
     end, root_slots = len(instrs), set[int]()
@@ -437,7 +438,7 @@ def _intervals(
                 continue
             for g in got:
                 span[g][1] = max(span[g][1], end if ins.root else t)
-            if ins.op in _ALIASES:
+            if ins.op in _ALIASES or narrow.get(operand, 0) // 2 < ins.elements <= narrow.get(operand, 0):
                 groups |= got
             if ins.root and ins.op == "tuple":
                 root_slots.add(i)
@@ -445,6 +446,7 @@ def _intervals(
             span.setdefault(g, [t, end if ins.root else t])
         if groups:
             holders[ins.name] = frozenset(groups)
+            narrow |= {ins.name: ins.elements} if ins.arrays and all(dt == "s8" for dt, _, _ in ins.arrays) else {}
     return span, size, root_slots
 
 
@@ -454,7 +456,8 @@ def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
 
     Walks each computation in schedule order, tracking every gathered
     buffer ``classify`` names from its all-gather to its last use (through
-    bitcasts, copies, slices, tuples). A named group alive counts one layer;
+    bitcasts, copies, slices, tuples; from an int8 gather into a read of it
+    of more than half its elements: its dequantized copy). A named group alive counts one layer;
     unnamed layer-shaped gathers (and, in a loop body, the gathered layers
     carried from the previous trip: a prefetch queue) count their elements /
     ``layer_elements``, rounded down. At a while loop the count is what stays
