@@ -193,22 +193,22 @@ def wire_roles(colls: Iterable[Collective], policy: ZeroPolicy) -> tuple[str, ..
     )
 
 
-def _sizes(params: Iterable[Any], n: int) -> dict[int, list[tuple[str, int]]]:
-    """Elements -> (path, piece elements) of each partitioned float parameter
-    a collective of that size would be moving whole: its logical or stored
-    shape on one model shard, or one layer of either for a stacked leaf."""
-    out: dict[int, list[tuple[str, int]]] = {}
+def _sizes(params: Iterable[Any], n: int) -> dict[Any, list[tuple[str, int]]]:
+    """Elements and shape -> (path, piece elements) of each partitioned float
+    parameter a collective of that size would be moving whole: its logical or
+    stored shape on one model shard, or one layer of either for a stacked leaf."""
+    out: dict[Any, list[tuple[str, int]]] = {}
     for p in params:
         lay = p.layout
         if not lay.partitioned:
             continue
         split = tuple(p.split) or (1,) * len(lay.shape)
-        shapes = {local_shape(lay.shape, split), local_shape(lay.stored_shape, split)}
-        layers = {s[1:] for s in shapes} if p.stacked else set()
-        for elements in {math.prod(s) for s in shapes} | {math.prod(s) for s in layers}:
-            per_layer = p.stacked and elements in {math.prod(s) for s in layers}
-            if elements >= 2:  # a scalar (a loss, a norm) is never a weight
-                out.setdefault(elements, []).append((p.path, piece_elements(lay, split, n, per_layer=per_layer)))
+        whole = {local_shape(lay.shape, split), local_shape(lay.stored_shape, split)}
+        layers = {s[1:] for s in whole} if p.stacked else set()
+        for shape in whole | layers:
+            piece = piece_elements(lay, split, n, per_layer=shape in layers and shape not in whole)
+            for key in (shape, math.prod(shape)) if math.prod(shape) >= 2 else ():  # a scalar is never a weight
+                out.setdefault(key, []).append((p.path, piece))
     return out
 
 
@@ -227,13 +227,18 @@ def wire_violations(
     for c, role in zip(colls, roles, strict=True):
         option = "quantize_weights" if c.kind == "all-gather" else "quantize_grads" if c.kind in _GRAD_KINDS else ""
         fmt = wire.weights if option == "quantize_weights" else wire.grads if option else None
-        elements = math.prod(c.shape) * (c.group_size if c.kind == "reduce-scatter" else 1)
-        if fmt is None or role or not c.shape or not is_float_dtype(c.dtype) or elements not in sizes:
+        # An all-reduce by its shape (leaves the policy keeps whole are all-reduced by design), the rest by size.
+        key = (
+            c.shape
+            if c.kind == "all-reduce"
+            else math.prod(c.shape) * (c.group_size if c.kind == "reduce-scatter" else 1)
+        )
+        if fmt is None or role or not c.shape or not is_float_dtype(c.dtype) or key not in sizes:
             continue
         axes = c.axes(policy.mesh)
         if not shard & set(axes):
             continue
-        leaves, noun = sizes[elements], "weight" if option == "quantize_weights" else "gradient"
+        leaves, noun = list(dict.fromkeys(sizes[key])), "weight" if option == "quantize_weights" else "gradient"
         piece = leaves[0][1]
         expected = f"s8[{','.join(map(str, quantized_shape(piece, n, wire.block)))}]"
         message = WIDE_WIRE_MESSAGE.format(

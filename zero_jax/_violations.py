@@ -199,14 +199,15 @@ def accum_violations(
 ) -> list[Violation]:
     """Gradient reductions inside the accumulation loop of a local-accumulation
     step (over the data or replica axes: the model's own reductions over model
-    axes run per microbatch by design)."""
+    axes run per microbatch by design); with qgZ an int8 all-to-all is one."""
     model = set(model_axes(policy)) if policy is not None else set()
     out = []
     for c in colls:
         nest = loops.get(c.name, ())
         if policy is not None and is_model_only(c, policy, model):
             continue
-        if c.kind in ("all-reduce", "reduce-scatter") and c.shape != () and nest and nest[0] == steps:
+        reduction = c.kind in ("all-reduce", "reduce-scatter") or (c.kind == "all-to-all" and c.dtype == "s8")  # qgZ
+        if reduction and c.shape != () and nest and nest[0] == steps:
             message = ACCUM_MESSAGE.format(kind=c.kind, name=c.name, shape=_shape(c), steps=steps, trips=c.trips)
             out.append(Violation(REDUCE_IN_ACCUM_LOOP, c.name, message))
     return out
