@@ -29,6 +29,15 @@ the exact mesh axes each collective spans and by kind, a collective over
 model axes only counted as the model's own; a weight gathered whole across a
 model axis fails the check, as does a gradient-sized all-reduce over data.
 
+On a quantized wire (``ZeroPolicy(quantize_weights="int8",
+quantize_grads="int8")``, ZeRO++'s qwZ / qgZ) the report gives the wire dtype
+and bytes per collective kind (``report.wire_bytes()``: int8 values and their
+float32 scales apart; ``report.wire_roles``), the theory counts each quantized
+pass at its int8 blocks and scales (:mod:`zero_jax._comm_audit`), and a
+collective the policy asks to be int8 that runs in a float dtype (a weight's
+all-gather, a gradient's reduce-scatter / all-to-all / all-reduce over data)
+fails the check: the bytes on the wire are proven, not assumed.
+
 ``report.check()`` raises :class:`AuditError` listing every violation. The
 report types live in :mod:`zero_jax._report`.
 

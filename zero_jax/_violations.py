@@ -1,13 +1,14 @@
 """The stage's contract on one model, and how a compiled step breaks it.
 
-:func:`communication` is the theory of what a step of this policy sends on
-this model (padding, leaves kept whole, frozen leaves, accumulation and the
-re-gathers stage 3's backward pass skips); the ``*_violations`` functions name
-each broken promise. Which state a stage partitions is asked of the policy
-(``policy.partitions_params`` and its siblings), never read off the stage
-number.
+The ``*_violations`` functions name each broken promise (the communication
+theory and the wire check live in :mod:`zero_jax._comm_audit`), and
+:func:`layer_schedule` reads the per-layer schedule of a compiled step (int8
+gathers and all-to-all reductions included). Which state a stage partitions
+is asked of the policy (``policy.partitions_params`` and its siblings), never
+read off the stage number.
 
-Floor 6 (with ``_audit``): imports the policy, the partition rules and the report types.
+Floor 6 (with ``_audit``): imports the policy, the partition rules, the
+communication audit and the report types.
 """
 
 from __future__ import annotations
