@@ -159,17 +159,18 @@ def wire_shape(layout: Any, n: int, block: int) -> tuple[int, ...]:
     return quantized_shape(math.prod(layout.stored_shape) // n, n, block)
 
 
-def wire_bytes_by_shape(params: Iterable[Any], n: int, block: int) -> dict[tuple[int, ...], int]:
-    """Int8 collective shape -> the stored (dequantized) bytes of the piece it
-    carries whole: each partitioned parameter's (``params`` with model-shard
-    layouts), and one layer's of a stacked one; the largest on a collision."""
-    out: dict[tuple[int, ...], int] = {}
+def wire_stored_by_shape(params: Iterable[Any], n: int, block: int) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Int8 collective shape -> (elements, bytes) of the stored (dequantized)
+    piece it carries whole: each partitioned parameter's (``params`` with
+    model-shard layouts), and one layer's of a stacked one; the largest on a
+    collision."""
+    out: dict[tuple[int, ...], tuple[int, int]] = {}
     for p in params:
         lay = p.layout
         for per_layer in (False, True) if p.stacked and lay.dim else (False,) if lay.partitioned else ():
             shape = quantized_shape(piece_elements(lay, (), n, per_layer=per_layer), n, block)
-            stored = math.prod(lay.stored_shape[1:] if per_layer else lay.stored_shape) * p.dtype.itemsize
-            out[shape] = max(out.get(shape, 0), stored)
+            stored = math.prod(lay.stored_shape[1:] if per_layer else lay.stored_shape)
+            out[shape] = max(out.get(shape, (0, 0)), (stored, stored * p.dtype.itemsize))
     return out
 
 

@@ -405,7 +405,7 @@ def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str,
     return comps, entry, _trip_counts(hlo)
 
 
-Classify = Any  # all-gather -> group key ("block", 3, "forward"), "elements" (unnamed layer-shaped) or None
+Classify = Any  # all-gather -> ("block", 3, "forward"), "elements" / a count (unnamed layer-shaped) or None
 Alive = collections.namedtuple("Alive", "layers where")  # the most whole layers alive at once, and where
 
 
@@ -423,10 +423,10 @@ def _intervals(
     for t, ins in enumerate(instrs):
         groups: set[Any] = set()
         if ins.op in ("all-gather", "all-gather-start"):
-            key = classify(ins)
+            key = classify(ins)  # an int: an unnamed layer-shaped gather holding that many elements whole
             if key is not None:
-                groups.add(("elements", ins.name) if key == "elements" else key)
-                size[("elements", ins.name)] = ins.elements
+                groups.add(("elements", ins.name) if key == "elements" or type(key) is int else key)
+                size[("elements", ins.name)] = key if type(key) is int else ins.elements
         elif ins.op == "get-tuple-element" and carried and ins.operands and ins.operands[0] in params:
             slot = re.search(r"index=(\d+)", ins.attrs)
             if slot and int(slot.group(1)) in carried:

@@ -29,8 +29,8 @@ from zero_jax._comm_audit import (
     is_float_dtype,
     joined_arrays,
     scale_heads,
-    wire_bytes_by_shape,
     wire_shape,
+    wire_stored_by_shape,
 )
 from zero_jax._measure import Collective, Instruction
 from zero_jax._model_axes import is_model_only, local_shape, model_axes
@@ -231,27 +231,31 @@ class _Group(NamedTuple):
     elements: int
     bytes: int
     wire: set[tuple[int, ...]]  # on a quantized wire: one layer's int8 (N, nb, block) shapes,
-    wire_counted: set[tuple[int, ...]]  # the counted leaves' ones,
-    wire_elements: int  # and one layer's int8 elements
+    wire_counted: set[tuple[int, ...]]  # and the counted leaves' ones
 
 
 def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], others: list[LeafLayout], n: int,
            block: int) -> _Group:  # fmt: skip
     """One group from its layers' leaf layouts (one layer) and the other
     parameters' layouts (``block``: the wire's elements per scale; 0 when
-    nothing is quantized). A layer leaf is counted when no other parameter
-    moves in its shapes, float or int8."""
+    nothing is quantized). A layer leaf is counted when no other parameter,
+    and no leaf of the layer left uncounted, moves in its shapes, float or int8."""
     wire = lambda lay: wire_shape(lay, n, block) if block else ()  # noqa: E731
-    taken = {lay.stored_shape for lay in others} | {shard_shape(lay, n) for lay in others}
-    taken |= {wire(lay) for lay in others} if block else set()
-    mine = [lay for lay, _ in lays if not {lay.stored_shape, shard_shape(lay, n), wire(lay)} & taken]
+    shapes = lambda lay: {lay.stored_shape, shard_shape(lay, n)} | ({wire(lay)} if block else set())  # noqa: E731
+    taken = set().union(*(shapes(lay) for lay in others))
+    mine = [lay for lay, _ in lays if not shapes(lay) & taken]
+    while True:  # nor one left out of this layer (int8 blocks of two weights often share a shape)
+        left = set().union(*(shapes(lay) for lay, _ in lays if lay not in mine))
+        if not any(shapes(lay) & left for lay in mine):
+            break
+        mine = [lay for lay in mine if not shapes(lay) & left]
     mine = mine or [lay for lay, _ in lays]
     return _Group(
         name, layers, {lay.stored_shape for lay, _ in lays}, {shard_shape(lay, n) for lay, _ in lays},
         {lay.stored_shape for lay in mine} | {shard_shape(lay, n) for lay in mine}, len(mine),
         sum(math.prod(lay.stored_shape) for lay, _ in lays),
         sum(math.prod(lay.stored_shape) * dt.itemsize for lay, dt in lays),
-        {wire(lay) for lay, _ in lays}, {wire(lay) for lay in mine}, sum(math.prod(wire(lay)) for lay, _ in lays),
+        {wire(lay) for lay, _ in lays}, {wire(lay) for lay in mine},
     )  # fmt: skip
 
 
@@ -298,7 +302,7 @@ def _scope(ins: Instruction) -> tuple[int, str] | None:
 
 
 def _count(
-    hlo: str, groups: list[_Group], policy: ZeroPolicy, wire_bytes: Mapping[tuple[int, ...], int]
+    hlo: str, groups: list[_Group], policy: ZeroPolicy, stored: Mapping[tuple[int, ...], tuple[int, int]]
 ) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
     """Per named block [weights, forward, backward, reduces, bytes, elements,
     weights, bytes] and per group [forward, backward, reduces]: all-gather /
@@ -306,7 +310,7 @@ def _count(
     gather; the last two: of one reduction, whole). On a quantized wire an
     int8 all-gather is a gather, an int8 all-to-all a reduction, its float32
     scales ride along uncounted, and its whole bytes are the leaf's
-    (``wire_bytes``: int8 shape -> the dequantized stored bytes)."""
+    (``stored``: int8 shape -> the dequantized stored elements and bytes)."""
     comps, _, trips = _measure.scheduled_computations(hlo)
     heads = scale_heads(comps.values(), policy.wire.block)
     named: dict[int, list[int]] = {}
@@ -322,7 +326,7 @@ def _count(
             gather = ins.op.startswith("all-gather")
             if (gather and not policy.partitions_params) or (ins.op == "all-to-all" and not int8):
                 continue  # stage 2: the update's all-gathers, not layers; a float all-to-all: the model's
-            whole = [wire_bytes.get(d, b) if dt == "s8" else b * (1 if gather else policy.num_shards)
+            whole = [stored.get(d, (0, b))[1] if dt == "s8" else b * (1 if gather else policy.num_shards)
                      for dt, d, b in arrays]  # fmt: skip
             if scope is not None:
                 row = named.setdefault(scope[0], [0] * 8)
@@ -330,7 +334,7 @@ def _count(
                 if scope[1] == "forward":
                     row[0] += len(arrays)
                     row[4] += sum(whole)
-                    row[5] += sum(math.prod(dims) for _, dims, _ in arrays)
+                    row[5] += sum(stored.get(d, (0,))[0] if dt == "s8" else math.prod(d) for dt, d, _ in arrays)
                 elif scope[1] == "reduce":
                     row[6] += len(arrays)
                     row[7] += sum(whole)
@@ -350,7 +354,8 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
         return None
     params = [p._replace(layout=_model_shard(p)) for p in params]  # with model axes: what one device gathers
     groups, wire = _layer_groups(params, policy), policy.wire
-    named, unnamed = _count(hlo, groups, policy, wire_bytes_by_shape(params, policy.num_shards, wire.block))
+    stored = wire_stored_by_shape(params, policy.num_shards, wire.block)
+    named, unnamed = _count(hlo, groups, policy, stored)
     blocks = [
         BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
     ]
@@ -359,10 +364,10 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     ]
     if not blocks:
         return None
-    # On an int8 weight wire a whole layer alive is its int8 gathers (then their dequantized copy).
+    # On an int8 weight wire a layer is alive as its int8 gathers (then their dequantized copy), each
+    # counting the stored elements it carries: what the same gather holds in float.
     shapes = set().union(*((g.wire if wire.weights else g.gathered) for g in groups))
-    sizes = [g.wire_elements if wire.weights else g.elements for g in groups]
-    elements = max(sizes + [r[5] for r in named.values()], default=1)
+    elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
 
     def classify(ins: Instruction) -> Any:
         if not policy.partitions_params:
@@ -370,7 +375,8 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
         scope = _scope(ins)
         if scope is not None:
             return ("block", *scope)
-        return "elements" if any(dims in shapes for _, dims, _ in ins.arrays) else None
+        held = [stored.get(dims, (0,))[0] if dt == "s8" else math.prod(dims) for dt, dims, _ in ins.arrays]
+        return sum(held) if any(dims in shapes for _, dims, _ in ins.arrays) else None
 
     alive = _measure.layers_alive(hlo, classify, elements)
     return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, True)
