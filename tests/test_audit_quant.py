@@ -148,7 +148,9 @@ def test_check_flags_each_collective_asked_to_be_int8_that_runs_in_float32(plain
     assert report.comm.ratio > 3.5
 
 
-@pytest.mark.parametrize(("stage", "weights", "grads"), [(1, None, "int8"), (2, None, "int8"), (3, "int8", None)])
+@pytest.mark.parametrize(
+    ("stage", "weights", "grads"), [(1, None, "int8"), (2, None, "int8"), (3, "int8", None), (3, None, "int8")]
+)
 def test_check_passes_each_quantized_variant_within_tolerance(stage, weights, grads):
     report = _run_audit(_policy(stage, weights, grads)).check()
     wire = report.wire_bytes()
