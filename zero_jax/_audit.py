@@ -70,14 +70,13 @@ import numpy as np
 
 from zero_jax import _measure
 from zero_jax._comm_audit import ParamInfo, comm_violation, communication, formula_inputs, wire_roles, wire_violations
-from zero_jax._comm_audit import comm_bytes as planned_comm_bytes  # TODO(lead): use _theory.comm_bytes quantized args
 from zero_jax._measure import Collective
 from zero_jax._model_axes import model_axes, model_gather_violations, model_parallel, split_of
 from zero_jax._optimizer import frozen_leaves
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, is_layout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._report import CATEGORIES, FIELD_CATEGORY, AuditReport, LeafBytes, Violation
-from zero_jax._theory import model_state_bytes
+from zero_jax._theory import comm_bytes, model_state_bytes
 from zero_jax._tree import PyTree, check_live, key_name, path_str, under_any
 from zero_jax._violations import (
     accum_violations,
@@ -385,7 +384,7 @@ def _comm_formula(params: list[ParamInfo], policy: ZeroPolicy) -> float:
     if not phi or policy.num_shards <= 1:
         return 0.0
     w = policy.wire
-    return planned_comm_bytes(
+    return comm_bytes(
         phi, policy.num_shards, policy.stage, dtype_bytes=dtype_bytes,
         quantize_weights=w.weights, quantize_grads=w.grads, quant_block=w.block,
     )  # fmt: skip

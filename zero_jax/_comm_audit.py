@@ -18,8 +18,7 @@ wire_bytes(piece, block)`` ring bytes per device (:func:`pass_bytes`), not
 ``(N - 1) / N · stored · itemsize``. This module is the one home of that
 figure, of the roles of a program's collectives (:func:`wire_roles`: int8
 values, float32 scales, or plain), of the check that a collective asked to be
-int8 did not run wider (:func:`wire_violations`), and of a stand-in for the
-planner's quantized :func:`comm_bytes` until ``_theory`` has it.
+int8 did not run wider (:func:`wire_violations`).
 
 >>> quantized_shape(3000, 8, 256)  # a piece of 3,000 elements: 12 blocks, sent by 8 devices
 (8, 12, 256)
@@ -41,9 +40,9 @@ import numpy as np
 
 from zero_jax._measure import DTYPE_BYTES, Collective, Instruction, ring_bytes
 from zero_jax._model_axes import is_model_only, local_shape, model_axes
-from zero_jax._partition import LeafLayout
+from zero_jax._partition import LeafLayout, piece_elements
 from zero_jax._policy import ZeroPolicy
-from zero_jax._quantize import SCALE_BYTES, num_blocks, wire_bytes
+from zero_jax._quantize import block_size, num_blocks, wire_bytes
 from zero_jax._report import COMM_OVER_THEORY, WIDE_WIRE, Communication, Violation
 from zero_jax._units import fmt_bytes
 
@@ -96,17 +95,10 @@ def is_float_dtype(hlo_dtype: str) -> bool:
     return hlo_dtype.startswith(("f", "bf"))
 
 
-def piece_elements(layout: Any, split: tuple[int, ...], n: int, *, per_layer: bool = False) -> int:
-    """Elements of one device's piece of a partitioned leaf on one model shard
-    (``split``: how many ways model axes cut each dimension), or of one
-    layer's piece for a stacked leaf gathered layer by layer."""
-    stored = local_shape(layout.stored_shape, tuple(split) or (1,) * len(layout.stored_shape))
-    return math.prod(stored[1:] if per_layer else stored) // n
-
-
 def quantized_shape(piece: int, n: int, block: int) -> tuple[int, int, int]:
-    """The shape of a quantized piece's collective in post-SPMD HLO: ``(N, nb, block)``."""
-    return (n, num_blocks(piece, block), block)
+    """The shape of a quantized piece's collective in post-SPMD HLO: ``(N, nb,
+    block)``, or ``(N, 1, piece)`` for a piece smaller than a block."""
+    return (n, num_blocks(piece, block), block_size(piece, block))
 
 
 def pass_bytes(piece: int, n: int, block: int) -> float:
@@ -116,17 +108,17 @@ def pass_bytes(piece: int, n: int, block: int) -> float:
     return (n - 1) / n * n * wire_bytes(piece, block)
 
 
-def quantized_piece(p: Any, n: int, block: int, counts: Mapping[tuple[int, ...], int]) -> tuple[int, int]:
+def quantized_piece(p: Any, policy: ZeroPolicy, counts: Mapping[tuple[int, ...], int]) -> tuple[int, int]:
     """(piece elements, pieces per pass) of a partitioned parameter on a
     quantized wire: one layer's piece, once per layer, for a stacked leaf the
     program moves layer by layer (at least one int8 collective of that shape
     per layer in ``counts``, shape -> executions), else the whole piece once."""
-    split = tuple(p.split) or (1,) * len(p.layout.shape)
+    n, block, mesh = policy.num_shards, policy.wire.block, policy.mesh.shape
     if p.stacked and p.layout.dim:
-        layer = piece_elements(p.layout, split, n, per_layer=True)
+        layer = piece_elements(p.layout, n, mesh, stacked=True)
         if counts.get(quantized_shape(layer, n, block), 0) >= p.layout.shape[0]:
             return layer, p.layout.shape[0]
-    return piece_elements(p.layout, split, n), 1
+    return piece_elements(p.layout, n, mesh, stacked=False), 1
 
 
 def joined_arrays(ins: Instruction) -> list[tuple[str, tuple[int, ...], int]]:
@@ -149,7 +141,7 @@ def scale_heads(computations: Iterable[Iterable[Instruction]], block: int) -> se
         for ins in instrs
         if ins.op.startswith(_QUANTIZED_KINDS)
         for dt, dims, _ in joined_arrays(ins)
-        if dt == "s8" and len(dims) == 3 and dims[2] == block
+        if dt == "s8" and len(dims) == 3 and dims[2] <= block
     }
 
 
@@ -159,18 +151,17 @@ def wire_shape(layout: Any, n: int, block: int) -> tuple[int, ...]:
     return quantized_shape(math.prod(layout.stored_shape) // n, n, block)
 
 
-def wire_stored_by_shape(params: Iterable[Any], n: int, block: int) -> dict[tuple[int, ...], tuple[int, int]]:
+def wire_stored_by_shape(params: Iterable[Any], policy: ZeroPolicy) -> dict[tuple[int, ...], tuple[int, int]]:
     """Int8 collective shape -> (elements, bytes) of the stored (dequantized)
-    piece it carries whole: each partitioned parameter's (``params`` with
-    model-shard layouts), and one layer's of a stacked one; the largest on a
-    collision."""
-    out: dict[tuple[int, ...], tuple[int, int]] = {}
+    piece it carries whole, on one model shard: each partitioned parameter's,
+    and one layer's of a stacked one; the largest on a collision."""
+    n, block, out = policy.num_shards, policy.wire.block, {}
     for p in params:
         lay = p.layout
         for per_layer in (False, True) if p.stacked and lay.dim else (False,) if lay.partitioned else ():
-            shape = quantized_shape(piece_elements(lay, (), n, per_layer=per_layer), n, block)
-            stored = math.prod(lay.stored_shape[1:] if per_layer else lay.stored_shape)
-            out[shape] = max(out.get(shape, (0, 0)), (stored, stored * p.dtype.itemsize))
+            piece = piece_elements(lay, n, policy.mesh.shape, stacked=per_layer)
+            shape = quantized_shape(piece, n, block)
+            out[shape] = max(out.get(shape, (0, 0)), (piece * n, piece * n * p.dtype.itemsize))
     return out
 
 
@@ -185,7 +176,7 @@ def wire_roles(colls: Iterable[Collective], policy: ZeroPolicy) -> tuple[str, ..
         return (PLAIN,) * len(colls)
 
     def values(c: Collective) -> bool:
-        return c.kind in _QUANTIZED_KINDS and c.dtype in ("s8", "u8") and len(c.shape) == 3 and c.shape[2] == wire.block
+        return c.kind in _QUANTIZED_KINDS and c.dtype in ("s8", "u8") and len(c.shape) == 3 and c.shape[2] <= wire.block
 
     heads = {(c.kind, c.group, c.shape[:2]) for c in colls if values(c)}
     return tuple(
@@ -194,7 +185,7 @@ def wire_roles(colls: Iterable[Collective], policy: ZeroPolicy) -> tuple[str, ..
     )
 
 
-def _sizes(params: Iterable[Any], n: int) -> dict[Any, list[tuple[str, int]]]:
+def _sizes(params: Iterable[Any], n: int, mesh_shape: Any) -> dict[Any, list[tuple[str, int]]]:
     """Elements and shape -> (path, piece elements) of each partitioned float
     parameter a collective of that size would be moving whole: its logical or
     stored shape on one model shard, or one layer of either for a stacked leaf."""
@@ -207,7 +198,7 @@ def _sizes(params: Iterable[Any], n: int) -> dict[Any, list[tuple[str, int]]]:
         whole = {local_shape(lay.shape, split), local_shape(lay.stored_shape, split)}
         layers = {s[1:] for s in whole} if p.stacked else set()
         for shape in whole | layers:
-            piece = piece_elements(lay, split, n, per_layer=shape in layers and shape not in whole)
+            piece = piece_elements(lay, n, mesh_shape, stacked=shape in layers and shape not in whole)
             for key in (shape, math.prod(shape)) if math.prod(shape) >= 2 else ():  # a scalar is never a weight
                 out.setdefault(key, []).append((p.path, piece))
     return out
@@ -224,7 +215,7 @@ def wire_violations(
     scale collectives and collectives over model or replica axes only (the
     replica-axis reduction is never quantized) are not violations."""
     wire, n = policy.wire, policy.num_shards
-    shard, sizes, out = set(policy.axes), _sizes(params, policy.num_shards), []
+    shard, sizes, out = set(policy.axes), _sizes(params, policy.num_shards, policy.mesh.shape), []
     for c, role in zip(colls, roles, strict=True):
         option = "quantize_weights" if c.kind == "all-gather" else "quantize_grads" if c.kind in _GRAD_KINDS else ""
         fmt = wire.weights if option == "quantize_weights" else wire.grads if option else None
@@ -251,35 +242,6 @@ def wire_violations(
         )  # fmt: skip
         out.append(Violation(WIDE_WIRE, c.name, message))
     return out
-
-
-def comm_bytes(
-    num_params: float,
-    num_devices: int,
-    stage: int,
-    *,
-    dtype_bytes: float = 2,
-    model_parallel: int = 1,
-    quantize_weights: str | None = None,
-    quantize_grads: str | None = None,
-    quant_block: int = 256,
-) -> float:
-    """A stand-in for the planner's :func:`zero_jax.comm_bytes` with the
-    quantized arguments (issue 17), same signature, until ``_theory`` has
-    them: stage 3 makes 2 weight gathers and 1 gradient reduction, stages 1-2
-    one reduction and one (never quantized) gather of the update, stage 0 two
-    all-reduce passes; a quantized pass costs ``1 + SCALE_BYTES / quant_block``
-    bytes per element instead of ``dtype_bytes``; each pass (N - 1) / N of it,
-    / ``model_parallel``.
-
-    >>> comm_bytes(1e9, 8, 3, quantize_weights="int8", quantize_grads="int8") / 1e9  # below DP's 3.5
-    2.666015625
-    """
-    rate = 1 + SCALE_BYTES / quant_block
-    weights = rate if quantize_weights else dtype_bytes
-    grads = rate if quantize_grads else dtype_bytes
-    passes = 2 * weights + grads if stage == 3 else (dtype_bytes + grads if stage else 2 * dtype_bytes)
-    return num_params / model_parallel * passes * (num_devices - 1) / num_devices
 
 
 def formula_inputs(params: Iterable[Any]) -> tuple[float, float]:
@@ -327,7 +289,7 @@ def communication(
         rb = np.dtype(reduce_dtype if reduce_dtype is not None else p.dtype).itemsize
         # Stage 1 reduces whole gradients; layer by layer needs the gradient reduced as the backward makes it.
         layered = quantized if policy.partitions_grads else {}
-        piece, layers = quantized_piece(p, n, wire.block, layered) if p.layout.partitioned else (0, 1)
+        piece, layers = quantized_piece(p, policy, layered) if p.layout.partitioned else (0, 1)
         one = pass_bytes(piece, n, wire.block)  # one quantized pass of one piece, on one model shard
         theory += _leaf_theory(p, policy, rb, reduces, gathers, one * layers * p.model_split) / p.model_split
         if policy.partitions_params and p.layout.partitioned:

@@ -108,7 +108,7 @@ def weight_shapes(p: Any, num_shards: int) -> set[tuple[int, ...]]:
 def _int8_over_data_and_model(c: Collective, axes: tuple[str, ...], policy: ZeroPolicy, model: set[str]) -> bool:
     """A qwZ gather (int8 blocks, ``(G, nb, block)``) spanning a data axis and
     a model axis: ZeRO gathers each model shard's int8 pieces over data only."""
-    quantized = c.dtype == "s8" and len(c.shape) == 3 and c.shape[2] == policy.wire.block
+    quantized = c.dtype == "s8" and len(c.shape) == 3 and c.shape[2] <= policy.wire.block
     return quantized and bool(set(axes) & model) and bool(set(axes) & set(policy.axes))
 
 

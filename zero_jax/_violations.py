@@ -352,9 +352,9 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     None when it runs no blocks (see :class:`LayerSchedule`)."""
     if not policy.partitions_grads:
         return None
+    stored = wire_stored_by_shape(params, policy)
     params = [p._replace(layout=_model_shard(p)) for p in params]  # with model axes: what one device gathers
     groups, wire = _layer_groups(params, policy), policy.wire
-    stored = wire_stored_by_shape(params, policy.num_shards, wire.block)
     named, unnamed = _count(hlo, groups, policy, stored)
     blocks = [
         BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
