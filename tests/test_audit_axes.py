@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import _measure, _model_axes, _report, _violations
+from zero_jax import _comm_audit, _measure, _model_axes, _report, _violations
 from zero_jax._partition import leaf_layout
 
 ROWS, COLS = 64, 32  # the global operand of the hand-built programs
@@ -175,7 +175,7 @@ def test_a_gradient_sized_all_reduce_over_data_is_flagged_not_the_models_own():
         assert part in v.message, (part, v.message)
     # Stage 0 all-reduces by design; the communication theory counts only ZeRO's side.
     assert _violations.all_reduce_violations(colls, {}, [_weight(policy)], 1024, policy.replace(stage=0)) == []
-    comm = _violations.communication(colls, [_weight(policy)], policy, None, None, 1)
+    comm = _comm_audit.communication(colls, [_weight(policy)], policy, None, None, 1)
     assert comm.measured == 2 * 0.75 * 64 * 16 * 4  # the model axis's 8 KiB all-reduce is not ZeRO's
     # stage 1 on the weight's model shard (64, 16): reduce-scatter + all-gather, (N-1)/N each
     assert comm.theory == 2 * 0.75 * 64 * 16 * 4

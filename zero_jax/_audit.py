@@ -29,6 +29,15 @@ the exact mesh axes each collective spans and by kind, a collective over
 model axes only counted as the model's own; a weight gathered whole across a
 model axis fails the check, as does a gradient-sized all-reduce over data.
 
+On a quantized wire (``ZeroPolicy(quantize_weights="int8",
+quantize_grads="int8")``, ZeRO++'s qwZ / qgZ) the report gives the wire dtype
+and bytes per collective kind (``report.wire_bytes()``: int8 values and their
+float32 scales apart; ``report.wire_roles``), the theory counts each quantized
+pass at its int8 blocks and scales (:mod:`zero_jax._comm_audit`), and a
+collective the policy asks to be int8 that runs in a float dtype (a weight's
+all-gather, a gradient's reduce-scatter / all-to-all / all-reduce over data)
+fails the check: the bytes on the wire are proven, not assumed.
+
 ``report.check()`` raises :class:`AuditError` listing every violation. The
 report types live in :mod:`zero_jax._report`.
 
@@ -51,6 +60,7 @@ Floor 6: imports the measurement, the theory, the policy and the optimizer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -59,20 +69,18 @@ import jax
 import numpy as np
 
 from zero_jax import _measure
+from zero_jax._comm_audit import ParamInfo, comm_violation, communication, formula_inputs, wire_roles, wire_violations
 from zero_jax._measure import Collective
 from zero_jax._model_axes import model_axes, model_gather_violations, model_parallel, split_of
 from zero_jax._optimizer import frozen_leaves
 from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, is_layout
 from zero_jax._policy import ZeroPolicy
 from zero_jax._report import CATEGORIES, FIELD_CATEGORY, AuditReport, LeafBytes, Violation
-from zero_jax._theory import model_state_bytes
+from zero_jax._theory import comm_bytes, model_state_bytes
 from zero_jax._tree import PyTree, check_live, key_name, path_str, under_any
 from zero_jax._violations import (
-    ParamInfo,
     accum_violations,
     all_reduce_violations,
-    comm_violation,
-    communication,
     is_float,
     layer_schedule,
     layer_violations,
@@ -347,10 +355,11 @@ def audit(
     if reduce_dtype is None:
         reduce_dtype = getattr(getattr(policy, "precision", None), "reduce_dtype", None)
     comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
+    comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
     per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
 
     cats = partitioned_categories(policy)
-    violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size)
+    violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size, roles)
     violations += comm_violation(comm, policy.stage, tolerance)
     violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
     layers = layer_schedule(scheduled, params, policy, prefetch)
@@ -364,7 +373,20 @@ def audit(
         memory=memory, collectives=colls, loops=loops, comm=comm,
         violations=tuple(violations), **_by_axes(colls, params, policy),
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
-        abstract=abstract, layers=layers,
+        abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
+    )  # fmt: skip
+
+
+def _comm_formula(params: list[ParamInfo], policy: ZeroPolicy) -> float:
+    """The planner's model-level communication for this Φ per model shard and
+    wire format (reported beside the per-leaf theory, not judged)."""
+    phi, dtype_bytes = formula_inputs(params)
+    if not phi or policy.num_shards <= 1:
+        return 0.0
+    w = policy.wire
+    return comm_bytes(
+        phi, policy.num_shards, policy.stage, dtype_bytes=dtype_bytes,
+        quantize_weights=w.weights, quantize_grads=w.grads, quant_block=w.block,
     )  # fmt: skip
 
 
@@ -387,12 +409,16 @@ def _program_violations(
     params: list[ParamInfo],
     policy: ZeroPolicy,
     min_shard_size: int,
+    roles: tuple[str, ...],
 ) -> list[Violation]:
     """Leaves kept whole that the stage partitions, gradient-sized all-reduces
-    over data and weights gathered across a model axis."""
+    over data, weights gathered across a model axis and collectives asked to
+    be int8 that run wider (``roles``: each collective's role on the wire)."""
     violations = replicated_violations(leaves, policy, min_shard_size, stacked_paths(params))
     violations += all_reduce_violations(colls, loops, params, min_shard_size, policy)
-    return violations + model_gather_violations(colls, params, policy)
+    violations += model_gather_violations(colls, params, policy)
+    named = {v.subject for v in violations}  # a gradient-sized all-reduce is named once
+    return violations + [v for v in wire_violations(colls, roles, params, policy) if v.subject not in named]
 
 
 def _program(

@@ -405,7 +405,7 @@ def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str,
     return comps, entry, _trip_counts(hlo)
 
 
-Classify = Any  # all-gather -> group key ("block", 3, "forward"), "elements" (unnamed layer-shaped) or None
+Classify = Any  # all-gather -> ("block", 3, "forward"), "elements" / a count (unnamed layer-shaped) or None
 Alive = collections.namedtuple("Alive", "layers where")  # the most whole layers alive at once, and where
 
 
@@ -415,6 +415,7 @@ def _intervals(
     """Per group [first def, last use] and its elements; the ROOT tuple slots
     holding gathered data (``carried``: the body parameter's slots that do)."""
     holders: dict[str, frozenset[Any]] = {}
+    narrow: dict[str, int] = {}  # held int8 buffers (qwZ) -> elements: a read of one about as big dequantizes it
     span: dict[Any, list[int]] = {}
     size: dict[Any, int] = {}
     end, root_slots = len(instrs), set[int]()
@@ -422,10 +423,10 @@ def _intervals(
     for t, ins in enumerate(instrs):
         groups: set[Any] = set()
         if ins.op in ("all-gather", "all-gather-start"):
-            key = classify(ins)
+            key = classify(ins)  # an int: an unnamed layer-shaped gather holding that many elements whole
             if key is not None:
-                groups.add(("elements", ins.name) if key == "elements" else key)
-                size[("elements", ins.name)] = ins.elements
+                groups.add(("elements", ins.name) if key == "elements" or type(key) is int else key)
+                size[("elements", ins.name)] = key if type(key) is int else ins.elements
         elif ins.op == "get-tuple-element" and carried and ins.operands and ins.operands[0] in params:
             slot = re.search(r"index=(\d+)", ins.attrs)
             if slot and int(slot.group(1)) in carried:
@@ -437,7 +438,7 @@ def _intervals(
                 continue
             for g in got:
                 span[g][1] = max(span[g][1], end if ins.root else t)
-            if ins.op in _ALIASES:
+            if ins.op in _ALIASES or narrow.get(operand, 0) // 2 < ins.elements <= narrow.get(operand, 0):
                 groups |= got
             if ins.root and ins.op == "tuple":
                 root_slots.add(i)
@@ -445,6 +446,7 @@ def _intervals(
             span.setdefault(g, [t, end if ins.root else t])
         if groups:
             holders[ins.name] = frozenset(groups)
+            narrow |= {ins.name: ins.elements} if ins.arrays and all(dt == "s8" for dt, _, _ in ins.arrays) else {}
     return span, size, root_slots
 
 
@@ -454,7 +456,8 @@ def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
 
     Walks each computation in schedule order, tracking every gathered
     buffer ``classify`` names from its all-gather to its last use (through
-    bitcasts, copies, slices, tuples). A named group alive counts one layer;
+    bitcasts, copies, slices, tuples; from an int8 gather into a read of it
+    of more than half its elements: its dequantized copy). A named group alive counts one layer;
     unnamed layer-shaped gathers (and, in a loop body, the gathered layers
     carried from the previous trip: a prefetch queue) count their elements /
     ``layer_elements``, rounded down. At a while loop the count is what stays

@@ -105,9 +105,17 @@ def weight_shapes(p: Any, num_shards: int) -> set[tuple[int, ...]]:
     return set(whole) | ({s[1:] for s in whole} if p.stacked else set())
 
 
+def _int8_over_data_and_model(c: Collective, axes: tuple[str, ...], policy: ZeroPolicy, model: set[str]) -> bool:
+    """A qwZ gather (int8 blocks, ``(G, nb, block)``) spanning a data axis and
+    a model axis: ZeRO gathers each model shard's int8 pieces over data only."""
+    quantized = c.dtype == "s8" and len(c.shape) == 3 and c.shape[2] <= policy.wire.block
+    return quantized and bool(set(axes) & model) and bool(set(axes) & set(policy.axes))
+
+
 def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], policy: ZeroPolicy) -> list[Violation]:
     """All-gathers across a model axis whose result has the shape of a
-    model-sharded parameter gathered whole over (one of) its model axes."""
+    model-sharded parameter gathered whole over (one of) its model axes, or
+    (qwZ) int8 weight blocks gathered across a model axis and data together."""
     model = set(model_axes(policy))
     if not model:
         return []
@@ -118,12 +126,14 @@ def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], 
     out = []
     for c in colls:
         axes = c.axes(policy.mesh)
-        if c.kind != "all-gather" or not set(axes) & model or c.shape not in shapes:
+        int8 = _int8_over_data_and_model(c, axes, policy, model)
+        if c.kind != "all-gather" or not set(axes) & model or (c.shape not in shapes and not int8):
             continue
         message = MODEL_GATHER_MESSAGE.format(
             name=c.name, op_name=c.op_name or "-", shape=f"{c.dtype}[{','.join(map(str, c.shape))}]",
             nbytes=fmt_bytes(c.bytes), trips=c.trips, axes=axes,
-            what=", ".join(f"'{path}'" for path in shapes[c.shape]), model=tuple(a for a in axes if a in model),
+            what=", ".join(f"'{path}'" for path in shapes[c.shape]) if c.shape in shapes else "int8 weight blocks",
+            model=tuple(a for a in axes if a in model),
         )  # fmt: skip
         out.append(Violation(MODEL_AXIS_GATHER, c.name, message))
     return out

@@ -4,7 +4,7 @@
 sends per step, beside its stage's contract; :class:`Violation` is one broken
 promise and :class:`AuditError` lists them all.
 
-Floor 1 (with ``_measure``): imports only ``_measure`` and ``_units``.
+Floor 1 (with ``_measure``): imports only ``_measure``, ``_quantize`` and ``_units``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zero_jax._measure import Collective
+from zero_jax._quantize import WireFormat
 from zero_jax._units import fmt_bytes
 
 #: The state categories of a report, in ZeRO's order, and the ``TrainState``
@@ -31,6 +32,7 @@ COMM_OVER_THEORY = "communication over theory"
 REDUCE_IN_ACCUM_LOOP = "collective inside the accumulation loop"
 LAYERS_ALIVE = "more whole layers alive than prefetch + 1"
 MODEL_AXIS_GATHER = "weight gathered across a model axis"
+WIDE_WIRE = "collective asked to be int8 runs wider"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +74,20 @@ class Communication:
         embedding table or a first layer's weight, are gathered once).
       skipped_regathers: which gathered shapes ran fewer times than the
         theory's two per microbatch, and the leaves of that shape.
+      formula: the planner's model-level :func:`zero_jax.comm_bytes` at this
+        Φ per model shard, N, stage, mean bytes per parameter and wire format
+        (no padding, no leaves kept whole): reported beside, not judged.
+
+    On a quantized wire (``ZeroPolicy(quantize_weights=, quantize_grads=)``)
+    the theory counts each quantized pass of a leaf at its int8 blocks and
+    float32 scales: ``(N - 1) / N · N · wire_bytes(piece, quant_block)``.
     """
 
     measured: float
     theory: float
     accounted: float
     skipped_regathers: tuple[str, ...] = ()
+    formula: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -240,6 +250,9 @@ class AuditReport:
         runs blocks (``zj.apply_layer(s)``, ``zj.scan_layers``, or repeated
         blocks of the parameter tree) in stages 2–3; else None.
       abstract: measured on ``ShapeDtypeStruct`` inputs (bytes from shardings).
+      wire: the policy's wire format (``policy.wire``: what qwZ / qgZ quantize).
+      wire_roles: per collective (aligned with ``collectives``): ``"int8
+        values"``, ``"float32 scales"`` (the scales beside them) or ``""``.
     """
 
     stage: int
@@ -268,6 +281,8 @@ class AuditReport:
     model_axes: tuple[str, ...] = ()
     model_parallel: int = 1
     params_per_model_shard: float = 0.0
+    wire: WireFormat = WireFormat()
+    wire_roles: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -280,18 +295,47 @@ class AuditReport:
             raise AuditError(self.violations, f"zj.audit: stage {self.stage} at N = {self.num_devices}")
         return self
 
+    def _roles(self) -> tuple[str, ...]:
+        return self.wire_roles if len(self.wire_roles) == len(self.collectives) else ("",) * len(self.collectives)
+
     def collective_summary(self) -> list[dict[str, Any]]:
-        """Rows of (kind, dtype, in loop, executions per step, ring bytes)."""
-        rows: dict[tuple[str, str, bool], dict[str, Any]] = {}
-        for c in self.collectives:
-            key = (c.kind, c.dtype, bool(self.loops.get(c.name)))
-            row = rows.setdefault(
-                key, {"kind": c.kind, "dtype": c.dtype, "in_loop": key[2], "count": 0, "bytes": 0, "ring_bytes": 0.0}
-            )
+        """Rows of (kind, dtype, role on the wire, in loop, executions per
+        step, bytes, ring bytes); ``role`` is ``"int8 values"``, ``"float32
+        scales"`` or ``""`` (see ``wire_roles``)."""
+        rows: dict[tuple[str, str, str, bool], dict[str, Any]] = {}
+        for c, role in zip(self.collectives, self._roles(), strict=True):
+            key = (c.kind, c.dtype, role, bool(self.loops.get(c.name)))
+            row = rows.setdefault(key, {
+                "kind": c.kind, "dtype": c.dtype, "role": role, "in_loop": key[3], "count": 0, "bytes": 0,
+                "ring_bytes": 0.0,
+            })  # fmt: skip
             row["count"] += c.trips
             row["bytes"] += c.bytes * c.trips
             row["ring_bytes"] += c.total_ring_bytes
-        return sorted(rows.values(), key=lambda r: (r["kind"], r["dtype"], r["in_loop"]))
+        return sorted(rows.values(), key=lambda r: (r["kind"], r["dtype"], r["role"], r["in_loop"]))
+
+    def wire_bytes(self) -> dict[str, dict[str, float]]:
+        """Ring bytes one device sends per step, by collective kind and wire
+        dtype: ``{"all-gather": {"s8": ..., "f32 scales": ...}, "reduce-scatter":
+        {"f32": ...}}`` (a scale collective's key is its dtype + ``" scales"``)."""
+        out: dict[str, dict[str, float]] = {}
+        for c, role in zip(self.collectives, self._roles(), strict=True):
+            key = f"{c.dtype} scales" if role == "float32 scales" else c.dtype
+            kinds = out.setdefault(c.kind, {})
+            kinds[key] = kinds.get(key, 0.0) + c.total_ring_bytes
+        return out
+
+    def wire_lines(self) -> list[str]:
+        """The report's text for the wire: bytes per collective kind and dtype,
+        and what the policy asks to quantize."""
+        w = self.wire
+        asked = [a for a in (w.weights and f"weights {w.weights} (qwZ)", w.grads and f"grads {w.grads} (qgZ)") if a]
+        head = "wire (ring bytes per device per step, by kind and dtype"
+        lines = [head + (f"; quantized: {', '.join(asked)}, blocks of {w.block}):" if asked else "):")]
+        for kind, dtypes in sorted(self.wire_bytes().items()):
+            parts = sorted(dtypes.items(), key=lambda kv: (kv[0].endswith("scales"), kv[0]))
+            lines.append(f"  {kind:<19}" + ", ".join(f"{dt}: {fmt_bytes(b)}" for dt, b in parts))
+        return lines
 
     def __str__(self) -> str:
         lines = [
@@ -328,7 +372,9 @@ class AuditReport:
             lines.append(
                 f"  {r['kind']:<19}{r['dtype']:<5} {'in loop' if r['in_loop'] else '       '} "
                 f"x{r['count']:<5} {fmt_bytes(r['bytes']):>11}  ring {fmt_bytes(r['ring_bytes'])}"
+                + (f"  ({r['role']})" if r["role"] else "")
             )
+        lines.extend(self.wire_lines())
         lines.extend(self.comm_lines())
         lines.extend(self.layers.lines() if self.layers is not None else [])
         if self.violations:
@@ -337,6 +383,7 @@ class AuditReport:
         else:
             lines.append("check: passed (no gradient-sized all-reduce, no partitionable leaf replicated, "
                          + ("no weight gathered across a model axis, " if self.model_axes else "")
+                         + ("no collective asked to be int8 running wider, " if self.wire != WireFormat() else "")
                          + f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
         return "\n".join(lines)
 
@@ -353,6 +400,7 @@ class AuditReport:
             f"communication: {fmt_bytes(c.measured)} per device per step{over}; theory {fmt_bytes(c.theory)}"
             + (f" (ZeRO formula per model shard, M = {self.model_parallel})" if model else "")
             + f" (measured/theory {c.ratio:.4f}); accounted {fmt_bytes(c.accounted)} ({c.accounted_ratio:.4f})"
+            + (f"; formula {fmt_bytes(c.formula)}" if c.formula else "")
         ]
         lines.extend(f"  skipped re-gather: {s}" for s in c.skipped_regathers)
         if not model:

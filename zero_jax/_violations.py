@@ -1,13 +1,14 @@
 """The stage's contract on one model, and how a compiled step breaks it.
 
-:func:`communication` is the theory of what a step of this policy sends on
-this model (padding, leaves kept whole, frozen leaves, accumulation and the
-re-gathers stage 3's backward pass skips); the ``*_violations`` functions name
-each broken promise. Which state a stage partitions is asked of the policy
-(``policy.partitions_params`` and its siblings), never read off the stage
-number.
+The ``*_violations`` functions name each broken promise (the communication
+theory and the wire check live in :mod:`zero_jax._comm_audit`), and
+:func:`layer_schedule` reads the per-layer schedule of a compiled step (int8
+gathers and all-to-all reductions included). Which state a stage partitions
+is asked of the policy (``policy.partitions_params`` and its siblings), never
+read off the stage number.
 
-Floor 6 (with ``_audit``): imports the policy, the partition rules and the report types.
+Floor 6 (with ``_audit``): imports the policy, the partition rules, the
+communication audit and the report types.
 """
 
 from __future__ import annotations
@@ -23,28 +24,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax import _measure
-from zero_jax._measure import DTYPE_BYTES, Collective, Instruction, ring_bytes
+from zero_jax._comm_audit import (
+    ParamInfo,
+    is_float_dtype,
+    joined_arrays,
+    scale_heads,
+    wire_shape,
+    wire_stored_by_shape,
+)
+from zero_jax._measure import Collective, Instruction
 from zero_jax._model_axes import is_model_only, local_shape, model_axes
 from zero_jax._partition import REASON_ALL_MODEL_SHARDED, REASON_NO_DIMENSION, LeafLayout, leaf_layout, shard_shape
 from zero_jax._policy import ZeroPolicy
 from zero_jax._report import (
-    COMM_OVER_THEORY,
     GRADIENT_ALL_REDUCE,
     LAYERS_ALIVE,
     REDUCE_IN_ACCUM_LOOP,
     REPLICATED_LEAF,
     BlockSchedule,
-    Communication,
     LayerSchedule,
     LeafBytes,
     Violation,
 )
 from zero_jax._units import fmt_bytes
 
-_HLO_DTYPE = {
-    "float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16",
-    "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2",
-}  # fmt: skip
 _WHAT = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
 REPLICATED_MESSAGE = (
     "'{path}' ({dtype}{shape}, {size:,} elements, {nbytes}) is held {how} on a device ({per_device}), but stage "
@@ -62,11 +65,6 @@ ACCUM_MESSAGE = (
     "{kind} '{name}' of {shape} runs inside the {steps}-trip accumulation loop ({trips}x per step), but "
     "accum_mode='local' promises one gradient reduction per step: accumulate locally and reduce after the loop."
 )
-COMM_MESSAGE = (
-    "the step sends {measured} per device per step, {ratio:.3f}x the stage-{stage} theory of {theory} (tolerance "
-    "{tolerance:.0%}). See report.collective_summary() for what moves; gradients reduced once per microbatch or "
-    "whole-gradient all-reduces are the usual cause."
-)
 
 LAYERS_MESSAGE = (
     "the stage-3 step holds {alive} whole layers at once (at {where} in the compiled schedule; {layer} per layer), "
@@ -78,28 +76,8 @@ LAYERS_MESSAGE = (
 _BLOCK_SCOPE = re.compile(r"zj_block(\d+)_(gather|reduce)")
 
 
-class ParamInfo(NamedTuple):
-    """One float parameter as the audit judges it."""
-
-    path: str
-    layout: LeafLayout
-    dtype: np.dtype
-    frozen: bool  # the optimizer never changes it: no gradient is reduced
-    stacked: bool  # under one of the policy's ``stacked`` prefixes (a leading layer axis)
-    split: tuple[int, ...] = ()  # how many ways each dimension is cut over model axes (() or all 1: none)
-
-    @property
-    def model_split(self) -> int:
-        """How many model shards the leaf is cut into (1: whole on every model shard)."""
-        return math.prod(self.split)
-
-
 def is_float(dtype: Any) -> bool:
     return bool(jnp.issubdtype(np.dtype(dtype), jnp.inexact))
-
-
-def _hlo_dtype(dtype: np.dtype) -> str:
-    return _HLO_DTYPE.get(str(dtype), str(dtype))
 
 
 def _model_shard(p: ParamInfo) -> LeafLayout:
@@ -125,80 +103,6 @@ def partitioned_categories(policy: ZeroPolicy) -> set[str]:
     """The report categories ``policy`` partitions."""
     flags = {"optimizer": policy.partitions_opt_state, "grads": policy.partitions_grads}
     return {cat for cat, on in (flags | {"params": policy.partitions_params}).items() if on}
-
-
-def communication(
-    colls: tuple[Collective, ...],
-    params: list[ParamInfo],
-    policy: ZeroPolicy,
-    reduce_dtype: Any,
-    accum_mode: str | None,
-    steps: int,
-) -> Communication:
-    """The stage's theory on this model, and the re-gathers stage 3 skips.
-
-    Per step: gradients are reduced once, or once per microbatch unless
-    ``accum_mode == "local"``; stage 3 gathers every parameter twice per
-    microbatch (forward, backward), or once per step when accumulating
-    locally; stages 1-2 all-gather the updated parameters once. Leaves kept
-    whole are all-reduced (two passes); frozen leaves are not reduced.
-    """
-    n, model = policy.num_shards, set(model_axes(policy))
-    ring = (n - 1) / n
-    local = steps > 1 and accum_mode == "local"
-    reduces = steps if steps > 1 and not local else 1
-    gathers = 1 if not policy.partitions_params else (1 if local else 2 * steps)
-    zero_side = tuple(c for c in colls if not is_model_only(c, policy, model))
-    gathered: dict[tuple[str, tuple[int, ...]], int] = {}
-    for c in zero_side:
-        if c.kind == "all-gather":
-            gathered[(c.dtype, c.shape)] = gathered.get((c.dtype, c.shape), 0) + c.trips
-    theory = 0.0
-    units: dict[tuple[str, tuple[int, ...]], list[tuple[str, int]]] = {}
-    for p in params:
-        rb = np.dtype(reduce_dtype if reduce_dtype is not None else p.dtype).itemsize
-        theory += _leaf_theory(p, policy, rb, reduces, gathers) / p.model_split  # one model shard's bytes
-        if policy.partitions_params and p.layout.partitioned:
-            # One gather unit per use: the whole leaf (its model shard), or one layer of a
-            # stacked leaf when the program gathers layer-sized pieces (``scan_layers``).
-            stored = local_shape(p.layout.stored_shape, p.split)
-            per_layer = (_hlo_dtype(p.dtype), stored[1:])
-            if p.stacked and gathered.get(per_layer, 0) >= p.layout.shape[0]:
-                units.setdefault(per_layer, []).append((p.path, p.layout.shape[0]))
-            else:
-                units.setdefault((_hlo_dtype(p.dtype), stored), []).append((p.path, 1))
-    skipped_bytes, notes = 0.0, []
-    for (dt, shape), members in sorted(units.items()):
-        expected = gathers * sum(m for _, m in members)
-        ran = gathered.get((dt, shape), 0)
-        if 0 < ran < expected:
-            skipped_bytes += (expected - ran) * math.prod(shape) * DTYPE_BYTES.get(dt, 4) * ring
-            names = ", ".join(path for path, _ in members)
-            notes.append(f"{dt}[{','.join(map(str, shape))}] gathered {ran}x, theory {expected}x ({names})")
-    return Communication(ring_bytes(zero_side), theory, theory - skipped_bytes, tuple(notes))
-
-
-def _leaf_theory(p: ParamInfo, policy: ZeroPolicy, rb: int, reduces: int, gathers: int) -> float:
-    """Ring bytes one device sends per step for one parameter (``rb``: bytes
-    per reduced gradient element)."""
-    n, r = policy.num_shards, policy.num_replicas
-    ring, ring_all, ring_replica = (n - 1) / n, (n * r - 1) / (n * r), (r - 1) / r
-    lay, itemsize = p.layout, p.dtype.itemsize
-    # Gradients are reduce-scattered exactly when the optimizer state is partitioned (stages 1-3).
-    if not policy.partitions_opt_state or not lay.partitioned:
-        return 0 if p.frozen else 2 * ring_all * math.prod(lay.shape) * rb * reduces  # all-reduced whole
-    stored = math.prod(lay.stored_shape)
-    out = 0.0 if p.frozen else ring * stored * rb * reduces  # reduce-scatter of the gradient
-    if r > 1 and not p.frozen:
-        # The 1/N piece crosses the replicas once per step: all-reduced (HSDP),
-        # or reduce-scattered (optimizer over replicas; gathered back below).
-        out += (1 if policy.optimizer_over_replicas else 2) * ring_replica * stored / n * rb
-    if policy.optimizer_over_replicas and not policy.partitions_params:
-        return out + ring_all * stored * itemsize  # all-gather of the update over both axes
-    out += ring * stored * itemsize * gathers  # all-gather(s) of the parameter
-    if policy.optimizer_over_replicas:
-        out += ring_replica * stored / n * itemsize  # update pieces -> parameter pieces
-    return out
 
 
 def stacked_paths(params: Iterable[ParamInfo]) -> set[tuple[str, ...]]:
@@ -296,28 +200,18 @@ def accum_violations(
 ) -> list[Violation]:
     """Gradient reductions inside the accumulation loop of a local-accumulation
     step (over the data or replica axes: the model's own reductions over model
-    axes run per microbatch by design)."""
+    axes run per microbatch by design); with qgZ an int8 all-to-all is one."""
     model = set(model_axes(policy)) if policy is not None else set()
     out = []
     for c in colls:
         nest = loops.get(c.name, ())
         if policy is not None and is_model_only(c, policy, model):
             continue
-        if c.kind in ("all-reduce", "reduce-scatter") and c.shape != () and nest and nest[0] == steps:
+        reduction = c.kind in ("all-reduce", "reduce-scatter") or (c.kind == "all-to-all" and c.dtype == "s8")  # qgZ
+        if reduction and c.shape != () and nest and nest[0] == steps:
             message = ACCUM_MESSAGE.format(kind=c.kind, name=c.name, shape=_shape(c), steps=steps, trips=c.trips)
             out.append(Violation(REDUCE_IN_ACCUM_LOOP, c.name, message))
     return out
-
-
-def comm_violation(comm: Communication, stage: int, tolerance: float) -> list[Violation]:
-    """Communication above the theory by more than ``tolerance``."""
-    if comm.measured <= comm.theory * (1 + tolerance):
-        return []
-    message = COMM_MESSAGE.format(
-        measured=fmt_bytes(comm.measured), ratio=comm.ratio, stage=stage, theory=fmt_bytes(comm.theory),
-        tolerance=tolerance,
-    )  # fmt: skip
-    return [Violation(COMM_OVER_THEORY, "communication", message)]
 
 
 # -- the per-layer schedule -------------------------------------------------------------------------------------
@@ -336,25 +230,40 @@ class _Group(NamedTuple):
     weights: int  # partitioned leaves per layer whose shapes are counted
     elements: int
     bytes: int
+    wire: set[tuple[int, ...]]  # on a quantized wire: one layer's int8 (N, nb, block) shapes,
+    wire_counted: set[tuple[int, ...]]  # and the counted leaves' ones
 
 
-def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], others: list[LeafLayout], n: int) -> _Group:
-    """One group from its layers' leaf layouts (one layer) and the other parameters' layouts."""
-    taken = {lay.stored_shape for lay in others} | {shard_shape(lay, n) for lay in others}
-    mine = [lay for lay, _ in lays if lay.stored_shape not in taken and shard_shape(lay, n) not in taken]
+def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], others: list[LeafLayout], n: int,
+           block: int) -> _Group:  # fmt: skip
+    """One group from its layers' leaf layouts (one layer) and the other
+    parameters' layouts (``block``: the wire's elements per scale; 0 when
+    nothing is quantized). A layer leaf is counted when no other parameter,
+    and no leaf of the layer left uncounted, moves in its shapes, float or int8."""
+    wire = lambda lay: wire_shape(lay, n, block) if block else ()  # noqa: E731
+    shapes = lambda lay: {lay.stored_shape, shard_shape(lay, n)} | ({wire(lay)} if block else set())  # noqa: E731
+    taken = set().union(*(shapes(lay) for lay in others))
+    mine = [lay for lay, _ in lays if not shapes(lay) & taken]
+    while True:  # nor one left out of this layer (int8 blocks of two weights often share a shape)
+        left = set().union(*(shapes(lay) for lay, _ in lays if lay not in mine))
+        if not any(shapes(lay) & left for lay in mine):
+            break
+        mine = [lay for lay in mine if not shapes(lay) & left]
     mine = mine or [lay for lay, _ in lays]
     return _Group(
         name, layers, {lay.stored_shape for lay, _ in lays}, {shard_shape(lay, n) for lay, _ in lays},
         {lay.stored_shape for lay in mine} | {shard_shape(lay, n) for lay in mine}, len(mine),
         sum(math.prod(lay.stored_shape) for lay, _ in lays),
         sum(math.prod(lay.stored_shape) * dt.itemsize for lay, dt in lays),
+        {wire(lay) for lay, _ in lays}, {wire(lay) for lay in mine},
     )  # fmt: skip
 
 
 def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
     """The scans (``stacked=`` prefixes) and repeated blocks (siblings named
     ``0, 1, …`` or ``h_0, h_1, …`` with identical leaves) of the parameters."""
-    n, out = policy.num_shards, []
+    quantized = policy.wire.weights is not None or policy.wire.grads is not None
+    n, block, out = policy.num_shards, policy.wire.block if quantized else 0, []
     cut = [p for p in params if p.layout.partitioned]
     for prefix in policy.stacked:
         members = [p for p in cut if p.stacked and tuple(p.path.split("/"))[: len(prefix)] == prefix]
@@ -362,7 +271,7 @@ def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
                 for p in members if p.layout.dim]  # fmt: skip
         others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
         if lays:
-            out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], lays, others, n))
+            out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], lays, others, n, block))
     siblings: dict[tuple[str, ...], dict[str, list[ParamInfo]]] = {}
     for p in params:
         names = p.path.split("/")
@@ -377,7 +286,7 @@ def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
         lays = [(q.layout, q.dtype) for q in next(iter(blocks.values())) if q.layout.partitioned]
         if len(blocks) >= 2 and len(structures) == 1 and lays:
             others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
-            out.append(_group(f"{'/'.join(parent)}/*", len(blocks), lays, others, n))
+            out.append(_group(f"{'/'.join(parent)}/*", len(blocks), lays, others, n, block))
     return out
 
 
@@ -392,38 +301,47 @@ def _scope(ins: Instruction) -> tuple[int, str] | None:
     return int(m.group(1)), "backward" if "transpose(" in ins.op_name[: m.start()] else "forward"
 
 
-def _count(hlo: str, groups: list[_Group], policy: ZeroPolicy) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
+def _count(
+    hlo: str, groups: list[_Group], policy: ZeroPolicy, stored: Mapping[tuple[int, ...], tuple[int, int]]
+) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
     """Per named block [weights, forward, backward, reduces, bytes, elements,
     weights, bytes] and per group [forward, backward, reduces]: all-gather /
     reduce-scatter arrays per step (weights, bytes, elements: of one forward
-    gather; the last two: of one reduction, whole)."""
+    gather; the last two: of one reduction, whole). On a quantized wire an
+    int8 all-gather is a gather, an int8 all-to-all a reduction, its float32
+    scales ride along uncounted, and its whole bytes are the leaf's
+    (``stored``: int8 shape -> the dequantized stored elements and bytes)."""
     comps, _, trips = _measure.scheduled_computations(hlo)
+    heads = scale_heads(comps.values(), policy.wire.block)
     named: dict[int, list[int]] = {}
     unnamed = {g.name: [0, 0, 0] for g in groups}
     slot = {"forward": 1, "backward": 2, "reduce": 3}
     for comp, instrs in comps.items():
         for ins in instrs:
-            if ins.op not in ("all-gather", "all-gather-start", "reduce-scatter"):
+            arrays = [a for a in joined_arrays(ins) if not (is_float_dtype(a[0]) and a[1] in heads)]
+            int8 = bool(arrays) and all(dt == "s8" for dt, _, _ in arrays)
+            if not arrays or ins.op not in ("all-gather", "all-gather-start", "reduce-scatter", "all-to-all"):
                 continue
             k, scope = trips.get(comp, 1), _scope(ins)
-            gather = ins.op != "reduce-scatter"
-            if gather and not policy.partitions_params:  # stage 2: the update's all-gathers, not layers
-                continue
+            gather = ins.op.startswith("all-gather")
+            if (gather and not policy.partitions_params) or (ins.op == "all-to-all" and not int8):
+                continue  # stage 2: the update's all-gathers, not layers; a float all-to-all: the model's
+            whole = [stored.get(d, (0, b))[1] if dt == "s8" else b * (1 if gather else policy.num_shards)
+                     for dt, d, b in arrays]  # fmt: skip
             if scope is not None:
                 row = named.setdefault(scope[0], [0] * 8)
-                row[slot[scope[1]]] += k * len(ins.arrays)
+                row[slot[scope[1]]] += k * len(arrays)
                 if scope[1] == "forward":
-                    row[0] += len(ins.arrays)
-                    row[4] += sum(b for _, _, b in ins.arrays)
-                    row[5] += ins.elements
+                    row[0] += len(arrays)
+                    row[4] += sum(whole)
+                    row[5] += sum(stored.get(d, (0,))[0] if dt == "s8" else math.prod(d) for dt, d, _ in arrays)
                 elif scope[1] == "reduce":
-                    row[6] += len(ins.arrays)
-                    row[7] += sum(b for _, _, b in ins.arrays) * policy.num_shards
+                    row[6] += len(arrays)
+                    row[7] += sum(whole)
                 continue
-            for _, dims, _ in ins.arrays:
-                g = next(
-                    (g for g in groups if dims in g.counted and dims in (g.gathered if gather else g.pieces)), None
-                )
+            for dt, dims, _ in arrays:
+                g = next((g for g in groups if (dims in g.wire_counted if dt == "s8" else dims in g.counted and dims
+                          in (g.gathered if gather else g.pieces))), None)  # fmt: skip
                 if g is not None:
                     unnamed[g.name][(1 if "transpose(" in ins.op_name else 0) if gather else 2] += k
     return named, unnamed
@@ -434,9 +352,10 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     None when it runs no blocks (see :class:`LayerSchedule`)."""
     if not policy.partitions_grads:
         return None
+    stored = wire_stored_by_shape(params, policy)
     params = [p._replace(layout=_model_shard(p)) for p in params]  # with model axes: what one device gathers
-    groups = _layer_groups(params, policy)
-    named, unnamed = _count(hlo, groups, policy)
+    groups, wire = _layer_groups(params, policy), policy.wire
+    named, unnamed = _count(hlo, groups, policy, stored)
     blocks = [
         BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
     ]
@@ -445,7 +364,9 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
     ]
     if not blocks:
         return None
-    shapes = set().union(*(g.gathered for g in groups))
+    # On an int8 weight wire a layer is alive as its int8 gathers (then their dequantized copy), each
+    # counting the stored elements it carries: what the same gather holds in float.
+    shapes = set().union(*((g.wire if wire.weights else g.gathered) for g in groups))
     elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
 
     def classify(ins: Instruction) -> Any:
@@ -454,7 +375,8 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
         scope = _scope(ins)
         if scope is not None:
             return ("block", *scope)
-        return "elements" if any(dims in shapes for _, dims, _ in ins.arrays) else None
+        held = [stored.get(dims, (0,))[0] if dt == "s8" else math.prod(dims) for dt, dims, _ in ins.arrays]
+        return sum(held) if any(dims in shapes for _, dims, _ in ins.arrays) else None
 
     alive = _measure.layers_alive(hlo, classify, elements)
     return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, True)
