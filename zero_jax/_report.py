@@ -199,7 +199,7 @@ class LayerSchedule:
                    f"{fmt_bytes(self.layer_bytes)}; at {self.where or '-'})"]  # fmt: skip
         out += [
             f"  {b.name:<16} x{b.layers:<3} {b.weights} weight(s): all-gathers {b.forward} forward + {b.backward} "
-            f"backward ({b.gathers_per_weight:g} per weight), reduce-scatters {b.reduce_scatters} "
+            f"backward ({b.gathers_per_weight:g} per weight), gradient reductions {b.reduce_scatters} "
             f"({b.reduces_per_weight:g} per weight), {fmt_bytes(b.bytes)} per layer"
             for b in self.blocks
         ]
