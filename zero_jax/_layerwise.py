@@ -444,8 +444,9 @@ def apply_layers(
 ) -> Any:
     """Run ``carry = layer_fn(layers_params[i], carry)`` for each block of a
     Python list, block-wise (see :func:`apply_layer`), with block i +
-    ``prefetch``'s all-gather issued when block i starts, in both passes: at
-    most ``prefetch + 1`` blocks are whole at a time.
+    ``prefetch``'s all-gather issued when block i starts (in the backward
+    pass, block i - 1's leaf by leaf as block i's gradients are reduce-
+    scattered): at most ``prefetch + 1`` blocks are whole at a time.
 
     Args:
       layer_fn: one function for every block, or a list of one per block
