@@ -49,15 +49,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
-from jax.extend.core import Jaxpr, Literal, get_opaque_trace_state
+from jax.extend.core import get_opaque_trace_state
 
 from zero_jax import _collectives as coll
-from zero_jax._jaxpr import CALL_PARAMS, LOOPS, live_equations
 from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
 from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout
 from zero_jax._policy import ZeroPolicy
-from zero_jax._scan import partition_saved, regather_saved
+from zero_jax._scan import paired_anchors, partition_saved, regather_saved, use_order
 from zero_jax._tree import PyTree
 
 
@@ -165,7 +164,7 @@ class _Call:
     trace: Any
     token: list[Any]  # its token output: zeros shaped like its block's whole parameters
     block: _Block
-    needed: list[int]  # its leaves in the order its forward pass first uses them (see _use_order)
+    needed: list[int]  # its leaves in the order its forward pass first uses them (see _scan.use_order)
 
 
 class LayerChain:
@@ -237,51 +236,18 @@ def _handed(
     slot_dtypes: list[Any], policy: ZeroPolicy, ct_out: Any,
 ) -> list[Any]:  # fmt: skip
     """The previous block's parameters, re-gathered in this block's backward
-    pass leaf by leaf: the j-th leaf its forward uses waits for the j-th
-    gradient this backward reduce-scatters, when about as many of this
-    block's leaves are done with. All gathered when the backward started,
-    prefetch=1 cost 1.06 / 1.15 / 1.25 whole layers of compiled peak over
-    prefetch=0 at depth 4 / 8 / 16 (reference transformer; XLA's packing).
-    A gradient cut over model axes is no anchor: reading one element of it
-    made the SPMD partitioner all-gather it over the model axis."""
+    pass leaf by leaf (``_scan.paired_anchors``). All gathered when the
+    backward started, prefetch=1 cost 1.06 / 1.15 / 1.25 whole layers of
+    compiled peak over prefetch=0 at depth 4 / 8 / 16 (reference transformer;
+    one layer alive, the rest XLA's packing)."""
     if prev is None:
         return []
     slots = iter(g_slots)
-    slot_of = {k: next(slots) for k, dt in enumerate(slot_dtypes) if dt is not None}
-    done = iter([slot_of[k] for k in produced if k in slot_of and not any(block.layouts[k].model)])
-    anchors = [ct_out] * len(sources)
-    for k in (k for k in prev.needed if sources[k] is not None):
-        anchors[k] = next(done, ct_out)
+    grads = [None if dt is None else next(slots) for dt in slot_dtypes]
+    sizes = [0 if src is None else lay.nbytes for src, lay in zip(sources, prev.block.layouts, strict=True)]
+    freed = [0 if lay is None else lay.nbytes for lay in block.layouts]
+    anchors = paired_anchors(prev.needed, sizes, produced, grads, freed, list(block.layouts), ct_out, ct_out)
     return prev.block.wholes(sources, policy, ct_out, anchors)
-
-
-def _uses(jaxpr: Jaxpr, names: dict[Any, int], prefix: tuple[int, ...], found: dict[int, list[Any]]) -> None:
-    """Record in ``found`` each position (nested equation indices) where a ``names`` variable is read; a
-    call (``_jaxpr.CALL_PARAMS``: a program run once on the equation's own inputs) is walked inside."""
-    for i, eqn in enumerate(live_equations(jaxpr)):
-        hits = [(j, names[v]) for j, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in names]
-        calls = [getattr(eqn.params.get(n), "jaxpr", eqn.params.get(n)) for n in CALL_PARAMS]
-        inner = next((c for c in calls if isinstance(c, Jaxpr) and len(c.invars) == len(eqn.invars)), None)
-        if hits and inner is not None and eqn.primitive.name not in LOOPS:
-            _uses(inner, {inner.invars[j]: k for j, k in hits}, (*prefix, i), found)
-            continue
-        for _, k in hits:
-            found.setdefault(k, []).append((*prefix, i))
-
-
-def _use_order(
-    fn: Callable[..., Any], params: PyTree, args: tuple[Any, ...], consts: Sequence[Any]
-) -> tuple[list[int], list[int]]:
-    """The block's parameter leaves (positions) in the order its forward
-    first uses them, and in the order its backward produces their gradients
-    (last uses reversed), from its program (calls walked inside)."""
-    count = len(jax.tree.leaves(params))
-    closed = jax.make_jaxpr(fn)(params, *args, *consts)
-    found: dict[int, list[Any]] = {}
-    _uses(closed.jaxpr, {v: k for k, v in enumerate(closed.jaxpr.invars[:count])}, (), found)
-    needed = sorted(range(count), key=lambda k: min(found.get(k, [(len(closed.jaxpr.eqns),)])))
-    produced = sorted(range(count), key=lambda k: max(found.get(k, [()])), reverse=True)
-    return needed, produced
 
 
 def _recompute_inputs(arg_f: Any, ws: Any, ct_out: Any, policy: ZeroPolicy) -> tuple[Any, Any]:
@@ -312,7 +278,7 @@ def _run_block(
     """One block's call as a custom VJP (see the module docstring)."""
     axis = policy.comm
     fn, consts = jax.closure_convert(lambda p, *a: layer_fn(p, *a), block.tree(wholes, block.plain), *args)
-    needed, produced = _use_order(fn, block.tree(wholes, block.plain), args, consts) if prefetch else ([], [])
+    needed, produced = use_order(fn, block.tree(wholes, block.plain), args, consts) if prefetch else ([], [])
     arg_leaves, arg_def = jax.tree.flatten(args)
     plain_floats, plain_fixed = _split([p for p in block.plain if p is not None])
     plain_is_float = [_is_float(p) for p in block.plain if p is not None]
@@ -445,8 +411,9 @@ def apply_layers(
     """Run ``carry = layer_fn(layers_params[i], carry)`` for each block of a
     Python list, block-wise (see :func:`apply_layer`), with block i +
     ``prefetch``'s all-gather issued when block i starts (in the backward
-    pass, block i - 1's leaf by leaf as block i's gradients are reduce-
-    scattered): at most ``prefetch + 1`` blocks are whole at a time.
+    pass, block i - 1's first half at once and the rest leaf by leaf as block
+    i's gradients are reduce-scattered): at most ``prefetch + 1`` blocks are
+    whole at a time.
 
     Args:
       layer_fn: one function for every block, or a list of one per block
