@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Jaxpr, Literal
 from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
+from zero_jax._jaxpr import CALL_PARAMS, LOOPS, live_equations
 from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
 from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout
@@ -140,6 +142,75 @@ def regather_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
     return _constrain(tree, axes, size, False)
 
 
+# -- the order a layer uses its parameters in, for the backward prefetch of both primitives --
+
+
+def _uses(jaxpr: Jaxpr, names: dict[Any, int], prefix: tuple[int, ...], found: dict[int, list[Any]]) -> None:
+    """Record in ``found`` each position (nested equation indices) where a ``names`` variable is read; a
+    call (``_jaxpr.CALL_PARAMS``: a program run once on the equation's own inputs) is walked inside."""
+    for i, eqn in enumerate(live_equations(jaxpr)):
+        hits = [(j, names[v]) for j, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in names]
+        calls = [getattr(eqn.params.get(n), "jaxpr", eqn.params.get(n)) for n in CALL_PARAMS]
+        inner = next((c for c in calls if isinstance(c, Jaxpr) and len(c.invars) == len(eqn.invars)), None)
+        if hits and inner is not None and eqn.primitive.name not in LOOPS:
+            _uses(inner, {inner.invars[j]: k for j, k in hits}, (*prefix, i), found)
+            continue
+        for _, k in hits:
+            found.setdefault(k, []).append((*prefix, i))
+
+
+def use_order(
+    fn: Callable[..., Any], params: PyTree, args: tuple[Any, ...], consts: Sequence[Any]
+) -> tuple[list[int], list[int]]:
+    """The block's parameter leaves (positions) in the order its forward
+    first uses them, and in the order its backward produces their gradients
+    (last uses reversed), from its program (calls walked inside)."""
+    count = len(jax.tree.leaves(params))
+    closed = jax.make_jaxpr(fn)(params, *args, *consts)
+    found: dict[int, list[Any]] = {}
+    _uses(closed.jaxpr, {v: k for k, v in enumerate(closed.jaxpr.invars[:count])}, (), found)
+    needed = sorted(range(count), key=lambda k: min(found.get(k, [(len(closed.jaxpr.eqns),)])))
+    produced = sorted(range(count), key=lambda k: max(found.get(k, [()])), reverse=True)
+    return needed, produced
+
+
+#: The share of the next layer's bytes that the backward re-gather issues as
+#: soon as the layer's backward starts (the leaves that layer uses first);
+#: each later leaf waits for one of this layer's gradients (paired_anchors).
+#: Measured (reference transformer): 0, 0.34 and 0.5 all cost scan_layers 0.38
+#: of a layer, and 0.5 issues every leaf before this layer's attention backward
+#: (0: the MLP weights at the loop trip's end); apply_layers: 0.33, not 0.08.
+HEAD_START = 0.5
+
+
+def paired_anchors(
+    needed: list[int], sizes: list[int], produced: list[int], grads: list[Any], freed: list[int],
+    layouts: list[Any], start: Any, fallback: Any,
+) -> list[Any]:  # fmt: skip
+    """What each leaf of the next layer's backward re-gather waits for. In
+    ``needed`` order (that layer's forward's; ``sizes[k]``: bytes of leaf k,
+    0 if not gathered) the first ``HEAD_START`` of the bytes wait for
+    ``start`` (this layer's backward starting), each later leaf for the
+    gradient (``grads[k]``, reduce-scattered, or None) after which this
+    layer's leaves done with (``freed`` bytes, ``produced`` order) outweigh
+    those fetched: the two layers' whole leaves stay under 1 + ``HEAD_START``
+    layers (all at the start, prefetch=1 cost 1.00 whole layer of compiled
+    peak for scan_layers, 1.06-1.25 for apply_layers, reference model). A
+    gradient cut over model axes is no anchor (reading one element of it
+    made the SPMD partitioner all-gather it); else ``fallback``."""
+    order = iter(produced)
+    anchors, head, total = [fallback] * len(sizes), HEAD_START * sum(sizes), 0
+    done, anchor, early = 0, fallback, True
+    for k in (k for k in needed if sizes[k]):
+        total += sizes[k]
+        early = early and total <= head
+        while not early and done < total - head and (j := next(order, None)) is not None:
+            done += freed[j]
+            anchor = grads[j] if grads[j] is not None and not any(layouts[j].model) else anchor
+        anchors[k] = start if early else anchor
+    return anchors
+
+
 UNSCANNED_BLOCKS = (
     "zj.scan_layers: stacked_params is a list of {count} blocks (0 … {last}), not stacked layers: its leaves have "
     "no common leading layer axis (their leading sizes are hidden sizes). Run a list of blocks with "
@@ -198,9 +269,11 @@ def scan_layers(
         in the backward pass. Stages 2–3 always do (that is where the
         backward re-gather happens); ``remat=False`` is for stages 0–1.
       prefetch: how many layers ahead to issue the all-gather (stage 3), so
-        it can overlap the current layer's compute; each costs about one more
-        whole layer of memory (1.4 layers measured on the reference model at
-        depth 12). 0 gathers each layer only when it is needed. Lowered to
+        it can overlap the current layer's compute; each costs at most one
+        more whole layer of memory (prefetch=1: 0.38 of a layer of compiled
+        peak measured on the reference model at depths 4 to 16, the backward
+        pass re-gathering leaf by leaf, see ``paired_anchors``). 0 gathers
+        each layer only when it is needed. Lowered to
         ``depth - 2`` where needed so each loop runs at least twice.
     """
     policy = active_policy(policy, "zj.scan_layers")
@@ -245,14 +318,19 @@ class _ScanPlan(NamedTuple):
     axis: Any
     prefetch: int
     depth: int
+    order: tuple[list[int], list[int]] | None = None  # use_order of the layer, for the backward prefetch
 
 
-def _fetch(plan: _ScanPlan, i: jax.Array, diff: list[Any], wholes: list[Any], anchor: Any = None) -> PyTree:
+def _fetch(
+    plan: _ScanPlan, i: jax.Array, diff: list[Any], wholes: list[Any], anchor: Any = None, anchors: Any = None
+) -> PyTree:
     """Layer i's whole parameters (all-gathers for stage-3 pieces; one layer in
-    from the host), each piece tied to ``anchor`` when given (``coll.tie``)."""
+    from the host), each piece tied to ``anchor`` when given (``coll.tie``),
+    or to its own entry of ``anchors``."""
+    anchors = anchors or [anchor] * len(diff)
     out = [
-        coll.fetch(coll.tie(to_device(w[i]), anchor), lay, plan.axis, gather=g) if s else d[i]
-        for s, d, w, lay, g in zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, strict=True)
+        coll.fetch(coll.tie(to_device(w[i]), a), lay, plan.axis, gather=g) if s else d[i]
+        for s, d, w, lay, g, a in zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, anchors, strict=True)
     ]
     return jax.tree_util.tree_unflatten(plan.treedef, out)
 
@@ -277,8 +355,8 @@ def _pipelined(
     def index(t: Any) -> Any:
         return depth - 1 - t if reverse else t
 
-    def fetch(t: Any, anchor: Any = None) -> PyTree:
-        return _fetch(plan, index(t), diff, wholes, anchor)
+    def fetch(t: Any, anchor: Any = None, anchors: Any = None) -> PyTree:
+        return _fetch(plan, index(t), diff, wholes, anchor, anchors)
 
     if prefetch == 0:
         return jax.lax.scan(lambda s, t: step(s, index(t), fetch(t)), state, jnp.arange(depth))
@@ -286,22 +364,49 @@ def _pipelined(
     # pass, the cotangent): untied, XLA issues the backward's first re-gather
     # during the forward pass, one more whole layer alive there.
     queue = tuple(fetch(t, state) for t in range(prefetch))
+    # The outputs go into one buffer for every layer, updated in place: the
+    # loop's own stacked outputs with the last layers' concatenated to them
+    # were one more copy of all of them (and worse packing): 0.17 / 0.50 more
+    # whole layers of compiled peak at depth 8 / 16 of the reference model.
+    ys = _ys_buffer(step, state, queue[0], index, depth)
 
     def body(carry: Any, t: jax.Array) -> Any:
-        s, q = carry
-        ahead = fetch(t + prefetch)  # issued before this layer's compute
-        s, y = step(s, index(t), q[0])
-        return (s, (*q[1:], ahead)), y
+        s, q, buf = carry
+        if reverse and plan.order is not None:  # the backward pass: leaf by leaf (paired_anchors)
+            s_in, (s, y) = s, step(s, index(t), q[0])
+            grads = [None if dt is None else g for dt, g in zip(plan.slot_dtypes, y, strict=True)]
+            sizes = [lay.nbytes if g else 0 for g, lay in zip(plan.gathers, plan.layouts, strict=True)]
+            ahead = fetch(t + prefetch, s, paired_anchors(plan.order[0], sizes, plan.order[1], grads, sizes,
+                                                          plan.layouts, s_in, s))  # fmt: skip
+        else:
+            ahead = fetch(t + prefetch)  # issued before this layer's compute
+            s, y = step(s, index(t), q[0])
+        return (s, (*q[1:], ahead), _put(buf, y, t)), None
 
     # The last `prefetch` layers are already in the queue: run them without
     # fetching (a clipped index would gather the last layer again).
-    (state, queue), ys = jax.lax.scan(body, (state, queue), jnp.arange(depth - prefetch))
-    tail = []
+    (state, queue, ys), _ = jax.lax.scan(body, (state, queue, ys), jnp.arange(depth - prefetch))
     for j in range(prefetch):
         state, y = step(state, index(depth - prefetch + j), queue[j])
-        tail.append(y)
-    ys = jax.tree.map(lambda main, *rest: jnp.concatenate([main, jnp.stack(rest)]), ys, *tail)
+        ys = _put(ys, y, depth - prefetch + j)
     return state, ys
+
+
+def _ys_buffer(step: Callable[..., Any], state: Any, params: PyTree, index: Callable[[Any], Any], depth: int) -> Any:
+    """Zeros shaped like every layer's ``step`` output, stacked, typed as
+    varying as the output is (a loop carry's type may not change)."""
+    shapes = jax.eval_shape(lambda: step(state, index(0), params)[1])
+
+    def zeros(a: Any) -> jax.Array:
+        manual = getattr(a, "manual_axis_type", None)
+        z, axes = jnp.zeros((depth, *a.shape), a.dtype), tuple(sorted(manual.varying if manual is not None else ()))
+        return jax.lax.pcast(z, axes, to="varying") if axes else z
+
+    return jax.tree.map(zeros, shapes)
+
+
+def _put(buf: Any, y: Any, t: Any) -> Any:
+    return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, t, 0), buf, y)
 
 
 def _scan_plan(
@@ -344,6 +449,8 @@ def _zero_scan(
     with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)
         example = _fetch(plan, jnp.asarray(0), diff, wholes)
     fn, all_consts = jax.closure_convert(layer_fn, example, carry)
+    if prefetch and policy.partitions_params:
+        plan = plan._replace(order=use_order(fn, example, (carry,), all_consts))
     # Values layer_fn closes over: float ones get gradients, the rest are fixed.
     is_float = [jnp.issubdtype(c.dtype, jnp.inexact) for c in all_consts]
     fixed = [c for c, f in zip(all_consts, is_float, strict=True) if not f]
@@ -370,7 +477,12 @@ def _zero_scan(
 
         def step(state: tuple[Any, Any], i: Any, params: PyTree) -> tuple[Any, Any]:
             g, g_consts = state
-            carry_in = regather_saved(jax.tree.map(lambda a: a[i], inputs), policy)
+            # The recompute waits for the layer's cotangent (as the per-block
+            # primitive's does). Measured: untied, XLA packed the backward's buffers
+            # worse, and prefetch=1 cost 0.42 whole layers of compiled peak over
+            # prefetch=0 (reference model, depth 4 to 16) instead of 0.38.
+            saved = coll.tie_keeping_types(jax.tree.map(lambda a: a[i], inputs), g)[0]
+            carry_in = regather_saved(saved, policy)
             # Recompute layer i from its input (remat) to get its VJP.
             _, vjp = jax.vjp(layer, params, carry_in, float_consts)
             g_params, g_in, g_k = vjp(g)
