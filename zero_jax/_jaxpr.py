@@ -40,7 +40,7 @@ def _union(masks: Sequence[int]) -> int:
     return out
 
 
-def _called(eqn: Any) -> Jaxpr | None:
+def called(eqn: Any) -> Jaxpr | None:
     """The program ``eqn`` calls once on its own inputs, if any."""
     if eqn.primitive.name in LOOPS:
         return None
@@ -68,7 +68,7 @@ def dependencies(jaxpr: Jaxpr, in_masks: Sequence[int]) -> list[int]:
 
     for eqn in jaxpr.eqns:
         masks = [read(v) for v in eqn.invars]
-        inner = _called(eqn)
+        inner = called(eqn)
         outs = dependencies(inner, masks) if inner is not None else [_union(masks)] * len(eqn.outvars)
         for v, m in zip(eqn.outvars, outs, strict=True):
             env[v] = m
@@ -131,7 +131,7 @@ def direct_uses(jaxpr: Jaxpr, watched: dict[Any, int], allowed: Callable[[Any], 
         hits = [(i, watched[v]) for i, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in watched]
         if not hits or allowed(eqn):
             continue
-        inner = _called(eqn)
+        inner = called(eqn)
         if inner is not None:
             for index, names in direct_uses(inner, {inner.invars[i]: k for i, k in hits}, allowed).items():
                 found.setdefault(index, set()).update(names)

@@ -34,7 +34,7 @@ from jax.extend.core import Jaxpr, Literal
 from jax.sharding import PartitionSpec
 
 from zero_jax import _collectives as coll
-from zero_jax._jaxpr import CALL_PARAMS, LOOPS, live_equations
+from zero_jax._jaxpr import called, live_equations
 from zero_jax._layers import Sharded, active_policy, check_parameter_pieces
 from zero_jax._memory import to_device
 from zero_jax._partition import LeafLayout
@@ -147,12 +147,11 @@ def regather_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
 
 def _uses(jaxpr: Jaxpr, names: dict[Any, int], prefix: tuple[int, ...], found: dict[int, list[Any]]) -> None:
     """Record in ``found`` each position (nested equation indices) where a ``names`` variable is read; a
-    call (``_jaxpr.CALL_PARAMS``: a program run once on the equation's own inputs) is walked inside."""
+    call (``_jaxpr.called``: a program run once on the equation's own inputs) is walked inside."""
     for i, eqn in enumerate(live_equations(jaxpr)):
         hits = [(j, names[v]) for j, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in names]
-        calls = [getattr(eqn.params.get(n), "jaxpr", eqn.params.get(n)) for n in CALL_PARAMS]
-        inner = next((c for c in calls if isinstance(c, Jaxpr) and len(c.invars) == len(eqn.invars)), None)
-        if hits and inner is not None and eqn.primitive.name not in LOOPS:
+        inner = called(eqn)
+        if hits and inner is not None:
             _uses(inner, {inner.invars[j]: k for j, k in hits}, (*prefix, i), found)
             continue
         for _, k in hits:
