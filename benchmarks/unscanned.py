@@ -640,14 +640,14 @@ def main() -> None:
         "acc2 rows; their extra reduce-scatter per microbatch is the documented price of partitioned "
         "accumulation).",
         "  Prefetch: the whole layers alive at once come from the compiled schedule (zj.audit's walk of the "
-        "scheduled HLO, from each block's all-gather to its last use): prefetch=1 holds one more whole layer. "
-        "memory_analysis's temp is XLA's allocation of every buffer, packed: it grows by more than one layer "
-        "(the prefetch lines). XLA's own live peak (HloLiveRange, the values alive at once at the busiest point "
-        "before the heap packs them) grows by one layer on the unscanned model: the block recompute waits for its "
-        "cotangent (untied, XLA recomputed a block beside the next one's backward pass: +1.75 layers of temp at "
-        "L=16, now +1.25); the rest is heap packing. On the scanned model the carried prefetch queue is copied "
-        "into the loop's carry buffer every iteration (XLA's while loops update their carry in place), a layer of "
-        "copies beside the two layers the queue holds.",
+        "scheduled HLO, from each block's all-gather to its last use): prefetch=1 holds one more whole layer in "
+        "the forward pass. In the backward pass the next layer's re-gather goes leaf by leaf: the half it uses "
+        "first when this layer's backward starts, each later leaf once as many bytes of this layer's gradients "
+        "are reduce-scattered (zero_jax._scan.paired_anchors), so the two layers' whole leaves stay about one "
+        "layer. scan_layers writes its outputs into one in-place buffer (stacking them and concatenating the "
+        "last layers' was one more copy of all of them) and ties each backward recompute to its cotangent. "
+        "memory_analysis's figure is XLA's allocation, packed; HloLiveRange's live peak is the values alive at "
+        "once before packing.",
     ])  # fmt: skip
     text = "\n\n".join([header, format_table(rows, sizes), checks, sched_text, notes])
     print(text)
