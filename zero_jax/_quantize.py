@@ -103,8 +103,6 @@ def dequantize_blocks(q: jax.Array, scale: jax.Array, shape: tuple[int, ...], dt
 def round_trip_bound(x: np.ndarray | jax.Array, block: int) -> jax.Array:
     """Per element, the largest error the round trip may make: half a
     quantization step of its block (``max|block| / 127 / 2``)."""
-    flat = jnp.ravel(jnp.asarray(x, jnp.float32))
-    blocks, block = num_blocks(flat.size, block), block_size(flat.size, block)
-    grid = jnp.pad(flat, (0, blocks * block - flat.size)).reshape(blocks, block)
-    step = jnp.max(jnp.abs(grid), axis=1, keepdims=True) / _INT8_MAX
-    return jnp.broadcast_to(step / 2, grid.shape).reshape(-1)[: flat.size].reshape(jnp.shape(x))
+    _, scale = quantize_blocks(x, block)
+    size = int(np.size(x))
+    return jnp.repeat(scale / 2, block_size(size, block))[:size].reshape(jnp.shape(x))
