@@ -49,7 +49,7 @@ import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from zero_jax.checkpoint._record import state_entries as _entries  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 MB = 1e6
 

@@ -99,9 +99,9 @@ import jaxlib  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import _measure  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
-from zero_jax.models.transformer import block  # noqa: E402
+from zero_jax import measure as _measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+from zero_jax.models.transformer import block
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BF16 = jnp.bfloat16

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = TransformerConfig(vocab=256, dim=256, depth=4, heads=4, seq=64)

@@ -76,8 +76,8 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import _measure  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
+from zero_jax import measure as _measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 PyTree = Any
 

@@ -48,8 +48,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import _measure, _offload  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
+from zero_jax import measure as _measure
+from zero_jax._step import offload as _offload  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [

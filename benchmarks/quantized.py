@@ -59,8 +59,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import _measure, _quantize  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn  # noqa: E402
+from zero_jax import measure as _measure
+from zero_jax._comm import quantized as _quantize  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn
 
 N = 8
 CFG = TransformerConfig(vocab=256, dim=128, depth=4, heads=4, seq=64, mlp=512)

@@ -65,7 +65,7 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import _measure  # noqa: E402
+from zero_jax import measure as _measure  # noqa: E402
 
 PyTree = Any
 

@@ -62,9 +62,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import _measure  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
-from zero_jax.models.transformer import _layer_norm, block  # noqa: E402
+from zero_jax import measure as _measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+from zero_jax.models.transformer import _layer_norm, block
 
 PyTree = Any
 N = 8
@@ -643,7 +643,7 @@ def main() -> None:
         "scheduled HLO, from each block's all-gather to its last use): prefetch=1 holds one more whole layer in "
         "the forward pass. In the backward pass the next layer's re-gather goes leaf by leaf: the half it uses "
         "first when this layer's backward starts, each later leaf once as many bytes of this layer's gradients "
-        "are reduce-scattered (zero_jax._scan.paired_anchors), so the two layers' whole leaves stay about one "
+        "are reduce-scattered (zero_jax._layerwise.scan.paired_anchors), so the two layers' whole leaves stay about one "
         "layer. scan_layers writes its outputs into one in-place buffer (stacking them and concatenating the "
         "last layers' was one more copy of all of them) and ties each backward recompute to its cotangent. "
         "memory_analysis's figure is XLA's allocation, packed; HloLiveRange's live peak is the values alive at "

@@ -14,8 +14,8 @@ import pytest
 from _models import make_mesh, reference_run, relative_update_error, train_adapted
 
 import zero_jax as zj
-from zero_jax._layers import Sharded
-from zero_jax._layerwise import LayerChain
+from zero_jax._layerwise.blocks import LayerChain
+from zero_jax._layerwise.pieces import Sharded
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,

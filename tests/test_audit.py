@@ -10,8 +10,8 @@ from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import _cli as cli
-from zero_jax import _report
+from zero_jax._audit import report as _report
+from zero_jax._cli import cli as cli
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 # The reference transformer, deep enough that its stacked per-layer vectors

@@ -14,8 +14,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import _comm_audit, _measure, _model_axes, _report, _violations
-from zero_jax._partition import leaf_layout
+from zero_jax._audit import communication as _comm_audit
+from zero_jax import measure as _measure
+from zero_jax._audit import model_axes as _model_axes
+from zero_jax._audit import report as _report
+from zero_jax._audit import violations as _violations
+from zero_jax._layout.leaf import leaf_layout
 
 ROWS, COLS = 64, 32  # the global operand of the hand-built programs
 

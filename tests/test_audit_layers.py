@@ -10,7 +10,7 @@ import pytest
 from _models import make_mesh
 
 import zero_jax as zj
-from zero_jax import _report
+from zero_jax._audit import report as _report
 
 D = 32
 LAYER_BYTES = (D * D + D) * 4  # one block's w and b, whole: 4,224 B

@@ -18,8 +18,12 @@ from _models import make_mesh
 from jax.sharding import AxisType
 
 import zero_jax as zj
-from zero_jax import _comm_audit, _measure, _model_axes, _report, _violations
-from zero_jax._quantize import wire_bytes
+from zero_jax._audit import communication as _comm_audit
+from zero_jax import measure as _measure
+from zero_jax._audit import model_axes as _model_axes
+from zero_jax._audit import report as _report
+from zero_jax._audit import violations as _violations
+from zero_jax._theory.wire import wire_bytes
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, megatron_specs
 
 D, DEPTH, MIN = 64, 2, 1000

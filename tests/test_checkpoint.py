@@ -23,7 +23,7 @@ from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 from safetensors.numpy import load_file
 
 import zero_jax as zj
-from zero_jax._tree import key_name
+from zero_jax._base.tree import key_name
 from zero_jax.checkpoint._record import state_entries as _entries
 from zero_jax.models import TransformerConfig, init_params
 

@@ -1,6 +1,6 @@
 """The command line (``python -m zero_jax demo | plan | audit``) on bad input, and the demo's first impression.
 
-CLI tests call ``zero_jax._cli.main`` in this process; only the demo smoke test starts ``python -m zero_jax``.
+CLI tests call ``zero_jax._cli.cli.main`` in this process; only the demo smoke test starts ``python -m zero_jax``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from _models import make_mesh
 
 import zero_jax as zj
-from zero_jax import _cli as cli
-from zero_jax import _demo
+from zero_jax._cli import cli as cli
+from zero_jax._cli import demo as _demo
 from zero_jax.models import TransformerConfig
 
 PLAN = ["plan", "--params", "7e9", "--device-memory", "80GB"]

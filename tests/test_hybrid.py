@@ -14,8 +14,8 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
 
 import zero_jax as zj
-from zero_jax import _measure
-from zero_jax._partition import shard_shape
+from zero_jax import measure as _measure
+from zero_jax._layout.leaf import shard_shape
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 R, N = 2, 4

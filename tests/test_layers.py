@@ -13,7 +13,7 @@ import pytest
 from _models import make_mesh, reference_run, relative_update_error
 
 import zero_jax as zj
-from zero_jax import _measure
+from zero_jax import measure as _measure
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 CFG = TransformerConfig(vocab=64, dim=32, depth=3, heads=2, seq=16)

@@ -13,8 +13,8 @@ import pytest
 from _models import make_mesh, reference_run, relative_update_error
 
 import zero_jax as zj
-from zero_jax import _measure
-from zero_jax._collectives import tie
+from zero_jax import measure as _measure
+from zero_jax._layerwise.schedule import tie
 
 N = 8
 D = 32

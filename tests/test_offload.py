@@ -10,7 +10,9 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 
 import zero_jax as zj
-from zero_jax import _measure, _memory, _offload
+from zero_jax import measure as _measure
+from zero_jax._policy import memory as _memory
+from zero_jax._step import offload as _offload
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 MESH = make_mesh(8)

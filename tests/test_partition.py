@@ -9,7 +9,7 @@ import pytest
 from _models import make_mesh
 
 import zero_jax as zj
-from zero_jax import _partition
+from zero_jax._layout import leaf as _partition
 
 
 def test_rule_prefers_a_dividing_dimension() -> None:

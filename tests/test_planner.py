@@ -11,8 +11,8 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
 
 import zero_jax as zj
-from zero_jax import _cli as cli
-from zero_jax._units import fmt_bytes, parse_bandwidth, parse_bytes, parse_count, parse_seconds
+from zero_jax._base.units import fmt_bytes, parse_bandwidth, parse_bytes, parse_count, parse_seconds
+from zero_jax._cli import cli as cli
 
 GB = 1e9
 

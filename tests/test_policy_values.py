@@ -11,9 +11,10 @@ import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
 
 import zero_jax as zj
-from zero_jax import _jaxpr
-from zero_jax._optimizer import TreeLayouts, sharded_parts
-from zero_jax._partition import REASON_NOT_FLOAT
+from zero_jax._base import jaxpr as _jaxpr
+from zero_jax._layout.leaf import REASON_NOT_FLOAT
+from zero_jax._layout.trees import TreeLayouts
+from zero_jax._step.optimizer import sharded_parts
 
 # -- ZeroPolicy is immutable --------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import pytest
 from _models import IN, OUT, make_mesh, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
 
 import zero_jax as zj
-from zero_jax import _measure
+from zero_jax import measure as _measure
 
 N = 8
 BF16 = zj.Precision(compute_dtype=jnp.bfloat16)

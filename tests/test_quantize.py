@@ -20,7 +20,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import _measure, _quantize
+from zero_jax import measure as _measure
+from zero_jax._comm import quantized as _quantize
 
 N, D, F, L, BLOCK = 8, 32, 64, 2, 32
 #: One step of SGD from identical state, quantized against unquantized: relative L2 of the whole

@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax import _measure
+from zero_jax import measure as _measure
 
 FP32_RTOL = 1e-5  # relative L2 of each leaf's accumulated update against plain optax
 LOSS_ATOL = 1e-5

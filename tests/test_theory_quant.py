@@ -7,10 +7,10 @@ import pytest
 from _models import make_mesh
 
 import zero_jax as zj
-from zero_jax import _cli as cli
-from zero_jax import _plan
-from zero_jax._quantize import SCALE_BYTES, WireFormat, wire_bytes
-from zero_jax._theory_args import quantization_at
+from zero_jax._cli import cli as cli
+from zero_jax._plan import plan as _plan
+from zero_jax._theory.checks import quantization_at
+from zero_jax._theory.wire import SCALE_BYTES, WireFormat, wire_bytes
 
 PSI, N = 1e9, 8
 RING = (N - 1) / N

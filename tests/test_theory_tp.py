@@ -9,8 +9,8 @@ import pytest
 from _models import make_mesh, mlp_loss, mlp_params
 
 import zero_jax as zj
-from zero_jax import _cli as cli
-from zero_jax._units import parse_bytes
+from zero_jax._base.units import parse_bytes
+from zero_jax._cli import cli as cli
 
 PSI, N = 1e9, 4
 #: The data-only (M = 1) figures for Ψ = 1e9, N = 4, the paper's 2 + 2 + 12 bytes: (params, grads, optimizer).

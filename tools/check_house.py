@@ -54,7 +54,7 @@ class Violation:
 
 @dataclass
 class Module:
-    name: str  # dotted: zero_jax._train, zero_jax.adapters (for adapters/__init__.py)
+    name: str  # dotted: zero_jax._step.train, zero_jax.adapters (for adapters/__init__.py)
     path: Path
     rel: str
     tree: ast.Module
@@ -239,7 +239,7 @@ def defined_attributes(tree: ast.Module) -> set[str]:
 
 
 def module_aliases(module: Module, modules: dict[str, Module], package: str) -> dict[str, str]:
-    """Local names bound to modules of the package (``from zero_jax import _measure``, ``import x as m``)."""
+    """Local names bound to modules of the package (``from zero_jax._audit import measure as _measure``, ``import x as m``)."""
     aliases = {}
     for node in ast.walk(module.tree):
         if isinstance(node, ast.Import):

@@ -7,34 +7,35 @@
 """
 
 from zero_jax import adapters, checkpoint
-from zero_jax._audit import audit
-from zero_jax._launch import launch
-from zero_jax._layers import Sharded, gather
-from zero_jax._layerwise import apply_layer, apply_layers
-from zero_jax._measure import Collective
-from zero_jax._multihost import shard_batch
-from zero_jax._offload import OffloadedLeaf, OffloadPlan, offload_plan
-from zero_jax._optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
-from zero_jax._partition import DEFAULT_MIN_SHARD_SIZE, LeafLayout, leaf_layout
-from zero_jax._plan import Plan, plan
-from zero_jax._policy import ReplicatedLeaf, ZeroPolicy
-from zero_jax._precision import DynamicLossScale, LossScaleState, Precision
-from zero_jax._report import AuditError, AuditReport, Communication, LeafBytes, Violation
-from zero_jax._scan import scan_layers
-from zero_jax._state import TrainState, full_params, init_state
-from zero_jax._theory import (
+from zero_jax._audit.audit import audit
+from zero_jax._audit.hlo import Collective
+from zero_jax._audit.report import AuditError, AuditReport, Communication, LeafBytes, Violation
+from zero_jax._layerwise.blocks import apply_layer, apply_layers
+from zero_jax._layerwise.pieces import Sharded, gather
+from zero_jax._layerwise.scan import scan_layers
+from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, leaf_layout
+from zero_jax._plan.plan import Plan, plan
+from zero_jax._policy.policy import ZeroPolicy
+from zero_jax._policy.precision import DynamicLossScale, LossScaleState, Precision
+from zero_jax._processes.launch import launch
+from zero_jax._processes.multihost import shard_batch
+from zero_jax._step.offload import OffloadedLeaf, OffloadPlan, offload_plan
+from zero_jax._step.optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
+from zero_jax._step.state import TrainState, full_params, init_state
+from zero_jax._step.train import TrainStep, make_train_step
+from zero_jax._theory.choice import StageChoice, choose_stage
+from zero_jax._theory.formulas import (
     ModelStateBytes,
-    StageChoice,
-    choose_stage,
     comm_bytes,
     comm_bytes_per_axis,
     efficiency,
     model_state_bytes,
     required_bandwidth,
 )
-from zero_jax._train import TrainStep, make_train_step
 from zero_jax._version import __version__ as __version__
-from zero_jax.checkpoint import CheckpointManager, export_params, load_params, restore, save
+from zero_jax.checkpoint._manager import CheckpointManager, save
+from zero_jax.checkpoint._restore import restore
+from zero_jax.checkpoint._safetensors import export_params, load_params
 
 __all__ = [
     "AuditError",

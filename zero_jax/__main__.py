@@ -1,8 +1,8 @@
-"""``python -m zero_jax demo | plan | audit``: see :mod:`zero_jax._cli`."""
+"""``python -m zero_jax demo | plan | audit``: see :mod:`zero_jax._cli.cli`."""
 
 import sys
 
-from zero_jax._cli import main
+from zero_jax._cli.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

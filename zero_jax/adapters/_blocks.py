@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from zero_jax import _layers
-from zero_jax._layers import Sharded
-from zero_jax._tree import PyTree, key_name
-from zero_jax._units import fmt_bytes
+from zero_jax._base.tree import PyTree, key_name
+from zero_jax._base.units import fmt_bytes
+from zero_jax._layerwise.pieces import Sharded, gather
+from zero_jax._layerwise.scope import current_scope
 
 __all__ = [
     "Blocks",
@@ -342,7 +342,7 @@ def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[st
     through."""
     if not any(_is_leaf(x) for x in jax.tree.leaves(params, is_leaf=_is_leaf)):
         return params
-    policy = _layers.current_scope().policy
+    policy = current_scope().policy
     if policy is None:  # pragma: no cover - Sharded nodes only exist inside a manual step
         raise RuntimeError(f"{where}: got partitioned parameters outside a train step.")
 
@@ -350,7 +350,7 @@ def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[st
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
         if _is_leaf(x) and not inside(tuple(key_name(k) for k in path), kept):
-            return _layers.gather(x, policy)
+            return gather(x, policy)
         return x
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_leaf)

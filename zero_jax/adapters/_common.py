@@ -13,14 +13,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zero_jax import _layers
-from zero_jax._layers import Sharded
-from zero_jax._policy import ZeroPolicy
-from zero_jax._scan import scan_layers
-from zero_jax._state import TrainState, full_params, init_state
-from zero_jax._train import make_train_step
-from zero_jax._tree import PyTree, key_names, path_str, split_prefix, under, under_any
+from zero_jax._base.tree import PyTree, key_names, path_str, split_prefix, under, under_any
+from zero_jax._layerwise.pieces import Sharded, gather
+from zero_jax._layerwise.scan import scan_layers
+from zero_jax._layerwise.scope import current_scope
+from zero_jax._layout.leaf import is_float
+from zero_jax._policy.policy import ZeroPolicy
+from zero_jax._step.state import TrainState, full_params, init_state
+from zero_jax._step.train import make_train_step
 from zero_jax.adapters._blocks import Blocks, describe_group, group_pattern, repeated_groups
+from zero_jax.adapters._scope import adapter_scope, count_scan, current
 
 
 class Adapted(NamedTuple):
@@ -252,7 +254,7 @@ def check_stacked(
 def active_policy() -> ZeroPolicy | None:
     """The policy of the manual-gather step being traced, or None (outside a
     step, or a step that hands ``loss_fn`` whole parameters)."""
-    return _layers.current_scope().policy
+    return current_scope().policy
 
 
 UNDECLARED_BLOCKS = (
@@ -289,7 +291,7 @@ def gather_unstacked(params: PyTree, prefixes: tuple[str, ...], where: str) -> P
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
         if is_sharded(x) and not under_any(path, map(split_prefix, prefixes)):
-            return _layers.gather(x, policy)
+            return gather(x, policy)
         return x
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_sharded)
@@ -306,11 +308,11 @@ def explain_unscanned_pieces(params: PyTree, prefixes: tuple[str, ...], where: s
         for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
         if is_sharded(x) and under_any(p, map(split_prefix, prefixes))
     ]
-    with _layers.trace_scope(adapter_scans=[0]) as scope:
+    with adapter_scope():
         try:
             yield
         except Exception as e:
-            if pieces and not scope.adapter_scans[0]:
+            if pieces and not current().scans:
                 raise TypeError(
                     f"{where}: under make_train_step(..., gather='manual') the stacked layers reach the model as "
                     f"partitioned pieces (e.g. '{pieces[0]}'), which only {drop_in} can run, and the model did not "
@@ -338,9 +340,7 @@ def scan_stacked(
     carried beside ``carry`` (a float, so the custom VJP of ``scan_layers``
     sees only float carries).
     """
-    counter = _layers.current_scope().adapter_scans
-    if counter is not None:
-        counter[0] += 1
+    count_scan()
     policy = active_policy()
     if not jax.tree.leaves(indexed):
         return scan_layers(lambda p, c: layer_fn(p, None, c), scanned, carry, policy, prefetch=prefetch,
@@ -396,7 +396,7 @@ def check_trainable_floats(trained: PyTree, where: str) -> None:
     bad = [
         f"trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array"
         for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]
-        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.inexact)
+        if not hasattr(leaf, "dtype") or not is_float(leaf)
     ]
     if bad:
         raise ValueError(NOT_FLOAT.format(where=where, leaves="; ".join(bad)))

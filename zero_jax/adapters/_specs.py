@@ -39,7 +39,7 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import PartitionSpec
 
-from zero_jax._tree import PyTree, key_names, path_str, split_prefix, under_any
+from zero_jax._base.tree import PyTree, key_names, path_str, split_prefix, under_any
 
 Rules = tuple[tuple[str, Any], ...]
 

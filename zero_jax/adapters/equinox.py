@@ -72,8 +72,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._layerwise import LayerChain, batched_by_vmap
-from zero_jax._tree import PyTree, path_str
+from zero_jax._base.tree import PyTree, path_str
+from zero_jax._layerwise.blocks import LayerChain, batched_by_vmap
+from zero_jax._layout.leaf import is_float
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,
@@ -180,7 +181,7 @@ def _states_as(tree: Any, cls: type) -> Any:
 
 
 def _is_float_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return isinstance(x, (jax.Array, np.ndarray)) and is_float(x)
 
 
 _NOT_FLOAT = (

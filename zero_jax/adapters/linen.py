@@ -94,8 +94,8 @@ import jax
 from flax import nnx
 from flax.core import unfreeze
 
-from zero_jax._layerwise import LayerChain
-from zero_jax._tree import PyTree, split_prefix, under_any
+from zero_jax._base.tree import PyTree, split_prefix, under_any
+from zero_jax._layerwise.blocks import LayerChain
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,
@@ -380,7 +380,7 @@ def _find_layers(
 class _Runner:
     """How the adapted loss runs the user's: pieces outside the blocks (and
     stacks) gathered, block pieces boxed for ``module.apply``, and each call
-    of a block intercepted into one :class:`~zero_jax._layerwise.LayerChain`
+    of a block intercepted into one :class:`~zero_jax._layerwise.blocks.LayerChain`
     per trace; a plain call outside a manual step."""
 
     def __init__(

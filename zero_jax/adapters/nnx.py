@@ -63,9 +63,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zero_jax._layers import current_scope, trace_scope
-from zero_jax._layerwise import LayerChain
-from zero_jax._tree import PyTree, path_str
+from zero_jax._base.tree import PyTree, path_str
+from zero_jax._layerwise.blocks import LayerChain
+from zero_jax._layout.leaf import is_float
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,
@@ -91,6 +91,7 @@ from zero_jax.adapters._common import (
     scan_stacked,
     stateful_signature,
 )
+from zero_jax.adapters._scope import adapter_scope, current
 from zero_jax.adapters._specs import check_rules, nnx_specs
 
 __all__ = ["from_nnx", "scan_layers"]
@@ -186,7 +187,7 @@ def _check_trainable_floats(params: PyTree) -> None:
     bad = [
         f"trainable variable '{path_str(path)}' is {describe(leaf)}, not a float array"
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-        if not hasattr(leaf, "shape") or not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+        if not hasattr(leaf, "shape") or not is_float(leaf)
     ]
     if bad:
         raise ValueError(_NOT_FLOAT.format(where=_WHERE, leaves="; ".join(bad)))
@@ -388,7 +389,7 @@ def from_nnx(
     not_trainable = nnx.Not(trainable)
 
     def run(m: nnx.Module, params: PyTree, batch: PyTree, route: Any) -> Any:
-        with trace_scope(state_updates=state_updates), route(m):
+        with adapter_scope(state_updates=state_updates), route(m):
             with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.nnx.scan_layers"):
                 return loss(m, batch)
 
@@ -461,7 +462,7 @@ def scan_layers(
         raise TypeError(f"zj.adapters.nnx.scan_layers: layers must be an nnx.Module, got {type(layers).__name__}.")
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     rest_vars = jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    discard = current_scope().state_updates == "discard"
+    discard = current().state_updates == "discard"
 
     def layer_fn(p: nnx.State, r: nnx.State | None, c: Any) -> Any:
         layer = nnx.merge(graphdef, p, r if r is not None else rest)

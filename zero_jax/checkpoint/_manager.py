@@ -19,10 +19,10 @@ from typing import Any
 
 import jax
 
-from zero_jax._optimizer import ShardedTransformation
-from zero_jax._policy import ZeroPolicy
-from zero_jax._state import TrainState
-from zero_jax._tree import PyTree, check_live
+from zero_jax._base.tree import PyTree, check_live
+from zero_jax._policy.policy import ZeroPolicy
+from zero_jax._step.optimizer import ShardedTransformation
+from zero_jax._step.state import TrainState
 from zero_jax.checkpoint._orbax import (
     discard_partial,
     error_text,

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from zero_jax._partition import LeafLayout, is_layout
-from zero_jax._state import TrainState
-from zero_jax._tree import PyTree, key_name
+from zero_jax._base.tree import PyTree, key_name
+from zero_jax._layout.leaf import LeafLayout, is_layout
+from zero_jax._step.state import TrainState
 from zero_jax._version import __version__
 
 if TYPE_CHECKING:

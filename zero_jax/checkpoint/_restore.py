@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._optimizer import ShardedTransformation, to_logical
-from zero_jax._partition import is_layout
-from zero_jax._policy import ZeroPolicy
-from zero_jax._precision import LossScaleState
-from zero_jax._state import TrainState, init_state
-from zero_jax._tree import PyTree
+from zero_jax._base.tree import PyTree
+from zero_jax._layout.leaf import is_layout
+from zero_jax._policy.placement import to_logical
+from zero_jax._policy.policy import ZeroPolicy
+from zero_jax._policy.precision import LossScaleState
+from zero_jax._step.optimizer import ShardedTransformation
+from zero_jax._step.state import TrainState, init_state
 from zero_jax.checkpoint._orbax import error_text, quiet, read
 from zero_jax.checkpoint._record import (
     Entry,

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax._partition import LeafLayout, is_layout
-from zero_jax._policy import ZeroPolicy
-from zero_jax._state import TrainState
-from zero_jax._tree import PyTree, check_live, key_name
+from zero_jax._base.tree import PyTree, check_live, key_name
+from zero_jax._layout.leaf import LeafLayout, is_layout
+from zero_jax._policy.policy import ZeroPolicy
+from zero_jax._step.state import TrainState
 from zero_jax.checkpoint._record import VERSION, absolute, key_json, tree_from_metadata
 
 #: numpy dtype name -> safetensors dtype code.

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from zero_jax._layers import gather
-from zero_jax._policy import ZeroPolicy
-from zero_jax._scan import scan_layers
+from zero_jax._layerwise.pieces import gather
+from zero_jax._layerwise.scan import scan_layers
+from zero_jax._policy.policy import ZeroPolicy
 
 Params = dict[str, Any]
 

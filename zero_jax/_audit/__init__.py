@@ -1,0 +1,6 @@
+"""Reading a compiled step: what it holds (``memory``), what it sends
+(``hlo``: collectives after SPMD partitioning, loops and trip counts), its
+schedule (``schedule``: per-layer gathers and reductions, layers alive), the
+communication theory per leaf (``communication``, int8 wires included), the
+model-axis view (``model_axes``), the contract's violations (``violations``),
+the report (``report``) and ``zj.audit`` itself (``audit``)."""

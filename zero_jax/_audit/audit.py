@@ -1,0 +1,471 @@
+"""``zj.audit``: proof from the compiled program that a step keeps its stage's contract.
+
+The two failures users report against ZeRO implementations are silent: a
+"ZeRO-1" whose optimizer state is replicated after all, and gradients
+all-reduced whole (or once per microbatch) when they should be
+reduce-scattered once. Both are visible in the program XLA actually runs, so
+the audit reads them there:
+
+* bytes: what each device holds of the state (parameters, gradients,
+  optimizer state, other), measured on the arrays (or, for abstract inputs,
+  on their shardings), and ``compiled.memory_analysis()``;
+* communication: every collective of the program right after SPMD
+  partitioning, with the trip counts of the loops around it, beside the
+  stage's theory (:mod:`zero_jax._audit.violations`);
+* the per-layer schedule (``report.layers``, stages 2–3): for each block
+  (``zj.apply_layer(s)``, named ``zj_block<i>_*`` in the compiled program),
+  scan (``zj.scan_layers``) or repeated block of the parameter tree, the
+  all-gathers and reduce-scatters per step, and the most whole layers alive
+  at once in the compiled (scheduled) program; a stage-3 manual step holding
+  more than ``prefetch + 1`` fails the check.
+
+On a mesh with model axes (every axis that is neither the data nor the
+replica axis: tensor, sequence, expert parallelism; M the product of their
+sizes) the contract is per model shard (:mod:`zero_jax._audit.model_axes`): bytes
+against the ZeRO formula for each leaf's model shard (the formula / M when
+every leaf is cut M ways), ZeRO's collectives (those spanning a data or
+replica axis) against the theory for those bytes, communication reported by
+the exact mesh axes each collective spans and by kind, a collective over
+model axes only counted as the model's own; a weight gathered whole across a
+model axis fails the check, as does a gradient-sized all-reduce over data.
+
+On a quantized wire (``ZeroPolicy(quantize_weights="int8",
+quantize_grads="int8")``, ZeRO++'s qwZ / qgZ) the report gives the wire dtype
+and bytes per collective kind (``report.wire_bytes()``: int8 values and their
+float32 scales apart; ``report.wire_roles``), the theory counts each quantized
+pass at its int8 blocks and scales (:mod:`zero_jax._audit.communication`), and a
+collective the policy asks to be int8 that runs in a float dtype (a weight's
+all-gather, a gradient's reduce-scatter / all-to-all / all-reduce over data)
+fails the check: the bytes on the wire are proven, not assumed.
+
+``report.check()`` raises :class:`AuditError` listing every violation. The
+report types live in :mod:`zero_jax._audit.report`.
+
+Example (stage 2 on 8 simulated devices):
+
+>>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+>>> policy = zj.ZeroPolicy(stage=2, mesh=mesh)
+>>> tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+>>> state = zj.init_state({"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}, tx, policy)
+>>> step = zj.make_train_step(lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, policy)
+>>> report = zj.audit(step, state, jnp.ones((16, 256))).check()
+>>> report.state_bytes["grads"], report.state_bytes["optimizer"]  # w cut 8 ways, b kept whole
+(8448, 16900)
+>>> round(report.comm.ratio, 3)
+1.0
+
+Floor 6: imports the measurement, the theory, the policy and the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from zero_jax._audit import hlo
+from zero_jax._audit.communication import comm_violation, communication, formula_inputs, wire_roles, wire_violations
+from zero_jax._audit.hlo import Collective
+from zero_jax._audit.memory import memory as memory_figures
+from zero_jax._audit.model_axes import model_axes, model_gather_violations, model_parallel, split_of
+from zero_jax._audit.report import CATEGORIES, FIELD_CATEGORY, AuditReport, LeafBytes, ParamInfo, Violation
+from zero_jax._audit.schedule import layer_schedule
+from zero_jax._audit.violations import (
+    accum_violations,
+    all_reduce_violations,
+    layer_violations,
+    partitioned_categories,
+    replicated_violations,
+    stacked_paths,
+)
+from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_any
+from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
+from zero_jax._policy.policy import ZeroPolicy
+from zero_jax._step.optimizer import frozen_leaves
+from zero_jax._theory.formulas import comm_bytes, model_state_bytes
+
+NO_POLICY = (
+    "audit: cannot tell the step's ZeroPolicy: pass policy=... (a zj.ZeroPolicy) for a step that is "
+    "not made by zj.make_train_step; got {kind}."
+)
+NOT_JITTED = (
+    "audit: train_step must be jax.jit-wrapped (have .lower), got {kind}. "
+    "Pass the step from zj.make_train_step or wrap your step with jax.jit."
+)
+
+Totals = dict[str, dict[Any, int]]  # category -> device -> bytes
+
+# -- measuring -------------------------------------------------------------------------------------------------
+
+
+def _is_abstract(leaf: Any) -> bool:
+    return isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def _device_bytes(leaf: Any) -> dict[Any, int]:
+    """Bytes each device holds of one leaf (measured shards, or the shard
+    shape of an abstract leaf's sharding)."""
+    if hasattr(leaf, "addressable_shards"):
+        out: dict[Any, int] = {}
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+        return out
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return {None: math.prod(shape) * dtype.itemsize}
+    piece = math.prod(sharding.shard_shape(shape)) * dtype.itemsize
+    return dict.fromkeys(sharding.device_set, piece)
+
+
+def _category(path: tuple[Any, ...]) -> str:
+    return FIELD_CATEGORY.get(key_name(path[0]), "other") if path else "other"
+
+
+def _field(state: Any, name: str) -> Any:
+    if isinstance(state, Mapping):
+        return state.get(name)
+    return getattr(state, name, None)
+
+
+def _leaves(tree: PyTree, category: str | None, model: tuple[str, ...] = ()) -> tuple[list[LeafBytes], Totals]:
+    leaves: list[LeafBytes] = []
+    totals: Totals = {c: {} for c in CATEGORIES}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            continue
+        cat = category or _category(path)
+        per = _device_bytes(leaf)
+        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
+        if kind == "device":  # offloaded leaves are host bytes: see AuditReport.host_bytes
+            for d, b in per.items():
+                totals[cat][d] = totals[cat].get(d, 0) + b
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        name = path_str(path) if category is None else f"{category}/{path_str(path)}"
+        cuts = split_of(getattr(leaf, "sharding", None), len(leaf.shape), model)
+        split = math.prod(cuts)
+        leaves.append(
+            LeafBytes(
+                cat,
+                name,
+                tuple(leaf.shape),
+                str(np.dtype(leaf.dtype)),
+                nbytes,
+                max(per.values()),
+                kind,
+                split,
+                tuple(c > 1 for c in cuts),
+            )  # fmt: skip
+        )
+    return leaves, totals
+
+
+def _measure_grads(train_step: Any, state: Any, batch: Any, abstract: bool, options: dict[str, Any]) -> PyTree:
+    """The gradient as the step holds it: the arrays ``train_step.grads``
+    returns, or for abstract inputs its compiled output shardings."""
+    compiled = jax.jit(train_step.grads).lower(state, batch).compile(compiler_options=options)
+    return compiled.out_info if abstract else compiled(state, batch)
+
+
+def _state_leaves(
+    train_step: Any, state: Any, batch: Any, grads: Any, abstract: bool, options: dict[str, Any], model: tuple[str, ...]
+) -> tuple[list[LeafBytes], Totals]:
+    """Every state leaf (and gradient leaf, unless ``grads`` is ``False``) with
+    its bytes; ``totals`` has no ``"grads"`` when gradients were not measured."""
+    leaves, totals = _leaves(state, None, model)
+    if grads is None and hasattr(train_step, "grads"):
+        grads = _measure_grads(train_step, state, batch, abstract, options)
+    if grads is not None and grads is not False:
+        g_leaves, g_totals = _leaves(grads, "grads", model)
+        leaves += g_leaves
+        totals["grads"] = g_totals["grads"]
+    else:
+        del totals["grads"]
+    return leaves, totals
+
+
+def _frozen(train_step: Any, layout_tree: PyTree, count: int) -> list[bool]:
+    """Which parameters the step's optimizer never changes (no gradient, no
+    reduction): ``zj.frozen_leaves`` of ``train_step.tx``; none if unknown."""
+    tx = getattr(getattr(train_step, "tx", None), "inner", None)
+    if tx is None:
+        return [False] * count
+    logical = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), layout_tree, is_leaf=is_layout)
+    try:
+        flags = [bool(f) for f in jax.tree.leaves(frozen_leaves(tx, logical))]
+    except Exception:  # an optimizer the analysis cannot trace: assume nothing is frozen
+        return [False] * count
+    return flags if len(flags) == count else [False] * count
+
+
+def _param_infos(train_step: Any, state: Any, policy: ZeroPolicy) -> list[ParamInfo]:
+    """The float parameters with their layouts: the state's own record, else the policy's rule."""
+    params = _field(state, "params")
+    record = _field(state, "layouts")
+    layout_tree = record.tree() if hasattr(record, "tree") else policy.layouts(params)
+    layout_pairs = jax.tree_util.tree_flatten_with_path(layout_tree, is_leaf=is_layout)[0]
+    param_leaves = jax.tree.leaves(params)
+    if len(param_leaves) != len(layout_pairs):
+        raise ValueError("audit: the state's params do not match its layouts; build the state with zj.init_state.")
+    frozen, model = _frozen(train_step, layout_tree, len(layout_pairs)), model_axes(policy)
+    return [
+        ParamInfo(
+            path_str(p),
+            lay,
+            np.dtype(leaf.dtype),
+            fz,
+            under_any(p, policy.stacked),
+            split_of(getattr(leaf, "sharding", None), len(lay.shape), model),
+        )  # fmt: skip
+        for (p, lay), leaf, fz in zip(layout_pairs, param_leaves, frozen, strict=True)
+        if is_float(lay.dtype)
+    ]
+
+
+def _grad_bytes(leaves: list[LeafBytes], params: list[ParamInfo]) -> float:
+    g = [leaf for leaf in leaves if leaf.category == "grads" and is_float(leaf.dtype)]
+    phi = sum(math.prod(p.layout.shape) for p in params)
+    if len(g) != len(params):
+        return sum(leaf.nbytes for leaf in g) / max(phi, 1)
+    return (
+        sum(math.prod(p.layout.shape) * np.dtype(leaf.dtype).itemsize for leaf, p in zip(g, params, strict=True)) / phi
+    )
+
+
+def _bytes_per_param(
+    leaves: list[LeafBytes], params: list[ParamInfo], policy: ZeroPolicy, grads_measured: bool
+) -> dict[str, float]:
+    """``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` as this run stores them."""
+    phi = sum(math.prod(p.layout.shape) for p in params)
+    opt_float = sum(leaf.nbytes for leaf in leaves if leaf.category == "optimizer" and is_float(leaf.dtype))
+    cut = policy.partitions_opt_state
+    stored_phi = sum(
+        math.prod(p.layout.stored_shape if (cut and p.layout.partitioned) else p.layout.shape) for p in params
+    )
+    per_param = {"param_bytes": sum(math.prod(p.layout.shape) * p.dtype.itemsize for p in params) / max(phi, 1)}
+    if grads_measured:
+        per_param["grad_bytes"] = _grad_bytes(leaves, params)
+    per_param["optimizer_bytes"] = opt_float / max(stored_phi, 1)
+    return per_param
+
+
+def _formula(params: list[ParamInfo], policy: ZeroPolicy, per_param: Mapping[str, float]) -> dict[str, float]:
+    """:func:`zero_jax.model_state_bytes` for this policy and bytes per
+    parameter, on one model shard's Φ: each leaf's elements / how many ways
+    model axes cut it (Φ / M when every leaf is cut M ways; Φ without model axes)."""
+    phi = sum(math.prod(p.layout.shape) / p.model_split for p in params)
+    if not phi:
+        return {}
+    f = model_state_bytes(
+        phi, policy.num_shards, policy.stage,
+        param_bytes=per_param["param_bytes"],
+        grad_bytes=per_param.get("grad_bytes", 0.0),
+        optimizer_bytes=per_param["optimizer_bytes"],
+        replicas=policy.num_replicas,
+        optimizer_over_replicas=policy.optimizer_over_replicas,
+    )  # fmt: skip
+    return {"params": f.params, "optimizer": f.optimizer} | ({"grads": f.grads} if "grad_bytes" in per_param else {})
+
+
+# -- the audit --------------------------------------------------------------------------------------------------
+
+
+def audit(
+    train_step: Any,
+    state: Any,
+    batch: PyTree,
+    *,
+    policy: ZeroPolicy | None = None,
+    grads: Any = None,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    tolerance: float = 0.02,
+    accum_mode: str | None = None,
+    accum_steps: int | None = None,
+    reduce_dtype: Any = None,
+    fast_compile: bool = True,
+    prefetch: int | None = None,
+) -> AuditReport:
+    """Compile ``train_step(state, batch)`` and report what it holds and sends.
+
+    Args:
+      train_step: a :func:`zero_jax.make_train_step` step, or any
+        ``jax.jit``-wrapped ``step(state, batch)`` (then pass ``policy``).
+      state: the state, concrete arrays or ``jax.ShapeDtypeStruct``s with
+        shardings (``zj.init_state`` on abstract parameters makes those; then
+        nothing is allocated and bytes are read from the shardings). Its
+        fields are sorted into categories by name: ``params``; ``opt_state``
+        and ``master`` (optimizer, as ZeRO counts them); anything else
+        "other".
+      batch: the global batch (arrays or ``ShapeDtypeStruct``s).
+      policy: defaults to ``train_step.policy`` (or ``state.policy``).
+      grads: ``None`` measures ``train_step.grads(state, batch)`` when the step
+        has it; ``False`` skips gradients; or pass the gradient tree.
+      min_shard_size: the size (elements) from which the audit calls a float
+        leaf partitionable. By default the library's default threshold, so a
+        policy built with a larger ``min_shard_size`` that keeps such leaves
+        whole *fails* the check; pass the policy's own value to accept it.
+        It also bounds the all-reduce check: in stages 1–3 an all-reduce over
+        the data (or replica) axes of at least this many elements (or of the
+        smallest partitioned leaf's model shard, if smaller) is a
+        gradient-sized all-reduce; one over model axes only is the model's own. (An optimizer that reduces
+        statistics across a parameter, like Adafactor's factored moments, may
+        all-reduce vectors that large and be flagged.)
+      tolerance: communication may exceed the theory by this fraction.
+      accum_mode, accum_steps: gradient accumulation; default
+        ``getattr(train_step, "accum_mode", None)`` and ``"accum_steps"``
+        (1). With ``"local"`` gradients must be reduced once per step, so a
+        gradient reduction inside a loop of ``accum_steps`` trips (the
+        outermost loop around it) is a violation; in other modes the theory
+        counts one reduction per microbatch.
+      reduce_dtype: the dtype gradients are reduced in; default the policy's
+        ``precision.reduce_dtype``, else each parameter's dtype.
+      fast_compile: compile with LLVM optimisation off
+        (``xla_backend_optimization_level=0``): the same HLO, buffer
+        assignment and ``memory_analysis()``, about 3x faster on CPU.
+      prefetch: how many blocks ahead the step's ``zj.apply_layers`` /
+        ``zj.scan_layers`` gather; a stage-3 ``gather="manual"`` step (not
+        accumulating locally) may hold ``prefetch + 1`` whole layers at once
+        (``report.layers``). ``None``:
+        1, the largest the library's layer primitives use unless told (their
+        default); pass the step's own value if it prefetches more.
+
+    Returns:
+      An :class:`AuditReport`; ``report.check()`` raises on violations.
+    See the module docstring for an example.
+    """
+    check_live(state, where="zj.audit")
+    policy = _resolve_policy(train_step, state, policy)
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"audit: tolerance must be in [0, 1), got {tolerance!r}.")
+    policy.check_batch(batch, where="audit")
+    accum_mode, steps = _accumulation(train_step, accum_mode, accum_steps)
+    prefetch = _prefetch(prefetch)
+
+    abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
+    options = dict(hlo.FAST_COMPILE) if fast_compile else {}
+    memory, colls, loops, scheduled = _program(train_step, state, batch, policy, options)
+    leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, model_axes(policy))
+    params = _param_infos(train_step, state, policy)
+    phi = sum(math.prod(p.layout.shape) for p in params)
+    if reduce_dtype is None:
+        reduce_dtype = getattr(getattr(policy, "precision", None), "reduce_dtype", None)
+    comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
+    comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
+    per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
+
+    cats = partitioned_categories(policy)
+    violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size, roles)
+    violations += comm_violation(comm, policy.stage, tolerance)
+    violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
+    layers = layer_schedule(scheduled, params, policy, prefetch)
+    # gather="all" and local accumulation (one gather per step) hold the whole model by design.
+    layerwise = getattr(train_step, "gather", "manual") != "all" and not (accum_mode == "local" and steps > 1)
+    violations += layer_violations(layers, policy, layerwise)
+    return AuditReport(
+        stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
+        formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
+        replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
+        memory=memory, collectives=colls, loops=loops, comm=comm,
+        violations=tuple(violations), **_by_axes(colls, params, policy),
+        min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
+        abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
+    )  # fmt: skip
+
+
+def _comm_formula(params: list[ParamInfo], policy: ZeroPolicy) -> float:
+    """The planner's model-level communication for this Φ per model shard and
+    wire format (reported beside the per-leaf theory, not judged)."""
+    phi, dtype_bytes = formula_inputs(params)
+    if not phi or policy.num_shards <= 1:
+        return 0.0
+    w = policy.wire
+    return comm_bytes(
+        phi, policy.num_shards, policy.stage, dtype_bytes=dtype_bytes,
+        quantize_weights=w.weights, quantize_grads=w.grads, quant_block=w.block,
+    )  # fmt: skip
+
+
+def _by_axes(colls: tuple[Collective, ...], params: list[ParamInfo], policy: ZeroPolicy) -> dict[str, Any]:
+    """The report's fields about mesh axes: communication per axis (and kind),
+    the model axes, M and Φ per model shard."""
+    return {
+        "comm_per_axis": hlo.ring_bytes_per_axis(colls, policy.mesh),
+        "comm_per_axis_kind": hlo.ring_bytes_per_axis_kind(colls, policy.mesh),
+        "model_axes": model_axes(policy),
+        "model_parallel": model_parallel(policy),
+        "params_per_model_shard": sum(math.prod(p.layout.shape) / p.model_split for p in params),
+    }
+
+
+def _program_violations(
+    colls: tuple[Collective, ...],
+    loops: dict[str, tuple[int, ...]],
+    leaves: list[LeafBytes],
+    params: list[ParamInfo],
+    policy: ZeroPolicy,
+    min_shard_size: int,
+    roles: tuple[str, ...],
+) -> list[Violation]:
+    """Leaves kept whole that the stage partitions, gradient-sized all-reduces
+    over data, weights gathered across a model axis and collectives asked to
+    be int8 that run wider (``roles``: each collective's role on the wire)."""
+    violations = replicated_violations(leaves, policy, min_shard_size, stacked_paths(params))
+    violations += all_reduce_violations(colls, loops, params, min_shard_size, policy)
+    violations += model_gather_violations(colls, params, policy)
+    named = {v.subject for v in violations}  # a gradient-sized all-reduce is named once
+    return violations + [v for v in wire_violations(colls, roles, params, policy) if v.subject not in named]
+
+
+def _program(
+    train_step: Any, state: Any, batch: Any, policy: ZeroPolicy, options: dict[str, Any]
+) -> tuple[dict[str, int], tuple[Collective, ...], dict[str, tuple[int, ...]], str]:
+    """Compile once: ``memory_analysis()``, the post-SPMD collectives and their
+    loop nesting, and the compiled (scheduled) program's text."""
+    compiled, text = hlo.compile_with_hlo(train_step.lower(state, batch), options)
+    memory, scheduled = memory_figures(compiled), compiled.as_text()
+    del compiled
+    return memory, tuple(hlo.parse_collectives(text, policy.mesh.size)), hlo.loop_nesting(text), scheduled
+
+
+def _prefetch(prefetch: int | None) -> int:
+    """The prefetch to judge a layer-wise step by (None: 1, the primitives' default)."""
+    if prefetch is None:
+        return 1
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"audit: prefetch must be a non-negative int (or None for 1), got {prefetch!r}.")
+    return prefetch
+
+
+def _state_bytes(leaves: list[LeafBytes], totals: Totals) -> dict[str, dict[str, int]]:
+    """The report's ``state_bytes`` (most on a device), ``state_bytes_min`` and ``host_bytes``."""
+    measured = [c for c in CATEGORIES if c in totals and (totals[c] or c != "other")]
+    host = {c: sum(x.per_device for x in leaves if x.category == c and x.memory_kind != "device") for c in CATEGORIES}
+    return {
+        "state_bytes": {c: max(totals[c].values(), default=0) for c in measured},
+        "state_bytes_min": {c: min(totals[c].values(), default=0) for c in measured},
+        "host_bytes": {c: b for c, b in host.items() if b},
+    }
+
+
+def _accumulation(train_step: Any, accum_mode: str | None, accum_steps: int | None) -> tuple[str | None, int]:
+    """The accumulation mode and steps to judge by: given, else the step's."""
+    accum_mode = accum_mode if accum_mode is not None else getattr(train_step, "accum_mode", None)
+    steps = accum_steps if accum_steps is not None else getattr(train_step, "accum_steps", 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"audit: accum_steps must be a positive integer, got {steps!r}.")
+    return accum_mode, steps
+
+
+def _resolve_policy(train_step: Any, state: Any, policy: ZeroPolicy | None) -> ZeroPolicy:
+    """The policy to judge by: given, the step's, or the state's; and a jitted step."""
+    policy = policy if policy is not None else getattr(train_step, "policy", None) or _field(state, "policy")
+    if not isinstance(policy, ZeroPolicy):
+        raise TypeError(NO_POLICY.format(kind=type(policy).__name__))
+    if not hasattr(train_step, "lower"):
+        raise TypeError(NOT_JITTED.format(kind=type(train_step).__name__))
+    return policy

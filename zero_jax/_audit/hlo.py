@@ -1,0 +1,312 @@
+"""Measure what a compiled step holds and sends, from the program itself.
+
+* :func:`resident_bytes` — bytes each device holds for a pytree of arrays.
+* :func:`collectives` — every collective in the program right after SPMD
+  partitioning (where dtypes are still the logical ones; XLA:CPU later runs
+  bf16 collectives in f32), with its per-device ring traffic, multiplied by
+  the trip count of the loop it sits in.
+* :func:`memory` — ``compiled.memory_analysis()`` with the peak estimate
+  argument + output + temp − alias (CPU's ``peak_memory_in_bytes`` omits temp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+NO_SPMD_DUMP = "XLA wrote no post-SPMD-partitioning dump of a program on several devices; is this a sharded program?"
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+"
+    r"(?P<kind>all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\((?P<args>.*)$"
+)
+_ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
+COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$")
+OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PAIR = re.compile(r"\{(\d+),(\d+)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the partitioned program.
+
+    ``bytes`` is the size of the full (per-device) operand for all-reduce,
+    collective-permute and all-to-all, the gathered result for all-gather and
+    the scattered input for reduce-scatter. ``ring_bytes`` is what one device
+    sends per execution in a ring of ``group_size``; ``trips`` how many times
+    the enclosing loops run it. ``group``: the devices (partition ids) of one
+    replica group, or of every source-target pair of a collective-permute,
+    when the HLO lists them; ``op_name``: the JAX name of the op that made it
+    (HLO ``metadata={op_name=...}``).
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    group_size: int
+    trips: int = 1
+    name: str = ""
+    group: tuple[int, ...] = ()
+    op_name: str = ""
+    pairs: tuple[tuple[int, int], ...] = ()  # a collective-permute's source-target pairs
+
+    def axes(self, mesh: Any) -> tuple[str, ...]:
+        """The mesh axes this collective runs across: those along which the
+        devices of its group differ, in the mesh's order (every axis of size
+        > 1 when the group is unknown). A collective-permute runs across the
+        axes along which any of its pairs differ.
+
+        Partition ids are positions in ``mesh.devices.flat`` (jit's device
+        assignment), so this reads ``replica_groups={{0,4},{1,5},...}`` on a
+        ``("replica", "data")`` mesh of shape (2, 4) as ``("replica",)`` and
+        ``{{0,2,4,6},{1,3,5,7}}`` on a ``("data", "model")`` mesh of shape
+        (4, 2) as ``("data",)``.
+        """
+        names = tuple(mesh.axis_names)
+        sets = [p for p in self.pairs if p[0] != p[1]] or ([self.group] if self.group else [])
+        if not sets:
+            return tuple(n for n in names if mesh.shape[n] > 1)
+        varying: set[int] = set()
+        for ids in sets:
+            coords = np.array(np.unravel_index(np.asarray(ids), mesh.devices.shape))
+            varying |= {i for i in range(len(names)) if len(set(coords[i].tolist())) > 1}
+        return tuple(n for i, n in enumerate(names) if i in varying)
+
+    @property
+    def ring_bytes(self) -> float:
+        n = self.group_size
+        if n <= 1:
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * self.bytes
+        if self.kind == "collective-permute":
+            return float(self.bytes)
+        return (n - 1) / n * self.bytes
+
+    @property
+    def total_ring_bytes(self) -> float:
+        return self.ring_bytes * self.trips
+
+
+def axes_key(axes: Iterable[str]) -> str:
+    """The report's name for a set of mesh axes: ``"data"``, ``"model"``,
+    ``"data+model"`` (in the mesh's order), ``"none"`` for no axis.
+
+    >>> axes_key(("data", "model")), axes_key(())
+    ('data+model', 'none')
+    """
+    return "+".join(axes) or "none"
+
+
+def array_bytes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
+    out = []
+    for m in _ARRAY.finditer(text):
+        dtype = m.group("dtype")
+        if dtype not in DTYPE_BYTES:
+            continue
+        dims = tuple(int(d) for d in m.group("dims").split(",") if d)
+        out.append((dtype, dims, math.prod(dims) * DTYPE_BYTES[dtype]))
+    return out
+
+
+def _replica_group(line: str, num_devices: int) -> tuple[int, tuple[int, ...]]:
+    """The group size of a collective and its first replica group, from any
+    HLO spelling: ``{{0,4},{1,5}}``, the iota form ``[G,S]<=[dims]T(perm)``,
+    ``mesh['data'=4,'model'=2]{'data'}`` or ``source_target_pairs``."""
+    m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", line)
+    if m:
+        group = tuple(int(x) for x in m.group(1).split(",") if x.strip())
+        return len(group), group
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        g, size, dims = int(m.group(1)), int(m.group(2)), [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return size, tuple(int(i) for i in ids.reshape(g, size)[0])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = [(n, int(k)) for n, k in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
+        names = set(re.findall(r"'(\w+)'", m.group(2)))
+        ids = np.arange(math.prod(k for _, k in sizes)).reshape([k for _, k in sizes])
+        first = ids[tuple(slice(None) if n in names else 0 for n, _ in sizes)]
+        return math.prod(k for n, k in sizes if n in names), tuple(int(i) for i in np.ravel(first))
+    if re.search(r"source_target_pairs=\{(.*?)\}\s*(,|$)", line):
+        return 2, ()
+    return num_devices, ()
+
+
+def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, tuple[str, int | None]]]:
+    """Each computation's lines, and computation -> (its caller, the trip count
+    if it is a while loop's body, else None).
+
+    Right after SPMD partitioning the while loops carry no trip-count
+    annotation, so it is read off the loop condition ``compare(i, constant(K)),
+    direction=LT``.
+    """
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        m = COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+        elif current is not None:
+            comps[current].append(line)
+    parent: dict[str, tuple[str, int | None]] = {}
+    for name, lines in comps.items():
+        body = "\n".join(lines)
+        for m in re.finditer(r"while\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", body):
+            c = re.search(r"constant\((\d+)\)", "\n".join(comps.get(m.group(1), [])))
+            parent[m.group(2)] = (name, int(c.group(1)) if c else 1)
+        for m in re.finditer(
+            r"(?:to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)", body
+        ):
+            parent.setdefault(m.group(1), (name, None))
+    return comps, parent
+
+
+def _loops(name: str, parent: Mapping[str, tuple[str, int | None]]) -> tuple[int, ...]:
+    """The trip counts of the while loops around computation ``name``, outermost first."""
+    out: list[int] = []
+    seen = set()
+    while name in parent and name not in seen:
+        seen.add(name)
+        name, trips = parent[name]
+        if trips is not None:
+            out.append(trips)
+    return tuple(reversed(out))
+
+
+def trip_counts(hlo: str) -> dict[str, int]:
+    """Computation name -> how many times it runs per step (nested loops multiply)."""
+    comps, parent = _call_graph(hlo)
+    return {name: math.prod(_loops(name, parent)) for name in comps}
+
+
+def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
+    """Every collective in an HLO module's text, with loop trip counts."""
+    trips = trip_counts(hlo)
+    out = []
+    current = ""
+    for line in hlo.splitlines():
+        m = COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        kind = m.group("kind")
+        n, group = _replica_group(line, num_devices)
+        op_name = OP_NAME.search(line)
+        pairs = line.split("source_target_pairs=")[1].split("}}")[0] + "}" if "source_target_pairs=" in line else ""
+        for dtype, shape, nbytes in array_bytes(m.group("type")):
+            if kind == "reduce-scatter":  # count the input: N pieces of the result
+                nbytes *= n
+            out.append(Collective(
+                kind, dtype, shape, nbytes, n, trips.get(current, 1), m.group("name"), group,
+                op_name.group(1) if op_name else "", tuple((int(a), int(b)) for a, b in _PAIR.findall(pairs)),
+            ))  # fmt: skip
+    return out
+
+
+def partitioned_hlo(jitted: Any, *args: Any) -> str:
+    """The HLO text right after SPMD partitioning of ``jitted(*args)``."""
+    return compile_with_hlo(jitted.lower(*args))[1]
+
+
+def collectives(jitted: Any, *args: Any) -> list[Collective]:
+    """The collectives of ``jitted(*args)`` after SPMD partitioning."""
+    return parse_collectives(partitioned_hlo(jitted, *args), jax.device_count())
+
+
+def ring_bytes(colls: Iterable[Collective]) -> float:
+    """Bytes one device sends per step, as a ring moves them."""
+    return float(sum(c.total_ring_bytes for c in colls))
+
+
+def ring_bytes_per_axis(colls: Iterable[Collective], mesh: Any) -> dict[str, float]:
+    """Ring bytes one device sends per step, by the exact set of mesh axes each
+    collective spans (:func:`axes_key`): ``"data"``, ``"replica"``,
+    ``"replica+data"`` for one spanning both (the loss, stage 0's all-reduce,
+    stages 1–2's all-gather with ``optimizer_over_replicas``); on a
+    ``("data", "model")`` mesh ``"data"``, ``"model"`` and ``"data+model"``."""
+    return {key: sum(kinds.values()) for key, kinds in ring_bytes_per_axis_kind(colls, mesh).items()}
+
+
+def ring_bytes_per_axis_kind(colls: Iterable[Collective], mesh: Any) -> dict[str, dict[str, float]]:
+    """:func:`ring_bytes_per_axis`, split by collective kind: axes key ->
+    kind -> ring bytes one device sends per step."""
+    out: dict[str, dict[str, float]] = {}
+    for c in colls:
+        kinds = out.setdefault(axes_key(c.axes(mesh)), {})
+        kinds[c.kind] = kinds.get(c.kind, 0.0) + c.total_ring_bytes
+    return out
+
+
+def summarize(colls: Iterable[Collective]) -> dict[str, dict[str, float]]:
+    """Count and ring bytes per collective kind."""
+    out: dict[str, dict[str, float]] = {k: {"count": 0, "ring_bytes": 0.0} for k in _KINDS}
+    for c in colls:
+        out[c.kind]["count"] += c.trips
+        out[c.kind]["ring_bytes"] += c.total_ring_bytes
+    return {k: v for k, v in out.items() if v["count"]}
+
+
+# -- helpers for zj.audit / zj.plan (appended) -----------------------------------------------------------
+
+#: Compiler options for programs compiled only to be read (audit, plan): LLVM
+#: optimisation off. The HLO passes, buffer assignment and so
+#: ``memory_analysis()`` are unchanged; XLA:CPU compiles about 3x faster.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Compile a ``jax.stages.Lowered`` once and return the executable and the
+    HLO text right after SPMD partitioning (what :func:`parse_collectives` reads)."""
+    with tempfile.TemporaryDirectory() as d:
+        options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
+        compiled = lowered.compile(compiler_options=options)
+        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*")))
+        if files:
+            with open(files[-1]) as f:
+                return compiled, f.read()
+        if len(_devices(compiled)) <= 1:  # one device: nothing to partition, no collectives
+            return compiled, compiled.as_text()
+        raise RuntimeError(NO_SPMD_DUMP)
+
+
+def _devices(compiled: Any) -> set[Any]:
+    """The devices a compiled program runs on (from its input and output shardings)."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    return {d for s in shardings for d in s.device_set}
+
+
+def loop_nesting(hlo: str) -> dict[str, tuple[int, ...]]:
+    """Collective instruction name -> the trip counts of the while loops around
+    it, outermost first (``()`` outside any loop). The product is
+    :attr:`Collective.trips`; the nesting tells an accumulation loop from a
+    layer scan inside it."""
+    comps, parent = _call_graph(hlo)
+    nesting = {}
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                nesting[m.group("name")] = _loops(name, parent)
+    return nesting

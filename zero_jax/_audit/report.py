@@ -1,0 +1,437 @@
+"""What ``zj.audit`` returns: the report, its parts and the violations it can name.
+
+:class:`AuditReport` holds what a compiled step keeps on each device and
+sends per step, beside its stage's contract; :class:`Violation` is one broken
+promise and :class:`AuditError` lists them all.
+
+Floor 1 (with ``_measure``): imports only ``_measure``, ``_quantize`` and ``_units``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from zero_jax._audit.hlo import Collective
+from zero_jax._base.units import fmt_bytes
+from zero_jax._layout.leaf import LeafLayout
+from zero_jax._theory.wire import WireFormat
+
+#: The state categories of a report, in ZeRO's order, and the ``TrainState``
+#: fields that fall in each: the fp32 master copy (mixed precision) is
+#: optimizer state in ZeRO's accounting (the K = 12 of the paper); any other
+#: array field (the step counter, a loss scale) is "other".
+CATEGORIES = ("params", "grads", "optimizer", "other")
+FIELD_CATEGORY = {"params": "params", "opt_state": "optimizer", "master": "optimizer", "grads": "grads"}
+
+#: Violation kinds ``check()`` reports.
+GRADIENT_ALL_REDUCE = "gradient-sized all-reduce"
+REPLICATED_LEAF = "partitionable leaf replicated"
+COMM_OVER_THEORY = "communication over theory"
+REDUCE_IN_ACCUM_LOOP = "collective inside the accumulation loop"
+LAYERS_ALIVE = "more whole layers alive than prefetch + 1"
+MODEL_AXIS_GATHER = "weight gathered across a model axis"
+WIDE_WIRE = "collective asked to be int8 runs wider"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafBytes:
+    """One state leaf: its whole (stored, global) bytes and the most any one
+    device holds of it."""
+
+    category: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    per_device: int
+    memory_kind: str = "device"  # "pinned_host": offloaded (counted in host_bytes, not state_bytes)
+    model_split: int = 1  # how many ways its sharding cuts it over model axes
+    model_dims: tuple[bool, ...] = ()  # per dimension: cut over a model axis
+
+    @property
+    def replicated(self) -> bool:
+        """Whole on some device (with model axes: its whole model shard)."""
+        return self.per_device * self.model_split >= self.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """Bytes one device sends per step (ring-counted), measured and in theory.
+
+    Attributes:
+      measured: every collective of the partitioned program, times its loops'
+        trip counts; with model axes, those spanning a data or replica axis
+        (ZeRO's side: a collective over model axes only is the model's own).
+      theory: the stage's accounting on this model, for each leaf's model
+        shard (its bytes / how many ways model axes cut it): gradients reduce-scattered
+        and (stages 1–2) updated parameters all-gathered on the padded
+        partitioned leaves, or (stage 3) gathered twice per microbatch; leaves
+        kept whole all-reduced (two passes); all in the dtypes the step moves.
+      accounted: ``theory`` less the backward re-gathers the program does not
+        need (stage 3: leaves whose gradient does not use their value, like an
+        embedding table or a first layer's weight, are gathered once).
+      skipped_regathers: which gathered shapes ran fewer times than the
+        theory's two per microbatch, and the leaves of that shape.
+      formula: the planner's model-level :func:`zero_jax.comm_bytes` at this
+        Φ per model shard, N, stage, mean bytes per parameter and wire format
+        (no padding, no leaves kept whole): reported beside, not judged.
+
+    On a quantized wire (``ZeroPolicy(quantize_weights=, quantize_grads=)``)
+    the theory counts each quantized pass of a leaf at its int8 blocks and
+    float32 scales: ``(N - 1) / N · N · wire_bytes(piece, quant_block)``.
+    """
+
+    measured: float
+    theory: float
+    accounted: float
+    skipped_regathers: tuple[str, ...] = ()
+    formula: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """measured / theory (at most 1 + tolerance passes ``check()``)."""
+        return self.measured / self.theory if self.theory else (1.0 if not self.measured else math.inf)
+
+    @property
+    def accounted_ratio(self) -> float:
+        return self.measured / self.accounted if self.accounted else (1.0 if not self.measured else math.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One broken promise: its kind, what it is about (a leaf path or an HLO
+    instruction), and a sentence saying what is wrong and what to do."""
+
+    kind: str
+    subject: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.message}"
+
+
+class AuditError(AssertionError):
+    """Raised by :meth:`AuditReport.check`; ``violations`` lists them all."""
+
+    def __init__(self, violations: tuple[Violation, ...], header: str) -> None:
+        self.violations = violations
+        lines = [f"{header}: {len(violations)} violation(s)"] + [f"  - {v}" for v in violations]
+        super().__init__("\n".join(lines))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSchedule:
+    """What the compiled step gathers and reduces for one block, or for every
+    layer of a scan (``layers`` > 1; counts are totals over them), per step.
+
+    Attributes:
+      name: ``"block 3"`` (a ``zj.apply_layer(s)`` block, named in the HLO by
+        its ``zj_block3_*`` scopes), ``"scan layers/*"`` (``zj.scan_layers``
+        over a stacked prefix) or ``"blocks/*"`` (repeated blocks of the
+        parameter tree gathered some other way, e.g. ``zj.gather``).
+      layers: how many layers the counts are over.
+      weights: partitioned leaves per layer.
+      forward, backward: all-gather executions per step (backward: the
+        re-gathers of the backward pass).
+      reduce_scatters: gradient reduce-scatter executions per step.
+      bytes: one layer's gathered (whole) bytes.
+    """
+
+    name: str
+    layers: int
+    weights: int
+    forward: int
+    backward: int
+    reduce_scatters: int
+    bytes: int
+
+    @property
+    def gathers_per_weight(self) -> float:
+        """All-gathers per weight per layer per step (ZeRO-3: 2, forward + backward)."""
+        return (self.forward + self.backward) / max(self.layers * self.weights, 1)
+
+    @property
+    def reduces_per_weight(self) -> float:
+        """Reduce-scatters per weight per layer per step (1 when reduced once)."""
+        return self.reduce_scatters / max(self.layers * self.weights, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+    """The per-layer schedule of a step, read from the compiled program.
+
+    Attributes:
+      blocks: one :class:`BlockSchedule` per block (or scan).
+      layer_bytes: the largest block's gathered bytes.
+      max_alive: the largest number of whole layers alive at once, from a walk
+        of the compiled program's schedule (see
+        :func:`zero_jax._audit.schedule.layers_alive`): each block's gathered buffers
+        from the all-gather to their last use; a whole layer is one block's
+        gather (forward or backward copy), or a layer's worth of unnamed
+        layer-shaped gathered elements (a scan's queue included).
+      where: the instruction at which ``max_alive`` is reached.
+      prefetch: the prefetch it is judged against (``zj.audit(prefetch=)``).
+      judged: whether ``check()`` holds a stage-3 manual step to ``prefetch +
+        1`` layers: for blocks (``zj.apply_layer(s)``, the adapters, or
+        blocks gathered with ``zj.gather``), not for a program whose only
+        layers are ``zj.scan_layers`` scans: at prefetch >= 1 the scan's
+        backward prefetch queue is gathered before its loop and XLA hoists it
+        to the program's start (3 layers alive at prefetch 1), a known cost
+        reported here until the scan ties that gather to its loop's input.
+    """
+
+    blocks: tuple[BlockSchedule, ...]
+    layer_bytes: int
+    max_alive: int
+    where: str
+    prefetch: int
+    judged: bool = True
+
+    def lines(self) -> list[str]:
+        """The report's text for the schedule."""
+        if not any(b.forward + b.backward for b in self.blocks):
+            out = ["layer schedule: no layer all-gathers (the parameters are whole)"]
+        else:
+            out = [f"layer schedule: at most {self.max_alive} whole layer(s) alive at once (prefetch {self.prefetch}: "
+                   f"limit {self.prefetch + 1}{'' if self.judged else ', scans: reported, not judged'}; layer "
+                   f"{fmt_bytes(self.layer_bytes)}; at {self.where or '-'})"]  # fmt: skip
+        out += [
+            f"  {b.name:<16} x{b.layers:<3} {b.weights} weight(s): all-gathers {b.forward} forward + {b.backward} "
+            f"backward ({b.gathers_per_weight:g} per weight), gradient reductions {b.reduce_scatters} "
+            f"({b.reduces_per_weight:g} per weight), {fmt_bytes(b.bytes)} per layer"
+            for b in self.blocks
+        ]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """What a compiled step holds and sends, beside its stage's contract.
+
+    Attributes:
+      stage, num_devices: the policy's stage and N (the data-parallel size).
+      num_params: Φ, the float parameter elements (logical, unpadded).
+      state_bytes: category -> the most bytes one device holds in device
+        memory (``"grads"`` is missing when gradients were not measured).
+      host_bytes: category -> bytes per device kept in ``pinned_host``
+        memory (offloaded leaves; empty without offload).
+      state_bytes_min: category -> the least (devices should be balanced).
+      formula: category -> :func:`zero_jax.model_state_bytes` for this Φ, N,
+        stage and the run's bytes per parameter (``bytes_per_param``); with
+        model axes, for one model shard: each leaf counts its elements / how
+        many ways model axes cut it (the formula / M when all leaves are cut
+        M ways).
+      bytes_per_param: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` as
+        this run stores them (optimizer: all float optimizer-state leaves and a
+        master copy, per parameter).
+      leaves: every state leaf with its whole and per-device bytes.
+      replicated: the float leaves kept whole on a device in a category the
+        stage partitions (small ones are expected: see ``min_shard_size``).
+      memory: ``compiled.memory_analysis()`` per device: argument, output,
+        temp, alias, and ``peak`` = argument + output + temp − alias.
+      collectives: the partitioned program's collectives (kind, dtype, shape,
+        bytes, trips), and ``loops``: instruction name -> trip counts of the
+        loops around it, outermost first.
+      comm: :class:`Communication`, measured beside the theory.
+      comm_per_axis: measured ring bytes per device per step by the mesh
+        axes each collective spans (``"data"``; on a hybrid mesh also
+        ``"replica"`` and ``"replica+data"``; on a ``("data", "model")`` mesh
+        ``"data"``, ``"model"``, ``"data+model"``): what crosses the slow axis.
+      comm_per_axis_kind: the same, by collective kind (axes -> kind -> bytes).
+      model_axes, model_parallel: the mesh axes in no ZeRO role and M, the
+        product of their sizes (``()`` and 1 on a data-only mesh).
+      params_per_model_shard: Φ of one model shard, the Φ the formula and
+        the theory are for: each leaf's elements / how many ways model axes
+        cut it (Φ / M when every leaf is cut M ways, Φ on a data-only mesh).
+      violations: what ``check()`` raises about.
+      layers: the per-layer schedule (:class:`LayerSchedule`) when the step
+        runs blocks (``zj.apply_layer(s)``, ``zj.scan_layers``, or repeated
+        blocks of the parameter tree) in stages 2–3; else None.
+      abstract: measured on ``ShapeDtypeStruct`` inputs (bytes from shardings).
+      wire: the policy's wire format (``policy.wire``: what qwZ / qgZ quantize).
+      wire_roles: per collective (aligned with ``collectives``): ``"int8
+        values"``, ``"float32 scales"`` (the scales beside them) or ``""``.
+    """
+
+    stage: int
+    num_devices: int
+    num_params: int
+    state_bytes: Mapping[str, int]
+    state_bytes_min: Mapping[str, int]
+    formula: Mapping[str, float]
+    bytes_per_param: Mapping[str, float]
+    leaves: tuple[LeafBytes, ...]
+    replicated: tuple[LeafBytes, ...]
+    memory: Mapping[str, int]
+    collectives: tuple[Collective, ...]
+    loops: Mapping[str, tuple[int, ...]]
+    comm: Communication
+    comm_per_axis: Mapping[str, float]
+    violations: tuple[Violation, ...]
+    min_shard_size: int
+    tolerance: float
+    accum_mode: str | None = None
+    accum_steps: int = 1
+    abstract: bool = False
+    host_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    layers: LayerSchedule | None = None
+    comm_per_axis_kind: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    model_axes: tuple[str, ...] = ()
+    model_parallel: int = 1
+    params_per_model_shard: float = 0.0
+    wire: WireFormat = WireFormat()
+    wire_roles: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def check(self) -> AuditReport:
+        """Raise :class:`AuditError` listing every violation; return ``self``
+        when there is none."""
+        if self.violations:
+            raise AuditError(self.violations, f"zj.audit: stage {self.stage} at N = {self.num_devices}")
+        return self
+
+    def _roles(self) -> tuple[str, ...]:
+        return self.wire_roles if len(self.wire_roles) == len(self.collectives) else ("",) * len(self.collectives)
+
+    def collective_summary(self) -> list[dict[str, Any]]:
+        """Rows of (kind, dtype, role on the wire, in loop, executions per
+        step, bytes, ring bytes); ``role`` is ``"int8 values"``, ``"float32
+        scales"`` or ``""`` (see ``wire_roles``)."""
+        rows: dict[tuple[str, str, str, bool], dict[str, Any]] = {}
+        for c, role in zip(self.collectives, self._roles(), strict=True):
+            key = (c.kind, c.dtype, role, bool(self.loops.get(c.name)))
+            row = rows.setdefault(key, {
+                "kind": c.kind, "dtype": c.dtype, "role": role, "in_loop": key[3], "count": 0, "bytes": 0,
+                "ring_bytes": 0.0,
+            })  # fmt: skip
+            row["count"] += c.trips
+            row["bytes"] += c.bytes * c.trips
+            row["ring_bytes"] += c.total_ring_bytes
+        return sorted(rows.values(), key=lambda r: (r["kind"], r["dtype"], r["role"], r["in_loop"]))
+
+    def wire_bytes(self) -> dict[str, dict[str, float]]:
+        """Ring bytes one device sends per step, by collective kind and wire
+        dtype: ``{"all-gather": {"s8": ..., "f32 scales": ...}, "reduce-scatter":
+        {"f32": ...}}`` (a scale collective's key is its dtype + ``" scales"``)."""
+        out: dict[str, dict[str, float]] = {}
+        for c, role in zip(self.collectives, self._roles(), strict=True):
+            key = f"{c.dtype} scales" if role == "float32 scales" else c.dtype
+            kinds = out.setdefault(c.kind, {})
+            kinds[key] = kinds.get(key, 0.0) + c.total_ring_bytes
+        return out
+
+    def wire_lines(self) -> list[str]:
+        """The report's text for the wire: bytes per collective kind and dtype,
+        and what the policy asks to quantize."""
+        w = self.wire
+        asked = [a for a in (w.weights and f"weights {w.weights} (qwZ)", w.grads and f"grads {w.grads} (qgZ)") if a]
+        head = "wire (ring bytes per device per step, by kind and dtype"
+        lines = [head + (f"; quantized: {', '.join(asked)}, blocks of {w.block}):" if asked else "):")]
+        for kind, dtypes in sorted(self.wire_bytes().items()):
+            parts = sorted(dtypes.items(), key=lambda kv: (kv[0].endswith("scales"), kv[0]))
+            lines.append(f"  {kind:<19}" + ", ".join(f"{dt}: {fmt_bytes(b)}" for dt, b in parts))
+        return lines
+
+    def __str__(self) -> str:
+        lines = [
+            f"zj.audit: stage {self.stage}, N = {self.num_devices}"
+            + (f", M = {self.model_parallel} (model axes {'+'.join(self.model_axes)})" if self.model_axes else "")
+            + f", Φ = {self.num_params:,} parameters"
+            + (self._per_shard() if self.model_axes else "")
+            + (" (abstract inputs: bytes from shardings)" if self.abstract else ""),
+            "state bytes per device (max over devices / ZeRO formula"
+            + (" per model shard" if self.model_axes else "")
+            + " at "
+            + ", ".join(f"{k}={v:g}" for k, v in self.bytes_per_param.items())
+            + " B per parameter):",
+        ]
+        for cat in CATEGORIES:
+            if cat in self.state_bytes:
+                f = self.formula.get(cat)
+                ratio = f" / {fmt_bytes(f)} = {self.state_bytes[cat] / f:.4f}" if f else ""
+                lines.append(f"  {cat:<10} {fmt_bytes(self.state_bytes[cat]):>12}{ratio}")
+        if self.host_bytes:
+            lines.append(
+                "offloaded to pinned_host per device: "
+                + ", ".join(f"{cat} {fmt_bytes(b)}" for cat, b in self.host_bytes.items())
+            )
+        kept = sum(leaf.per_device for leaf in self.replicated)
+        lines.append(f"leaves kept whole in partitioned categories: {len(self.replicated)} ({fmt_bytes(kept)})")
+        m = self.memory
+        lines.append(
+            "compiled memory per device: "
+            + ", ".join(f"{k} {fmt_bytes(m[k])}" for k in ("argument", "output", "temp", "alias", "peak"))
+        )
+        lines.append("collectives (post-SPMD, per step):")
+        for r in self.collective_summary():
+            lines.append(
+                f"  {r['kind']:<19}{r['dtype']:<5} {'in loop' if r['in_loop'] else '       '} "
+                f"x{r['count']:<5} {fmt_bytes(r['bytes']):>11}  ring {fmt_bytes(r['ring_bytes'])}"
+                + (f"  ({r['role']})" if r["role"] else "")
+            )
+        lines.extend(self.wire_lines())
+        lines.extend(self.comm_lines())
+        lines.extend(self.layers.lines() if self.layers is not None else [])
+        if self.violations:
+            lines.append(f"VIOLATIONS ({len(self.violations)}):")
+            lines.extend(f"  - {v}" for v in self.violations)
+        else:
+            lines.append("check: passed (no gradient-sized all-reduce, no partitionable leaf replicated, "
+                         + ("no weight gathered across a model axis, " if self.model_axes else "")
+                         + ("no collective asked to be int8 running wider, " if self.wire != WireFormat() else "")
+                         + f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
+        return "\n".join(lines)
+
+    def _per_shard(self) -> str:
+        shard = self.params_per_model_shard
+        return f" ({shard:,.0f} per model shard: Φ / {self.num_params / shard:.3g})" if shard else ""
+
+    def comm_lines(self) -> list[str]:
+        """The report's text for communication: measured beside the theory,
+        and (with model axes, or on a hybrid mesh) by the mesh axes."""
+        c, model = self.comm, set(self.model_axes)
+        over = " over the data axes" if model else ""
+        lines = [
+            f"communication: {fmt_bytes(c.measured)} per device per step{over}; theory {fmt_bytes(c.theory)}"
+            + (f" (ZeRO formula per model shard, M = {self.model_parallel})" if model else "")
+            + f" (measured/theory {c.ratio:.4f}); accounted {fmt_bytes(c.accounted)} ({c.accounted_ratio:.4f})"
+            + (f"; formula {fmt_bytes(c.formula)}" if c.formula else "")
+        ]
+        lines.extend(f"  skipped re-gather: {s}" for s in c.skipped_regathers)
+        if not model:
+            if len(self.comm_per_axis) > 1:
+                by_axes = sorted(self.comm_per_axis.items())
+                lines.append("  by mesh axes: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_axes))
+            return lines
+        lines.append("  by mesh axes (ring bytes per device per step, by kind):")
+        for key, kinds in sorted(self.comm_per_axis_kind.items()):
+            total = sum(kinds.values())
+            model_only = key != "none" and set(key.split("+")) <= model
+            note = "the model's own layout" if model_only else "ZeRO's side"
+            parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(kinds.items()))
+            lines.append(f"    {key:<14}{fmt_bytes(total):>12}  ({parts}; {note})")
+        return lines
+
+
+class ParamInfo(NamedTuple):
+    """One float parameter as the audit judges it."""
+
+    path: str
+    layout: LeafLayout
+    dtype: np.dtype
+    frozen: bool  # the optimizer never changes it: no gradient is reduced
+    stacked: bool  # under one of the policy's ``stacked`` prefixes (a leading layer axis)
+    split: tuple[int, ...] = ()  # how many ways each dimension is cut over model axes (() or all 1: none)
+
+    @property
+    def model_split(self) -> int:
+        """How many model shards the leaf is cut into (1: whole on every model shard)."""
+        return math.prod(self.split)

@@ -1,0 +1,365 @@
+"""TODO."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from zero_jax._audit.communication import QUANTIZED_KINDS, is_float_dtype, wire_shape, wire_stored_by_shape
+from zero_jax._audit.hlo import COMPUTATION, OP_NAME, array_bytes, trip_counts
+from zero_jax._audit.model_axes import model_shard_layout
+from zero_jax._audit.report import BlockSchedule, LayerSchedule, ParamInfo
+from zero_jax._layout.leaf import LeafLayout, shard_shape
+from zero_jax._policy.policy import ZeroPolicy
+
+_SCHEDULED = re.compile(
+    r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
+
+
+#: Ops whose result holds the same (gathered) data as their operand: a layer
+#: stays whole while any of them is alive.
+_ALIASES = frozenset({
+    "bitcast", "bitcast-convert", "copy", "copy-start", "copy-done", "reshape", "transpose", "convert", "slice",
+    "tuple", "get-tuple-element", "all-gather-done", "optimization-barrier",
+})  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a compiled (scheduled) HLO computation."""
+
+    name: str
+    op: str
+    arrays: tuple[tuple[str, tuple[int, ...], int], ...]  # (dtype, dims, bytes) of each result array
+    operands: tuple[str, ...]
+    op_name: str  # the JAX name stack (``jit(step)/.../zj_block3_gather/all_gather``)
+    attrs: str  # the rest of the line (``index=``, ``body=``, ``kind=``)
+    root: bool
+
+    @property
+    def elements(self) -> int:
+        return sum(math.prod(dims) for _, dims, _ in self.arrays)
+
+
+def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str, dict[str, int]]:
+    """Each computation's instructions in order (``is_scheduled=true``: the
+    order they run in), the entry computation's name, and how many times each
+    computation runs per step (loops' trip counts multiplied)."""
+    comps: dict[str, list[Instruction]] = {}
+    current, entry = None, ""
+    for line in hlo.splitlines():
+        m = COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+            entry = current if line.lstrip().startswith("ENTRY") else entry
+            continue
+        m = _SCHEDULED.match(line)
+        if m is None or current is None:
+            continue
+        rest = m.group("rest")
+        op_name = OP_NAME.search(rest)
+        args = rest.split(", metadata=")[0]
+        arrays = array_bytes(m.group("type"))
+        arrays = arrays[len(arrays) // 2 :] if m.group("op").endswith("-start") else arrays  # (operands, results)
+        comps[current].append(Instruction(
+            m.group("name"), m.group("op"), tuple(arrays),
+            tuple(re.findall(r"%([\w.\-]+)", args)), op_name.group(1) if op_name else "", args, bool(m.group("root")),
+        ))  # fmt: skip
+    return comps, entry, trip_counts(hlo)
+
+
+Classify = Any  # all-gather -> ("block", 3, "forward"), "elements" / a count (unnamed layer-shaped) or None
+
+
+Alive = collections.namedtuple("Alive", "layers where")  # the most whole layers alive at once, and where
+
+
+def _intervals(
+    instrs: list[Instruction], classify: Classify, carried: set[int]
+) -> tuple[dict[Any, list[int]], dict[Any, int], set[int]]:
+    """Per group [first def, last use] and its elements; the ROOT tuple slots
+    holding gathered data (``carried``: the body parameter's slots that do)."""
+    holders: dict[str, frozenset[Any]] = {}
+    narrow: dict[str, int] = {}  # held int8 buffers (qwZ) -> elements: a read of one about as big dequantizes it
+    span: dict[Any, list[int]] = {}
+    size: dict[Any, int] = {}
+    end, root_slots = len(instrs), set[int]()
+    params = {ins.name for ins in instrs if ins.op == "parameter"}
+    for t, ins in enumerate(instrs):
+        groups: set[Any] = set()
+        if ins.op in ("all-gather", "all-gather-start"):
+            key = classify(ins)  # an int: an unnamed layer-shaped gather holding that many elements whole
+            if key is not None:
+                groups.add(("elements", ins.name) if key == "elements" or type(key) is int else key)
+                size[("elements", ins.name)] = key if type(key) is int else ins.elements
+        elif ins.op == "get-tuple-element" and carried and ins.operands and ins.operands[0] in params:
+            slot = re.search(r"index=(\d+)", ins.attrs)
+            if slot and int(slot.group(1)) in carried:
+                groups.add(("carry", ins.name))
+                size[("carry", ins.name)] = ins.elements
+        for i, operand in enumerate(ins.operands):
+            got = holders.get(operand)
+            if got is None:
+                continue
+            for g in got:
+                span[g][1] = max(span[g][1], end if ins.root else t)
+            if ins.op in _ALIASES or narrow.get(operand, 0) // 2 < ins.elements <= narrow.get(operand, 0):
+                groups |= got
+            if ins.root and ins.op == "tuple":
+                root_slots.add(i)
+        for g in groups:
+            span.setdefault(g, [t, end if ins.root else t])
+        if groups:
+            holders[ins.name] = frozenset(groups)
+            narrow |= {ins.name: ins.elements} if ins.arrays and all(dt == "s8" for dt, _, _ in ins.arrays) else {}
+    return span, size, root_slots
+
+
+def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
+    """The largest number of whole layers alive at once in a scheduled
+    (compiled) HLO module.
+
+    Walks each computation in schedule order, tracking every gathered
+    buffer ``classify`` names from its all-gather to its last use (through
+    bitcasts, copies, slices, tuples; from an int8 gather into a read of it
+    of more than half its elements: its dequantized copy). A named group alive counts one layer;
+    unnamed layer-shaped gathers (and, in a loop body, the gathered layers
+    carried from the previous trip: a prefetch queue) count their elements /
+    ``layer_elements``, rounded down. At a while loop the count is what stays
+    alive across the loop plus the most its body holds.
+
+    >>> lines = ["ENTRY %main (p: f32[2,8]) -> f32[2,8] {", "  %p = f32[2,8] parameter(0)",
+    ...          "  %g0 = f32[8,8] all-gather(%p)", "  %g1 = f32[8,8] all-gather(%p)",
+    ...          "  %d0 = f32[2,8] dot(%p, %g0)", "  ROOT %d1 = f32[2,8] dot(%d0, %g1)", "}"]
+    >>> layers_alive(chr(10).join(lines), lambda ins: "elements", 64)  # g0, g1 alive together from g1 to d0
+    Alive(layers=2, where='main/g1')
+    """
+    comps, entry, _ = scheduled_computations(hlo)
+    found = (re.search(r"body=%?([\w.\-]+)", i.attrs) for b in comps.values() for i in b if i.op == "while")
+    bodies = {m.group(1) for m in found if m}
+    memo: dict[str, Alive] = {}
+
+    def walk(name: str) -> Alive:
+        if name in memo:
+            return memo[name]
+        memo[name] = Alive(0, "")  # recursion guard
+        instrs = comps.get(name, [])
+        slots: set[int] = set()
+        span, size, new = _intervals(instrs, classify, slots)
+        while name in bodies and not new <= slots:  # the slots carried from trip to trip: to a fixed point
+            slots |= new
+            span, size, new = _intervals(instrs, classify, slots)
+        best = Alive(0, "")
+        for t, ins in enumerate(instrs):
+            body = re.search(r"body=%?([\w.\-]+)", ins.attrs) if ins.op == "while" else None
+            inner = walk(body.group(1)).layers if body else 0
+            # Buffers handed to the loop are counted inside it (as carried layers).
+            alive = [g for g, (a, b) in span.items() if a <= t <= b and (b > t or not inner)]
+            named = sum(1 for g in alive if g[0] not in ("elements", "carry"))
+            whole = sum(size.get(g, 0) for g in alive) // max(layer_elements, 1)
+            if named + whole + inner > best.layers:
+                best = Alive(named + whole + inner, f"{name}/{ins.name}")
+        memo[name] = best
+        return best
+
+    return walk(entry)
+
+
+_BLOCK_SCOPE = re.compile(r"zj_block(\d+)_(gather|reduce)")
+
+
+class _Group(NamedTuple):
+    """Layers the parameter tree declares (a scan's stacked leaves, or repeated
+    sibling blocks): the shapes one layer gathers and reduce-scatters, those
+    no other parameter has (``counted``, for the counts), and its size."""
+
+    name: str
+    layers: int
+    gathered: set[tuple[int, ...]]
+    pieces: set[tuple[int, ...]]
+    counted: set[tuple[int, ...]]
+    weights: int  # partitioned leaves per layer whose shapes are counted
+    elements: int
+    bytes: int
+    wire: set[tuple[int, ...]]  # on a quantized wire: one layer's int8 (N, nb, block) shapes,
+    wire_counted: set[tuple[int, ...]]  # and the counted leaves' ones
+
+
+def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], others: list[LeafLayout], n: int,
+           block: int) -> _Group:  # fmt: skip
+    """One group from its layers' leaf layouts (one layer) and the other
+    parameters' layouts (``block``: the wire's elements per scale; 0 when
+    nothing is quantized). A layer leaf is counted when no other parameter,
+    and no leaf of the layer left uncounted, moves in its shapes, float or int8."""
+    wire = lambda lay: wire_shape(lay, n, block) if block else ()  # noqa: E731
+    shapes = lambda lay: {lay.stored_shape, shard_shape(lay, n)} | ({wire(lay)} if block else set())  # noqa: E731
+    taken = set().union(*(shapes(lay) for lay in others))
+    mine = [lay for lay, _ in lays if not shapes(lay) & taken]
+    while True:  # nor one left out of this layer (int8 blocks of two weights often share a shape)
+        left = set().union(*(shapes(lay) for lay, _ in lays if lay not in mine))
+        if not any(shapes(lay) & left for lay in mine):
+            break
+        mine = [lay for lay in mine if not shapes(lay) & left]
+    mine = mine or [lay for lay, _ in lays]
+    return _Group(
+        name, layers, {lay.stored_shape for lay, _ in lays}, {shard_shape(lay, n) for lay, _ in lays},
+        {lay.stored_shape for lay in mine} | {shard_shape(lay, n) for lay in mine}, len(mine),
+        sum(math.prod(lay.stored_shape) for lay, _ in lays),
+        sum(math.prod(lay.stored_shape) * dt.itemsize for lay, dt in lays),
+        {wire(lay) for lay, _ in lays}, {wire(lay) for lay in mine},
+    )  # fmt: skip
+
+
+def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
+    """The scans (``stacked=`` prefixes) and repeated blocks (siblings named
+    ``0, 1, …`` or ``h_0, h_1, …`` with identical leaves) of the parameters."""
+    quantized = policy.wire.weights is not None or policy.wire.grads is not None
+    n, block, out = policy.num_shards, policy.wire.block if quantized else 0, []
+    cut = [p for p in params if p.layout.partitioned]
+    for prefix in policy.stacked_prefixes:
+        members = [p for p in cut if p.stacked and tuple(p.path.split("/"))[: len(prefix)] == prefix]
+        lays = [(LeafLayout(p.layout.shape[1:], p.dtype, p.layout.dim - 1, p.layout.padded_size), p.dtype)
+                for p in members if p.layout.dim]  # fmt: skip
+        others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
+        if lays:
+            out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], lays, others, n, block))
+    siblings: dict[tuple[str, ...], dict[str, list[ParamInfo]]] = {}
+    for p in params:
+        names = p.path.split("/")
+        j = next((j for j, nm in enumerate(names) if re.fullmatch(r"\d+|.+_\d+", nm)), None)
+        if not p.stacked and j is not None:
+            siblings.setdefault(tuple(names[:j]), {}).setdefault(names[j], []).append(p)
+    for parent, blocks in siblings.items():
+        structures = {
+            tuple((q.path.split("/", len(parent) + 1)[-1], q.layout.shape) for q in b) for b in blocks.values()
+        }
+        members = [q for b in blocks.values() for q in b]
+        lays = [(q.layout, q.dtype) for q in next(iter(blocks.values())) if q.layout.partitioned]
+        if len(blocks) >= 2 and len(structures) == 1 and lays:
+            others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
+            out.append(_group(f"{'/'.join(parent)}/*", len(blocks), lays, others, n, block))
+    return out
+
+
+def _scope(ins: Instruction) -> tuple[int, str] | None:
+    """(block index, "forward" | "backward" | "reduce") of a named collective, or None."""
+    found = list(_BLOCK_SCOPE.finditer(ins.op_name))
+    if not found:
+        return None
+    m = found[-1]
+    if m.group(2) == "reduce":
+        return int(m.group(1)), "reduce"
+    return int(m.group(1)), "backward" if "transpose(" in ins.op_name[: m.start()] else "forward"
+
+
+def _count(
+    hlo: str, groups: list[_Group], policy: ZeroPolicy, stored: Mapping[tuple[int, ...], tuple[int, int]]
+) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
+    """Per named block [weights, forward, backward, reduces, bytes, elements,
+    weights, bytes] and per group [forward, backward, reduces]: all-gather /
+    reduce-scatter arrays per step (weights, bytes, elements: of one forward
+    gather; the last two: of one reduction, whole). On a quantized wire an
+    int8 all-gather is a gather, an int8 all-to-all a reduction, its float32
+    scales ride along uncounted, and its whole bytes are the leaf's
+    (``stored``: int8 shape -> the dequantized stored elements and bytes)."""
+    comps, _, trips = scheduled_computations(hlo)
+    heads = scale_heads(comps.values(), policy.wire.block)
+    named: dict[int, list[int]] = {}
+    unnamed = {g.name: [0, 0, 0] for g in groups}
+    slot = {"forward": 1, "backward": 2, "reduce": 3}
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            arrays = [a for a in joined_arrays(ins) if not (is_float_dtype(a[0]) and a[1] in heads)]
+            int8 = bool(arrays) and all(dt == "s8" for dt, _, _ in arrays)
+            if not arrays or ins.op not in ("all-gather", "all-gather-start", "reduce-scatter", "all-to-all"):
+                continue
+            k, scope = trips.get(comp, 1), _scope(ins)
+            gather = ins.op.startswith("all-gather")
+            if (gather and not policy.partitions_params) or (ins.op == "all-to-all" and not int8):
+                continue  # stage 2: the update's all-gathers, not layers; a float all-to-all: the model's
+            whole = [stored.get(d, (0, b))[1] if dt == "s8" else b * (1 if gather else policy.num_shards)
+                     for dt, d, b in arrays]  # fmt: skip
+            if scope is not None:
+                row = named.setdefault(scope[0], [0] * 8)
+                row[slot[scope[1]]] += k * len(arrays)
+                if scope[1] == "forward":
+                    row[0] += len(arrays)
+                    row[4] += sum(whole)
+                    row[5] += sum(stored.get(d, (0,))[0] if dt == "s8" else math.prod(d) for dt, d, _ in arrays)
+                elif scope[1] == "reduce":
+                    row[6] += len(arrays)
+                    row[7] += sum(whole)
+                continue
+            for dt, dims, _ in arrays:
+                g = next((g for g in groups if (dims in g.wire_counted if dt == "s8" else dims in g.counted and dims
+                          in (g.gathered if gather else g.pieces))), None)  # fmt: skip
+                if g is not None:
+                    unnamed[g.name][(1 if "transpose(" in ins.op_name else 0) if gather else 2] += k
+    return named, unnamed
+
+
+def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefetch: int) -> LayerSchedule | None:
+    """The per-layer schedule of a compiled (scheduled) stage-2/3 program, or
+    None when it runs no blocks (see :class:`LayerSchedule`)."""
+    if not policy.partitions_grads:
+        return None
+    stored = wire_stored_by_shape(params, policy)
+    params = [p._replace(layout=model_shard_layout(p)) for p in params]  # with model axes: what one device gathers
+    groups, wire = _layer_groups(params, policy), policy.wire
+    named, unnamed = _count(hlo, groups, policy, stored)
+    blocks = [
+        BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
+    ]
+    blocks += [
+        BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name], g.bytes) for g in groups if any(unnamed[g.name])
+    ]
+    if not blocks:
+        return None
+    # On an int8 weight wire a layer is alive as its int8 gathers (then their dequantized copy), each
+    # counting the stored elements it carries: what the same gather holds in float.
+    shapes = set().union(*((g.wire if wire.weights else g.gathered) for g in groups))
+    elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
+
+    def classify(ins: Instruction) -> Any:
+        if not policy.partitions_params:
+            return None
+        scope = _scope(ins)
+        if scope is not None:
+            return ("block", *scope)
+        held = [stored.get(dims, (0,))[0] if dt == "s8" else math.prod(dims) for dt, dims, _ in ins.arrays]
+        return sum(held) if any(dims in shapes for _, dims, _ in ins.arrays) else None
+
+    alive = layers_alive(hlo, classify, elements)
+    return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, True)
+
+
+def joined_arrays(ins: Instruction) -> list[tuple[str, tuple[int, ...], int]]:
+    """A collective's (dtype, dims, bytes) arrays, an all-to-all's N pieces
+    joined into one: the compiled program splits ``all-to-all s8[N, nb, block]``
+    into a tuple of N ``s8[1, nb, block]``."""
+    arrays = list(ins.arrays)
+    if ins.op == "all-to-all" and len(arrays) > 1 and len({(dt, d) for dt, d, _ in arrays}) == 1 and arrays[0][1]:
+        dt, dims, _ = arrays[0]
+        return [(dt, (dims[0] * len(arrays), *dims[1:]), sum(b for _, _, b in arrays))]
+    return arrays
+
+
+def scale_heads(computations: Iterable[Iterable[Instruction]], block: int) -> set[tuple[int, ...]]:
+    """The ``(N, nb)`` shapes of a scheduled program's float32 scale
+    collectives: the leading dims of its int8 ``(N, nb, block)`` ones."""
+    return {
+        dims[:2]
+        for instrs in computations
+        for ins in instrs
+        if ins.op.startswith(QUANTIZED_KINDS)
+        for dt, dims, _ in joined_arrays(ins)
+        if dt == "s8" and len(dims) == 3 and dims[2] <= block
+    }

@@ -1,0 +1,289 @@
+"""The few collectives every stage composes; all run inside ``jax.shard_map``.
+
+Each takes one leaf and its :class:`LeafLayout`. A partitioned leaf moves by
+reduce-scatter / all-gather on its cut dimension (padded to a multiple of N);
+a leaf the policy keeps whole moves by all-reduce. Nothing else in the
+library calls ``jax.lax`` collectives on state-sized data, so what the
+compiled program communicates can be read off this module.
+
+On a hybrid mesh (:class:`Axes` with replica axes) the partition collectives
+run within the shard axes only; :func:`reduce_across_replicas` then moves
+just the 1/N piece across the (slow) replica axes.
+
+With tensor parallelism (a leaf whose layout has model axes) the step's
+``shard_map`` leaves the model axes to the compiler, which would gather a
+leaf's model shards together before a collective over data (tensor
+parallelism silently lost, data-axis bytes M times the theory). So each such
+collective runs inside a ``shard_map`` nested over the leaf's model axes
+(:func:`per_model_shard`): every device moves its own model shard only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
+
+from zero_jax._comm.quantized import dequantize_blocks, quantize_blocks
+from zero_jax._layout.leaf import LeafLayout, pad, shard_shape, unpad
+from zero_jax._theory.wire import WireFormat
+
+
+class Axes(NamedTuple):
+    """The mesh axes a step's collectives run over.
+
+    ``shard``: state is cut across these (reduce-scatter, all-gather).
+    ``replica``: the batch is split across these too, but they hold replicas
+    of the partitioned state. ``scatter_replicas``: the reduced gradient
+    piece is cut once more across ``replica`` (optimizer state partitioned
+    over both). ``wire``: how weight gathers and gradient reduce-scatters
+    travel (int8 blocks with ZeRO++'s qwZ / qgZ).
+    """
+
+    shard: tuple[str, ...]
+    replica: tuple[str, ...] = ()
+    scatter_replicas: bool = False
+    wire: WireFormat = WireFormat()
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        """Every axis the batch is split over."""
+        return self.replica + self.shard
+
+
+AxisName = str | tuple[str, ...] | Axes
+
+
+def _axes(axis: AxisName) -> Axes:
+    if isinstance(axis, Axes):
+        return axis
+    return Axes((axis,) if isinstance(axis, str) else tuple(axis))
+
+
+def _name(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else axes
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes over which ``x`` differs per device inside ``shard_map``."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return manual.varying if manual is not None else getattr(jax.typeof(x), "vma", frozenset())
+
+
+def sum_to_varying(ct: jax.Array, varying: frozenset[str]) -> jax.Array:
+    """A cotangent typed like a primal that varies over ``varying`` only:
+    summed over the other axes it varies over (the transpose of marking a
+    replicated value per-device)."""
+    extra = tuple(sorted(varying_axes(ct) - varying))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
+    """Mark a replicated value as per-device inside ``shard_map``.
+
+    Differentiating through a replicated (unvarying) value makes JAX psum its
+    cotangent across the axis automatically (an all-reduce). Casting it to
+    varying first keeps each device's gradient local, so we choose the
+    collective ourselves.
+    """
+    axes = _axes(axis).all
+    varying = varying_axes(x)
+    missing = tuple(a for a in axes if a not in varying)
+    if not missing:  # already per-device
+        return x
+    return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
+
+
+def per_model_shard(fn: Any, layout: LeafLayout | None, x: jax.Array) -> jax.Array:
+    """``fn(x)`` on this device's model shard of ``x``: inside the step's
+    ``shard_map`` with model axes left to the compiler, a ``shard_map`` nested
+    over them (``x`` split as the layout's model spec says, replicated over
+    them without one); ``fn(x)`` itself when every mesh axis is manual
+    already. ``fn`` must keep the model-sharded dimensions' sizes.
+
+    Nesting even a leaf the model does not shard keeps each collective's
+    reduction free of the compiler's sharding annotations (XLA:CPU's bf16
+    all-reduce promotion aborts on a reducer that holds one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != AxisType.Manual}
+    if not auto:
+        return fn(x)
+    spec = PartitionSpec(*layout.model) if layout is not None and layout.model else PartitionSpec()
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=auto)(x)
+
+
+def sum_all_reduce(x: jax.Array, axis: AxisName) -> jax.Array:
+    """Sum ``x`` over every batch axis; every device gets the whole result.
+
+    Gradients are summed, not averaged: the step scales each device's loss by
+    1/N before differentiating, so the sum *is* the global mean.
+    """
+    return jax.lax.psum(x, _name(_axes(axis).all))
+
+
+def sum_all_reduce_leaf(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """:func:`sum_all_reduce` of one leaf, on each device's model shard."""
+    return per_model_shard(lambda g: sum_all_reduce(g, axis), layout, x)
+
+
+def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """Sum a whole per-device gradient over the shard axes and keep this
+    device's piece of it (stored, padded form). A leaf the policy keeps whole
+    is all-reduced (over every batch axis) instead. On a hybrid mesh the
+    piece still differs per replica: :func:`reduce_across_replicas` finishes."""
+    if layout.dim is None:
+        return sum_all_reduce_leaf(x, layout, axis)
+    axes = _axes(axis)
+    shard, block = _name(axes.shard), axes.wire.block
+    if axes.wire.grads is not None:
+        return per_model_shard(lambda g: _quantized_reduce_scatter(pad(g, layout), shard, layout.dim, block), layout, x)
+    return per_model_shard(
+        lambda g: jax.lax.psum_scatter(pad(g, layout), shard, scatter_dimension=layout.dim, tiled=True), layout, x
+    )
+
+
+def _quantized_reduce_scatter(g: jax.Array, shard: Any, dim: int, block: int) -> jax.Array:
+    """qgZ: ``psum_scatter(g, shard, scatter_dimension=dim, tiled=True)`` with
+    each destination's piece sent as int8 blocks + float32 scales by one
+    all-to-all, then dequantized and summed in float32 on the receiver (the
+    sum itself is exact float32, in device order: deterministic)."""
+    pieces = _cut_into_pieces(g, dim, jax.lax.axis_size(shard))
+    q, scale = jax.vmap(lambda piece: quantize_blocks(piece, block))(pieces)
+    q = jax.lax.all_to_all(q, shard, 0, 0)
+    scale = jax.lax.all_to_all(scale, shard, 0, 0)
+    received = jax.vmap(lambda qi, si: dequantize_blocks(qi, si, pieces.shape[1:], jnp.float32))(q, scale)
+    return jnp.sum(received, axis=0).astype(g.dtype)
+
+
+def _cut_into_pieces(whole: jax.Array, dim: int, n: int) -> jax.Array:
+    """``whole`` (``dim`` divisible by ``n``) as ``(n, *piece)``: piece i is
+    the i-th of ``n`` equal slices along ``dim``."""
+    shape = whole.shape
+    return jnp.moveaxis(whole.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :]), dim, 0)
+
+
+def _join_pieces(pieces: jax.Array, dim: int) -> jax.Array:
+    """The inverse of :func:`_cut_into_pieces`: ``(n, *piece)`` concatenated along ``dim``."""
+    n, shape = pieces.shape[0], pieces.shape[1:]
+    return jnp.moveaxis(pieces, 0, dim).reshape(shape[:dim] + (n * shape[dim],) + shape[dim + 1 :])
+
+
+def _quantized_all_gather(p: jax.Array, shard: Any, dim: int, block: int) -> jax.Array:
+    """qwZ: ``all_gather(p, shard, axis=dim, tiled=True)`` sent as int8 blocks
+    + float32 scales, dequantized to ``p``'s dtype after the gather."""
+    q, scale = quantize_blocks(p, block)
+    q = jax.lax.all_gather(q, shard)
+    scale = jax.lax.all_gather(scale, shard)
+    pieces = jax.vmap(lambda qi, si: dequantize_blocks(qi, si, p.shape, p.dtype))(q, scale)
+    return _join_pieces(pieces, dim)
+
+
+def reduce_across_replicas(piece: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """Finish a partitioned gradient's reduction across the replica axes: an
+    all-reduce of the 1/N piece (HSDP), or a reduce-scatter of it into
+    1/(R·N) pieces (optimizer state partitioned over the replicas too).
+    Identity without replica axes, and for leaves kept whole (their
+    all-reduce spanned every axis already)."""
+    axes = _axes(axis)
+    if not axes.replica or layout.dim is None:
+        return piece
+    replica = _name(axes.replica)
+    if axes.scatter_replicas:
+        return per_model_shard(
+            lambda g: jax.lax.psum_scatter(g, replica, scatter_dimension=layout.dim, tiled=True), layout, piece
+        )
+    return per_model_shard(lambda g: jax.lax.psum(g, replica), layout, piece)
+
+
+def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """All-gather this device's piece of a parameter into the whole, unpadded
+    leaf, as a per-device (varying) value. Its transpose is a reduce-scatter,
+    so differentiating through it gives each device its piece of the *summed*
+    gradient: ZeRO-3's backward communication for free."""
+    if layout.dim is None:
+        return to_varying(x, axis)
+    if _axes(axis).wire.weights is not None:
+        return _quantized_gather_for_use(x, layout, _axes(axis))
+    shard = _name(_axes(axis).shard)
+    whole = per_model_shard(lambda p: jax.lax.all_gather(p, shard, axis=layout.dim, tiled=True), layout, x)
+    # Per-replica too: the gathered weights meet replica-varying activations,
+    # and an invariant value there would make autodiff all-reduce the whole
+    # gradient across the replicas behind our back.
+    return to_varying(unpad(whole, layout), axis)
+
+
+def _quantized_gather_for_use(x: jax.Array, layout: LeafLayout, axes: Axes) -> jax.Array:
+    """:func:`gather_for_use` over an int8 wire (qwZ). Integers carry no
+    gradient, so the transpose is spelled out: the cotangent is
+    reduce-scattered (int8 too with qgZ) and summed over the axes the piece
+    does not vary over (the replicas), as autodiff of the plain gather does."""
+    varying, shard = varying_axes(x), _name(axes.shard)
+
+    @jax.custom_vjp
+    def zero_jax_quantized_gather(piece: jax.Array) -> jax.Array:
+        gather = lambda p: _quantized_all_gather(p, shard, layout.dim, axes.wire.block)  # noqa: E731
+        return to_varying(unpad(per_model_shard(gather, layout, piece), layout), axes)
+
+    def fwd(piece: jax.Array) -> tuple[jax.Array, None]:
+        return zero_jax_quantized_gather(piece), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
+        return (sum_to_varying(sum_reduce_scatter(ct, layout, axes), varying),)
+
+    zero_jax_quantized_gather.defvjp(fwd, bwd)
+    return zero_jax_quantized_gather(x)
+
+
+def gather_replicated(x: jax.Array, layout: LeafLayout, axes: tuple[str, ...], *, unpadded: bool = True) -> jax.Array:
+    """All-gather pieces cut over ``axes`` (in that order, major first) into
+    the whole (unpadded) leaf, typed as replicated over them (so it may
+    leave ``shard_map`` without those axes in its spec)."""
+    if layout.dim is None:
+        return x
+    name = _name(axes)
+    whole = per_model_shard(
+        lambda p: jax.lax.all_gather(p, name, axis=layout.dim, tiled=True, to="invarying"), layout, x
+    )
+    return unpad(whole, layout) if unpadded else whole
+
+
+def fetch(source: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool) -> jax.Array:
+    """A parameter for forward use only: all-gathered from this device's piece
+    (``gather=True``, ZeRO-3) or the whole parameter already held (ZeRO-2)."""
+    return gather_for_use(source, layout, axis) if gather else to_varying(source, axis)
+
+
+def fetch_with_grad_slot(
+    source: jax.Array, slot: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool
+) -> jax.Array:
+    """:func:`fetch` ``source`` for the forward pass; in the backward pass send
+    its cotangent, cast to ``slot``'s dtype and reduce-scattered, to ``slot``
+    (a per-device zero piece the caller differentiates against).
+
+    This is how ZeRO-2 and ZeRO-3 keep gradients partitioned: each parameter's
+    gradient is reduced the moment the backward pass produces it, in the
+    reduce dtype of the precision policy (not the compute dtype), and the
+    whole-model gradient is never held. In ZeRO-3 the forward gather runs
+    again whenever the caller's remat recomputes it.
+    """
+
+    @jax.custom_vjp
+    def zero_jax_fetch(src: jax.Array, slot: jax.Array) -> jax.Array:
+        del slot
+        return fetch(src, layout, axis, gather=gather)
+
+    def fwd(src: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
+        return zero_jax_fetch(src, slot), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
+        return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis)
+
+    zero_jax_fetch.defvjp(fwd, bwd)
+    return zero_jax_fetch(source, slot)
+
+
+def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName, dtype: object) -> jax.Array:
+    """A per-device zero array shaped like this device's piece of a leaf."""
+    return to_varying(jnp.zeros(shard_shape(layout, num_shards), dtype), axis)

@@ -1,0 +1,84 @@
+"""ZeRO-R's P_a: the layer inputs the layer-wise primitives keep for their
+backward recompute, cut over the model axes (each device keeps 1/M) and
+all-gathered over them just before the recompute
+(``ZeroPolicy(partition_activations=True)``). Values are bitwise unchanged."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from zero_jax._base.tree import PyTree
+from zero_jax._layerwise.schedule import slice_unfusable
+from zero_jax._layout.leaf import is_float
+from zero_jax._policy.policy import ZeroPolicy
+
+
+def activation_axes(policy: ZeroPolicy | None) -> tuple[str, ...]:
+    """The axes saved layer inputs are cut over (``partition_activations``):
+    the policy's model axes of size > 1; none without the option."""
+    if policy is None or not policy.partition_activations:
+        return ()
+    return tuple(a for a in policy.model_axes if policy.mesh.shape[a] > 1)
+
+
+def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materialize: bool = False) -> PyTree:
+    """Each float leaf with a dimension that divides by ``size`` cut over
+    ``axes`` (``cut``) or gathered back, in a ``shard_map`` nested over
+    ``axes``: its specs are fixed boundaries, so the cut layout does not
+    spread into the forward compute (a bare sharding constraint did: the
+    compiler then all-gathered every block's input before its matmul).
+
+    A cut is a slice of the local copy, unless ``materialize``: then
+    :func:`~zero_jax._layerwise.schedule.slice_unfusable` (the schedule's
+    ``unfusable_cut``)."""
+    name = axes[0] if len(axes) == 1 else axes
+
+    def one(x: Any) -> Any:
+        if not is_float(x):
+            return x
+        dims = [d for d in range(x.ndim - 1, -1, -1) if x.shape[d] % size == 0]
+        if not dims:  # no dimension divides: kept as it is, in both passes
+            return x
+        d = dims[0]
+        piece = PartitionSpec(*[name if j == d else None for j in range(x.ndim)])
+
+        def slice_mine(a: jax.Array) -> jax.Array:
+            if materialize:
+                return slice_unfusable(a, name, d)
+            k = a.shape[d] // size
+            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(name) * k, k, axis=d)
+
+        def gather(a: jax.Array) -> jax.Array:
+            return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
+
+        fn, specs = (slice_mine, (PartitionSpec(), piece)) if cut else (gather, (piece, PartitionSpec()))
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], axis_names=set(axes))(x)
+
+    return jax.tree.map(one, tree)
+
+
+def partition_saved(tree: PyTree, policy: ZeroPolicy | None, *, materialize: bool = False) -> PyTree:
+    """ZeRO-R's P_a: each float leaf of a saved layer input cut over
+    :func:`activation_axes` on its last dimension that divides by their size
+    (each device keeps its slice; ``materialize``: see ``_constrain``);
+    ``tree`` itself without the option. Only a layout: no value changes."""
+    axes = activation_axes(policy)
+    if not axes:
+        return tree
+    size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
+    return _constrain(tree, axes, size, True, materialize)
+
+
+def regather_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
+    """A :func:`partition_saved` input made whole again for its recompute (an
+    all-gather over the model axes); ``tree`` itself without the option."""
+    axes = activation_axes(policy)
+    if not axes:
+        return tree
+    size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
+    return _constrain(tree, axes, size, False)

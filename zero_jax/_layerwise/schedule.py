@@ -1,0 +1,245 @@
+"""The layer-wise schedule's compiler tricks: the one seam where zero_jax
+steers a backend's scheduler, and why.
+
+``scan_layers`` and ``apply_layer(s)`` (``_layerwise.scan`` / ``.blocks``) say
+*what* each block gathers, recomputes and reduces, and when; a compiler is free
+to reorder anything that data dependencies allow. On XLA:CPU (jax 0.10.2,
+8 simulated devices) it does, in ways that undo ZeRO-3's memory saving. Each
+trick below prevents one of them; :class:`Schedule` switches each on or off
+per backend (:func:`schedule_for`), and every primitive reads its switches
+from here.
+
+``tie_gathers``
+    XLA hoists every forward all-gather of an unrolled program to its start
+    and merges (CSE) a backward re-gather into the forward gather of the same
+    piece, so every block stays whole for the whole step. A gather's operand
+    is therefore tied by data (:func:`tie`) to a value that exists only when
+    the gather is due: the block's input (forward; for a prefetch, the input of
+    the block that issues it) or its output's cotangent (backward). The tie
+    ors the piece's bits with an integer zero made from that value, which
+    changes no bit (NaN, infinities, ``-0.0`` and subnormals included) and
+    which the compiler cannot fold (``a - a`` is zero only for finite ``a``).
+``tie_recompute``
+    A prefetched block is whole while the block after it still runs its
+    backward pass; untied, XLA recomputes the two side by side, holding both
+    blocks' activations. A block's recompute inputs (or, when they are the
+    same on every device and cannot be tied, its weights) wait for its
+    output's cotangent.
+``tie_backward_order``
+    The cotangent a block hands to the block before it waits for the block's
+    reduce-scattered gradient, so one block's whole gradient is freed before
+    the next block's backward pass runs.
+``leafwise_prefetch``
+    The backward pass re-gathers the next block leaf by leaf: the first
+    :data:`HEAD_START` of its bytes (the leaves it uses first,
+    :func:`use_order`) when this block's backward starts, each later leaf
+    after as many bytes of this block's gradients are reduce-scattered
+    (:func:`paired_anchors`); all at once, the two blocks' whole leaves
+    overlap by a whole block.
+``unfusable_cut``
+    With P_a (``partition_activations``) a block keeps its input cut over the
+    model axes; as a plain slice, XLA fused the slice into its only consumer,
+    in the backward pass, keeping the whole input alive through the forward
+    pass. The cut is made by a reduce-scatter of the bits instead
+    (:func:`slice_unfusable`), which no consumer can absorb.
+
+Each was measured on XLA:CPU with the reference transformer at depths 4 to
+16: ``benchmarks/unscanned.py`` (apply_layers) and ``benchmarks/layerwise.py``
+(scan_layers) re-measure compiled peak, gathers and layers alive with
+prefetch 0 and 1 (``benchmarks/results/unscanned.txt``, ``layerwise.txt``).
+Backends that were not measured take XLA:CPU's schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import Jaxpr, Literal
+
+from zero_jax._base.jaxpr import called, live_equations
+from zero_jax._base.tree import PyTree
+from zero_jax._comm.collectives import varying_axes
+from zero_jax._layout.leaf import is_real_float
+
+
+class Schedule(NamedTuple):
+    """Which of the tricks in this module's docstring a backend gets."""
+
+    backend: str
+    tie_gathers: bool = True
+    tie_recompute: bool = True
+    tie_backward_order: bool = True
+    leafwise_prefetch: bool = True
+    unfusable_cut: bool = True
+
+    def due(self, piece: Any, anchor: Any) -> Any:
+        """``piece`` for a gather, computed only once ``anchor`` exists (``tie_gathers``)."""
+        return tie(piece, anchor) if self.tie_gathers else piece
+
+    def recompute_after(self, inputs: PyTree, cotangent: Any) -> tuple[PyTree, bool]:
+        """A block's recompute inputs, waiting for its output's cotangent
+        (``tie_recompute``) where their type allows; also whether any was tied."""
+        return tie_keeping_types(inputs, cotangent) if self.tie_recompute else (inputs, False)
+
+    def after_reduction(self, cotangent: PyTree, reduced: Any) -> PyTree:
+        """The cotangent handed to the block before, once this block's
+        gradient is reduced (``tie_backward_order``)."""
+        return tie(cotangent, reduced) if self.tie_backward_order else cotangent
+
+    def prefetch_anchors(self, needed: list[int], sizes: list[int], produced: list[int], grads: list[Any],
+                         freed: list[int], layouts: list[Any], start: Any, fallback: Any) -> list[Any]:  # fmt: skip
+        """What each leaf of the next block's backward re-gather waits for:
+        :func:`paired_anchors` (``leafwise_prefetch``), else ``start`` for all."""
+        if not self.leafwise_prefetch:
+            return [start] * len(sizes)
+        return paired_anchors(needed, sizes, produced, grads, freed, layouts, start, fallback)
+
+
+#: The schedule of each backend that was measured (see the module docstring).
+MEASURED: dict[str, Schedule] = {"cpu": Schedule("cpu")}
+
+
+def schedule_for(policy: Any) -> Schedule:
+    """The schedule for the backend of ``policy``'s devices (XLA:CPU's for a
+    backend not measured)."""
+    backend = str(policy.mesh.devices.flat[0].platform)
+    return MEASURED.get(backend, MEASURED["cpu"])._replace(backend=backend)
+
+
+def slice_unfusable(a: jax.Array, axis_name: Any, dim: int) -> jax.Array:
+    """This device's slice of ``a`` (the same on every device of
+    ``axis_name``) along ``dim``, by a reduce-scatter of its bits with zeros
+    from every device but the first (integer sums: exact for every value,
+    ``-0.0`` and NaN included), which XLA cannot fuse into a consumer."""
+    bits = jax.lax.bitcast_convert_type(a, _BITS[jnp.dtype(a.dtype).itemsize])
+    mine = jnp.where(jax.lax.axis_index(axis_name) == 0, bits, jnp.zeros_like(bits))
+    piece = jax.lax.psum_scatter(mine, axis_name, scatter_dimension=dim, tiled=True)
+    return jax.lax.bitcast_convert_type(piece, a.dtype)
+
+
+def _first_element(tree: Any) -> jax.Array | None:
+    """One element of the first non-empty array in ``tree`` (as float32,
+    gradient stopped), or None when there is none."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, SymbolicZero) or not hasattr(leaf, "dtype") or not getattr(leaf, "size", 0):
+            continue
+        if not (jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_):
+            continue
+        return jax.lax.stop_gradient(jnp.ravel(leaf)[0]).astype(jnp.float32)
+    return None
+
+
+_BITS = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def tie(value: PyTree, anchor: Any) -> PyTree:
+    """``value`` bitwise unchanged, but computed only once ``anchor`` exists.
+
+    Each float leaf's bits are or-ed with ``z``, an integer that is 0 for
+    every ``anchor``: ``z = int(a - a)`` for a finite element ``a`` of
+    ``anchor`` (``a - a`` is exactly ``+0.0``), and 0 otherwise. Integer
+    operations never round or flush, so no bit changes (NaN payloads,
+    infinities, ``-0.0`` and subnormals included, which float arithmetic on
+    XLA:CPU would flush to zero); unlike the ``x + 0 * a`` of a first
+    prototype it never turns a value into NaN (an fp16 overflow step, a NaN
+    input), and XLA cannot fold it (it does not assume floats are finite, so
+    it cannot prove ``z`` is 0). Non-float leaves, and an anchor without
+    elements, pass through.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.array([1.0, -0.0, jnp.inf, jnp.nan, 1e-45])
+    >>> y = tie(x, jnp.array([jnp.nan, 2.0]))
+    >>> bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32) == jax.lax.bitcast_convert_type(x, jnp.uint32)))
+    True
+    """
+    return tie_keeping_types(value, anchor, keep_types=False)[0]
+
+
+def tie_keeping_types(value: PyTree, anchor: Any, *, keep_types: bool = True) -> tuple[PyTree, bool]:
+    """:func:`tie` each float leaf of ``value`` whose type the tie keeps: one
+    that varies over every ``shard_map`` axis the anchor varies over (tying a
+    replicated value to a per-device one would make it per-device, changing
+    its type under autodiff). Also says whether any leaf was tied."""
+    a = _first_element(anchor)
+    if a is None:
+        return value, False
+    zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), jnp.float32)).astype(jnp.int32)
+    needs, tied = varying_axes(a), []
+
+    def one(x: Any) -> Any:
+        if not is_real_float(x):
+            return x
+        if keep_types and not needs <= varying_axes(x):
+            return x
+        tied.append(True)
+        bits = _BITS[jnp.dtype(x.dtype).itemsize]
+        raw = jax.lax.bitcast_convert_type(x, bits)
+        return jax.lax.bitcast_convert_type(raw | zero.astype(bits), x.dtype)
+
+    return jax.tree.map(one, value), bool(tied)
+
+
+def _uses(jaxpr: Jaxpr, names: dict[Any, int], prefix: tuple[int, ...], found: dict[int, list[Any]]) -> None:
+    """Record in ``found`` each position (nested equation indices) where a ``names`` variable is read; a
+    call (``_jaxpr.called``: a program run once on the equation's own inputs) is walked inside."""
+    for i, eqn in enumerate(live_equations(jaxpr)):
+        hits = [(j, names[v]) for j, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in names]
+        inner = called(eqn)
+        if hits and inner is not None:
+            _uses(inner, {inner.invars[j]: k for j, k in hits}, (*prefix, i), found)
+            continue
+        for _, k in hits:
+            found.setdefault(k, []).append((*prefix, i))
+
+
+def use_order(
+    fn: Callable[..., Any], params: PyTree, args: tuple[Any, ...], consts: Sequence[Any]
+) -> tuple[list[int], list[int]]:
+    """The block's parameter leaves (positions) in the order its forward
+    first uses them, and in the order its backward produces their gradients
+    (last uses reversed), from its program (calls walked inside)."""
+    count = len(jax.tree.leaves(params))
+    closed = jax.make_jaxpr(fn)(params, *args, *consts)
+    found: dict[int, list[Any]] = {}
+    _uses(closed.jaxpr, {v: k for k, v in enumerate(closed.jaxpr.invars[:count])}, (), found)
+    needed = sorted(range(count), key=lambda k: min(found.get(k, [(len(closed.jaxpr.eqns),)])))
+    produced = sorted(range(count), key=lambda k: max(found.get(k, [()])), reverse=True)
+    return needed, produced
+
+
+#: The share of the next layer's bytes that the backward re-gather issues as
+#: soon as the layer's backward starts (the leaves that layer uses first);
+#: each later leaf waits for one of this layer's gradients (paired_anchors).
+#: Half is as cheap in peak as none and issues every leaf before this layer's
+#: attention backward, so the gathers have compute to hide behind.
+HEAD_START = 0.5
+
+
+def paired_anchors(
+    needed: list[int], sizes: list[int], produced: list[int], grads: list[Any], freed: list[int],
+    layouts: list[Any], start: Any, fallback: Any,
+) -> list[Any]:  # fmt: skip
+    """What each leaf of the next layer's backward re-gather waits for. In
+    ``needed`` order (that layer's forward's; ``sizes[k]``: bytes of leaf k,
+    0 if not gathered) the first ``HEAD_START`` of the bytes wait for
+    ``start`` (this layer's backward starting), each later leaf for the
+    gradient (``grads[k]``, reduce-scattered, or None) after which this
+    layer's leaves done with (``freed`` bytes, ``produced`` order) outweigh
+    those fetched: the two layers' whole leaves stay under 1 + ``HEAD_START``
+    layers. A gradient cut over model axes is no anchor (reading one element
+    of it made the SPMD partitioner all-gather it); else ``fallback``."""
+    order = iter(produced)
+    anchors, head, total = [fallback] * len(sizes), HEAD_START * sum(sizes), 0
+    done, anchor, early = 0, fallback, True
+    for k in (k for k in needed if sizes[k]):
+        total += sizes[k]
+        early = early and total <= head
+        while not early and done < total - head and (j := next(order, None)) is not None:
+            done += freed[j]
+            anchor = grads[j] if grads[j] is not None and not any(layouts[j].model) else anchor
+        anchors[k] = start if early else anchor
+    return anchors

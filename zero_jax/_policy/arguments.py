@@ -1,0 +1,159 @@
+"""The checks of ``ZeroPolicy``'s arguments: every problem collected, then one
+error (``ZeroPolicy.__post_init__`` raises it). The stage and wire checks are
+the formulas' own (:mod:`zero_jax._theory.checks`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from zero_jax._base.problems import Problem
+from zero_jax._layout.leaf import LeafLayout, piece_elements
+from zero_jax._policy.batch import batch_spec_problem
+from zero_jax._policy.precision import Precision
+from zero_jax._theory.checks import BAD_STAGE, is_stage, wire_problems
+from zero_jax._theory.wire import DEFAULT_BLOCK
+
+WHERE = "ZeroPolicy"
+BAD_MESH = (
+    "ZeroPolicy: mesh must be a jax.sharding.Mesh, got {kind}. "
+    "Make one with jax.make_mesh((jax.device_count(),), ('data',))."
+)
+BAD_AXIS = (
+    "ZeroPolicy: axis {axis!r} is not an axis of the mesh, whose axes are {names}. "
+    "Pass axis= one of those names (or a tuple of them)."
+)
+BAD_REPLICA_AXIS = (
+    "ZeroPolicy: replica_axis {replica_axis!r} is not a set of axes of the mesh, whose axes are {names}. Pass the "
+    "mesh axis that holds the replicas (e.g. 'replica'), or build the mesh with it: "
+    "jax.make_mesh((R, N), ('replica', 'data'))."
+)
+AXIS_TWICE = (
+    "ZeroPolicy: {both} is both a partition axis (axis={axis!r}) and a replica axis "
+    "(replica_axis={replica_axis!r}); an axis either partitions state or replicates it."
+)
+OVER_REPLICAS_STAGE_0 = (
+    "ZeroPolicy: optimizer_over_replicas=True needs stage >= 1: stage 0 partitions no optimizer state. "
+    "Use stage=1 or higher, or drop optimizer_over_replicas."
+)
+OVER_REPLICAS_WITHOUT_REPLICAS = (
+    "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
+    "well; pass replica_axis=... (the mesh axis holding the replicas)."
+)
+BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
+BAD_PARTITION_ACTIVATIONS = "ZeroPolicy: partition_activations must be True or False, got {!r}."
+PARTITION_ACTIVATIONS_WITHOUT_MODEL = (
+    "ZeroPolicy: partition_activations=True cuts the layer inputs saved for the backward pass over the model "
+    "axes of a tensor- or sequence-parallel layout, but param_specs is None{why}. Pass param_specs=... (the "
+    "model's layout over a mesh axis other than the ZeRO and replica axes), or drop partition_activations."
+)
+PARTITION_ACTIVATIONS_STAGE = (
+    "ZeroPolicy: partition_activations=True acts in the layer-wise schedule of stages 2-3 (zj.scan_layers, "
+    "zj.apply_layer(s) keep each layer's input for its backward recompute there); stage {stage} runs layers under "
+    "a plain jax.checkpoint. Use stage=2 or 3, or drop partition_activations."
+)
+QUANT_BLOCK_TOO_LARGE = (
+    "ZeroPolicy: quant_block={block} is larger than every piece it would quantize: the largest, '{path}', "
+    "is {elements} elements per device and layer. Pass quant_block <= {elements} (a power of two such as "
+    "{suggest} keeps blocks aligned)."
+)
+
+
+def _names(value: Any) -> tuple[Any, ...]:
+    if value is None:  # an axis or prefix argument: one name, a sequence of them, or a wrong value alone
+        return ()
+    return (value,) if isinstance(value, str) or not isinstance(value, Iterable) else tuple(value)
+
+
+def argument_problems(
+    stage: Any,
+    mesh: Any,
+    axis: Any,
+    replica_axis: Any,
+    optimizer_over_replicas: Any,
+    min_shard_size: Any,
+    stacked: Any,
+    precision: Any,
+    param_specs: Any = None,
+    partition_activations: Any = False,
+    batch_spec: Any = None,
+    quantize_weights: Any = None,
+    quantize_grads: Any = None,
+    quant_block: Any = DEFAULT_BLOCK,
+    **_offload_arguments: Any,
+) -> list[Problem]:
+    """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
+    checked by ``check_options``), each with its exception type."""
+    problems: list[Problem] = []
+    stage_ok = is_stage(stage)
+    if not stage_ok:
+        problems.append((ValueError, BAD_STAGE.format(where=WHERE, stage=stage)))
+    if not isinstance(mesh, Mesh):
+        problems.append((TypeError, BAD_MESH.format(kind=type(mesh).__name__)))
+    else:
+        names = tuple(mesh.axis_names)
+        axes, replicas = _names(axis), _names(replica_axis)
+        if not axes or any(a not in names for a in axes):
+            problems.append((ValueError, BAD_AXIS.format(axis=axis, names=names)))
+        elif len(set(axes)) != len(axes):
+            problems.append((ValueError, f"ZeroPolicy: axis {axis!r} names an axis twice; name each axis once."))
+        if any(a not in names for a in replicas) or len(set(replicas)) != len(replicas):
+            problems.append((ValueError, BAD_REPLICA_AXIS.format(replica_axis=replica_axis, names=names)))
+        both = sorted(set(replicas) & set(axes))
+        if both:
+            problems.append((ValueError, AXIS_TWICE.format(both=both, axis=axis, replica_axis=replica_axis)))
+        if optimizer_over_replicas and not replicas:
+            problems.append((ValueError, OVER_REPLICAS_WITHOUT_REPLICAS))
+    if optimizer_over_replicas and stage_ok and int(stage) == 0:
+        problems.append((ValueError, OVER_REPLICAS_STAGE_0))
+    if precision is not None and not isinstance(precision, Precision):
+        problems.append((TypeError, f"ZeroPolicy: precision must be a zj.Precision, got {type(precision).__name__}."))
+    if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)):
+        problems.append((TypeError, f"ZeroPolicy: min_shard_size must be an int (elements), got {min_shard_size!r}."))
+    elif min_shard_size < 0:
+        problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))
+    if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
+        problems.append((TypeError, BAD_STACKED.format(stacked)))
+    problems.extend(_activation_problems(mesh, axis, replica_axis, param_specs, partition_activations))
+    spec_problem = batch_spec_problem(batch_spec, mesh, _names(axis) + _names(replica_axis))
+    if spec_problem:
+        problems.append((ValueError, spec_problem))
+    if isinstance(partition_activations, (bool, np.bool_)) and partition_activations and stage_ok and int(stage) < 2:
+        problems.append((ValueError, PARTITION_ACTIVATIONS_STAGE.format(stage=stage)))
+    known_stage = int(stage) if stage_ok else None
+    problems.extend(wire_problems(known_stage, quantize_weights, quantize_grads, quant_block, WHERE))
+    return problems
+
+
+def _activation_problems(mesh: Any, axis: Any, replica_axis: Any, param_specs: Any, partition: Any) -> list[Problem]:
+    if not isinstance(partition, (bool, np.bool_)):
+        return [(TypeError, BAD_PARTITION_ACTIVATIONS.format(partition))]
+    if not partition or param_specs is not None:
+        return []
+    others = [] if not isinstance(mesh, Mesh) else [
+        a for a in mesh.axis_names if a not in _names(axis) + _names(replica_axis)
+    ]  # fmt: skip
+    why = f" (the mesh's other axes {tuple(others)} hold replicas)" if others else " and the mesh has no model axis"
+    return [(ValueError, PARTITION_ACTIVATIONS_WITHOUT_MODEL.format(why=why))]
+
+
+def check_quant_block(
+    paths: list[str], layouts: list[LeafLayout], stacked: list[bool], num_shards: int, mesh_shape: Any, block: int
+) -> None:
+    """Raise when ``block`` exceeds every piece the wire quantizes (one
+    device's piece of one layer of each partitioned leaf): no piece could
+    then be cut into blocks."""
+    pieces = [
+        (path, piece_elements(lay, num_shards, mesh_shape, s))
+        for path, lay, s in zip(paths, layouts, stacked, strict=True)
+        if lay.partitioned
+    ]
+    if not pieces:
+        return
+    path, elements = max(pieces, key=lambda item: item[1])
+    if block > elements:
+        suggest = 1 << (elements.bit_length() - 1)
+        raise ValueError(QUANT_BLOCK_TOO_LARGE.format(block=block, path=path, elements=elements, suggest=suggest))

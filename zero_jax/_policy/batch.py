@@ -1,0 +1,101 @@
+"""How the batch is laid out: dimension 0 over the batch axes (ZeRO's data and
+replica axes), the other dimensions as ``ZeroPolicy(batch_spec=...)`` says
+(a sequence axis splitting the sequence dimension); and the checks that every
+batch leaf can be laid out so, each bad leaf named.
+
+Floor 1: pure (imports only ``_tree``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from zero_jax._base.tree import PyTree, path_str
+
+BATCH_NOT_DIVISIBLE = (
+    "{where}: {leaves}; the leading (batch) dimension must divide by the {n} devices of the batch "
+    "axes {axes}. Use a global batch size that is a multiple of {n}."
+)
+BATCH_NOT_MICROBATCHED = (
+    "{where}: {leaves}: accum_steps={k} microbatches on each of {n} devices need a global batch that "
+    "is a multiple of {nk}. Change the batch size or accum_steps."
+)
+BATCH_SPEC_UNFIT = (
+    "{where}: ZeroPolicy(batch_spec={spec}) splits batch dimensions over model axes, but {leaves}. Every batch "
+    "leaf needs those dimensions, each a multiple of its axes' size (pad the sequence), or drop batch_spec."
+)
+BAD_BATCH_SPEC = (
+    "ZeroPolicy: batch_spec must be a PartitionSpec whose entry 0 is None (ZeRO splits the batch dimension over "
+    "the batch axes itself) and whose other entries name model axes (mesh axes other than axis= and "
+    "replica_axis=, here {model}), e.g. P(None, 'seq') to split the sequence dimension; got {spec!r}."
+)
+
+
+def _listing(leaves: list[str]) -> str:
+    return ", ".join(f"batch leaf {leaf}" for leaf in leaves)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def batch_spec_problem(batch_spec: Any, mesh: Any, zero_axes: tuple[str, ...]) -> str | None:
+    """Why ``batch_spec`` cannot lay a batch out on ``mesh``, or None."""
+    if batch_spec is None:
+        return None
+    model = tuple(a for a in getattr(mesh, "axis_names", ()) if a not in zero_axes)
+    fits = (
+        isinstance(batch_spec, PartitionSpec)
+        and len(batch_spec) >= 1
+        and batch_spec[0] is None
+        and all(a in model for entry in batch_spec[1:] for a in _axes(entry))
+    )
+    return None if fits else BAD_BATCH_SPEC.format(model=model, spec=batch_spec)
+
+
+def batch_partition_spec(batch_axes: tuple[str, ...], batch_spec: PartitionSpec | None) -> PartitionSpec:
+    """The whole ``PartitionSpec`` of every batch leaf."""
+    lead = batch_axes[0] if len(batch_axes) == 1 else batch_axes
+    rest = [] if batch_spec is None else list(batch_spec[1:])
+    while rest and rest[-1] is None:
+        rest.pop()
+    return PartitionSpec(lead, *rest)
+
+
+def check_batch(
+    batch: PyTree,
+    *,
+    where: str,
+    n: int,
+    axes: tuple[str, ...],
+    microbatches: int = 1,
+    batch_spec: PartitionSpec | None = None,
+    mesh: Mesh | None = None,
+) -> None:
+    """Raise a ValueError naming every batch leaf whose leading (batch)
+    dimension does not split over the ``n`` devices of ``axes`` (and
+    ``microbatches``), or whose ``batch_spec`` dimensions do not split."""
+    k = microbatches
+    uneven, unsplit, unfit = [], [], []
+    split = [] if batch_spec is None or mesh is None else list(enumerate(batch_spec))[1:]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not shape or shape[0] % n:
+            uneven.append(f"'{path_str(path)}' has shape {shape}")
+        elif shape[0] % (n * k):
+            unsplit.append(f"'{path_str(path)}' has shape {shape}")
+        for dim, entry in split:
+            size = math.prod(mesh.shape[a] for a in _axes(entry)) if mesh is not None else 1
+            if size > 1 and (dim >= len(shape) or shape[dim] % size):
+                unfit.append(f"'{path_str(path)}' has shape {shape} (dimension {dim} over {_axes(entry)}: {size})")
+                break
+    if uneven:
+        raise ValueError(BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=axes))
+    if unsplit:
+        raise ValueError(BATCH_NOT_MICROBATCHED.format(where=where, leaves=_listing(unsplit), k=k, n=n, nk=n * k))
+    if unfit:
+        raise ValueError(BATCH_SPEC_UNFIT.format(where=where, spec=batch_spec, leaves=_listing(unfit)))

@@ -1,0 +1,136 @@
+"""Mixed precision: which dtype each copy of the model lives in, and dynamic
+loss scaling for float16.
+
+With ``Precision(compute_dtype=jnp.bfloat16)`` the state follows ZeRO's
+2 + 2 + 12 bytes per parameter: the bf16 compute copy (``TrainState.params``,
+what stage 3 gathers), bf16 gradients (reduced in ``reduce_dtype``), and an
+fp32 master copy (``TrainState.master``) beside the optimizer state, both
+partitioned from stage 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zero_jax._layout.leaf import is_real_float
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """Dynamic loss scaling for float16 compute.
+
+    The loss is multiplied by ``scale`` before differentiation and the
+    gradients divided by it after reduction. A step whose gradients overflow
+    anywhere (on any device) is skipped everywhere — parameters and optimizer
+    state unchanged — and the scale is multiplied by ``backoff`` (not below
+    ``minimum``); after ``growth_interval`` finite steps in a row it is
+    multiplied by ``growth``.
+    """
+
+    initial: float = 2.0**15
+    growth_interval: int = 2000
+    growth: float = 2.0
+    backoff: float = 0.5
+    minimum: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.initial > 0 and self.minimum > 0 and self.growth >= 1 and 0 < self.backoff < 1):
+            raise ValueError(
+                f"DynamicLossScale: need initial > 0, minimum > 0, growth >= 1 and 0 < backoff < 1; got {self}."
+            )
+        if self.growth_interval < 1:
+            raise ValueError(f"DynamicLossScale: growth_interval must be >= 1, got {self.growth_interval}.")
+
+
+class LossScaleState(NamedTuple):
+    """The loss scale between steps (in ``TrainState.loss_scale``)."""
+
+    scale: jax.Array  # float32 scalar
+    good_steps: jax.Array  # int32: finite steps since the last change
+    skipped: jax.Array  # int32: steps skipped so far
+
+    @classmethod
+    def create(cls, config: DynamicLossScale) -> LossScaleState:
+        return cls(jnp.asarray(config.initial, jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    def next(self, finite: jax.Array, config: DynamicLossScale) -> LossScaleState:
+        grow = finite & (self.good_steps + 1 >= config.growth_interval)
+        scale = jnp.where(
+            finite,
+            jnp.where(grow, self.scale * config.growth, self.scale),
+            jnp.maximum(self.scale * config.backoff, config.minimum),
+        ).astype(jnp.float32)
+        good = jnp.where(finite & ~grow, self.good_steps + 1, 0).astype(jnp.int32)
+        return LossScaleState(scale, good, self.skipped + (~finite).astype(jnp.int32))
+
+
+def _float_dtype(value: Any, name: str) -> np.dtype | None:
+    if value is None:
+        return None
+    dtype = np.dtype(value)
+    if not is_real_float(dtype):
+        raise ValueError(f"Precision: {name} must be a floating dtype (float32, bfloat16, float16), got {dtype}.")
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The dtypes of a training run.
+
+    Args:
+      param_dtype: the master copy and the optimizer's view of the
+        parameters (float32).
+      compute_dtype: the copy the forward and backward passes use; ``None``
+        means ``param_dtype`` (no separate master copy).
+      reduce_dtype: the dtype gradients are reduced (all-reduce /
+        reduce-scatter) in; ``None`` means ``compute_dtype``.
+      loss_scale: a :class:`DynamicLossScale`; required with float16
+        compute, refused otherwise (bfloat16 has float32's exponent range).
+
+    >>> import jax.numpy as jnp, zero_jax as zj
+    >>> zj.Precision(compute_dtype=jnp.bfloat16).reduce_dtype
+    dtype(bfloat16)
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = None
+    reduce_dtype: Any = None
+    loss_scale: DynamicLossScale | None = None
+
+    def __post_init__(self) -> None:
+        param = _float_dtype(self.param_dtype, "param_dtype")
+        compute = _float_dtype(self.compute_dtype, "compute_dtype") or param
+        reduce = _float_dtype(self.reduce_dtype, "reduce_dtype") or compute
+        object.__setattr__(self, "param_dtype", param)
+        object.__setattr__(self, "compute_dtype", compute)
+        object.__setattr__(self, "reduce_dtype", reduce)
+        fp16 = compute == np.dtype(jnp.float16)
+        if fp16 and self.loss_scale is None:
+            raise ValueError(
+                "Precision: float16 compute needs loss scaling (its range underflows small gradients): "
+                "pass loss_scale=zj.DynamicLossScale()."
+            )
+        if self.loss_scale is not None and not fp16:
+            raise ValueError(
+                f"Precision: loss_scale is for float16 compute only; compute_dtype is {compute}, whose "
+                "exponent range needs no scaling. Drop loss_scale."
+            )
+        if self.loss_scale is not None and not isinstance(self.loss_scale, DynamicLossScale):
+            raise TypeError(
+                f"Precision: loss_scale must be a zj.DynamicLossScale, got {type(self.loss_scale).__name__}."
+            )
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a separate master copy exists."""
+        return self.compute_dtype != self.param_dtype
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Cast the floating leaves of ``tree`` to ``dtype``; leave the rest."""
+    return jax.tree.map(lambda x: x.astype(dtype) if is_real_float(x) else x, tree)

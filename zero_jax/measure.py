@@ -1,0 +1,60 @@
+"""Measure any compiled JAX program: what it holds on each device and what it
+sends, read from the program itself. ``zj.audit`` judges a zero_jax step with
+these; they work on any ``jax.jit`` function too (a GSPMD baseline, a plain
+data-parallel step).
+
+* :func:`resident_bytes` / :func:`resident_bytes_by_kind`: bytes each device
+  holds for a pytree of arrays (per memory kind).
+* :func:`memory`: ``compiled.memory_analysis()`` with the peak estimate
+  argument + output + temp − alias (XLA:CPU's ``peak_memory_in_bytes`` omits temp).
+* :func:`collectives`: every collective of the program right after SPMD
+  partitioning (where dtypes are still the logical ones), with its per-device
+  ring traffic, multiplied by the trip count of the loop it sits in;
+  :func:`ring_bytes`, :func:`ring_bytes_per_axis` and :func:`summarize` add
+  them up.
+* :func:`compile_with_hlo`: one compile that also returns the post-SPMD HLO.
+* :func:`layers_alive` / :func:`scheduled_computations`: the schedule of a
+  compiled program.
+
+>>> import jax, jax.numpy as jnp
+>>> from zero_jax import measure
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+>>> f = jax.jit(lambda x: jnp.sum(x), in_shardings=jax.NamedSharding(mesh, jax.P("data")))
+>>> [c.kind for c in measure.collectives(f, jnp.ones(jax.device_count() * 4))]
+['all-reduce']
+"""
+
+from zero_jax._audit.hlo import (
+    FAST_COMPILE,
+    Collective,
+    collectives,
+    compile_with_hlo,
+    loop_nesting,
+    parse_collectives,
+    partitioned_hlo,
+    ring_bytes,
+    ring_bytes_per_axis,
+    ring_bytes_per_axis_kind,
+    summarize,
+)
+from zero_jax._audit.memory import memory, resident_bytes, resident_bytes_by_kind
+from zero_jax._audit.schedule import layers_alive, scheduled_computations
+
+__all__ = [
+    "FAST_COMPILE",
+    "Collective",
+    "collectives",
+    "compile_with_hlo",
+    "layers_alive",
+    "loop_nesting",
+    "memory",
+    "parse_collectives",
+    "partitioned_hlo",
+    "resident_bytes",
+    "resident_bytes_by_kind",
+    "ring_bytes",
+    "ring_bytes_per_axis",
+    "ring_bytes_per_axis_kind",
+    "scheduled_computations",
+    "summarize",
+]
