@@ -5,7 +5,7 @@ errors (pyproject's filterwarnings).
 Dtype promotion stays "standard": optax itself (``tree.bias_correction``
 raises a Python float to an int32 count) fails under "strict", and every
 training test runs optax. Our own padding code is checked under "strict" in
-tests/test_partition.py.
+tests/test_layout.py.
 """
 
 import os

@@ -14,8 +14,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax._audit import communication as _comm_audit
 from zero_jax import measure as _measure
+from zero_jax._audit import communication as _comm_audit
 from zero_jax._audit import model_axes as _model_axes
 from zero_jax._audit import report as _report
 from zero_jax._audit import violations as _violations
@@ -135,7 +135,7 @@ def _gather_program(mesh, nested):
 def test_a_weight_gathered_across_the_model_axis_is_flagged():
     mesh = _mesh((4, 2), AxisType.Auto)
     policy = zj.ZeroPolicy(stage=3, mesh=mesh, axis="data")
-    assert _model_axes.model_axes(policy) == ("model",) and _model_axes.model_parallel(policy) == 2
+    assert policy.model_axes == ("model",) and policy.model_parallel == 2
     colls = _gather_program(mesh, nested=False)
     per_axis = _measure.ring_bytes_per_axis([c for c in colls if c.shape], mesh)
     # The data piece (16, 32) is gathered whole over model, then the whole weight over data: 2x the theory.

@@ -18,8 +18,8 @@ from _models import make_mesh
 from jax.sharding import AxisType
 
 import zero_jax as zj
-from zero_jax._audit import communication as _comm_audit
 from zero_jax import measure as _measure
+from zero_jax._audit import communication as _comm_audit
 from zero_jax._audit import model_axes as _model_axes
 from zero_jax._audit import report as _report
 from zero_jax._audit import violations as _violations

@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import measure as _measure
-from zero_jax._comm import quantized as _quantize
 
 N, D, F, L, BLOCK = 8, 32, 64, 2, 32
 #: One step of SGD from identical state, quantized against unquantized: relative L2 of the whole
@@ -129,36 +128,6 @@ def _relative_update(a: dict, b: dict) -> float:
     diff = sum(float(np.sum((x - y) ** 2)) for x, y in zip(a, b, strict=True))
     upd = sum(float(np.sum((y - s) ** 2)) for y, s in zip(b, start, strict=True))
     return math.sqrt(diff / upd)
-
-
-# -- the block round trip --------------------------------------------------------------------
-
-
-def test_round_trip_is_within_half_a_step_of_each_block() -> None:
-    # Blocks of very different magnitudes, a tail shorter than a block, exact zeros.
-    x = jax.random.normal(jax.random.key(3), (1000,)) * jnp.repeat(jnp.array([1e-3, 1.0, 50.0, 0.0]), 250)
-    q, scale = _quantize.quantize_blocks(x, 64)
-    assert q.dtype == jnp.int8 and q.shape == (16, 64) and scale.dtype == jnp.float32
-    y = _quantize.dequantize_blocks(q, scale, x.shape, x.dtype)
-    err, bound = np.abs(np.asarray(y - x)), np.asarray(_quantize.round_trip_bound(x, 64))
-    assert np.all(err <= bound * (1 + 1e-6) + 1e-30)  # half a step (+ the multiply's rounding)
-    assert err.max() > 0 and np.all(err[750:] == 0)  # it does round; a zero block comes back exact
-    # The bound is max|block| / 127 / 2, checked by hand on the second block:
-    np.testing.assert_allclose(bound[64], np.abs(np.asarray(x[64:128])).max() / 127 / 2, rtol=1e-6)
-
-
-def test_a_block_with_inf_or_nan_comes_back_non_finite_and_spares_the_others() -> None:
-    for bad in (jnp.inf, -jnp.inf, jnp.nan):
-        x = jnp.arange(96.0).at[40].set(bad)
-        y = _quantize.dequantize_blocks(*_quantize.quantize_blocks(x, 32), x.shape, x.dtype)
-        assert not np.isfinite(np.asarray(y[32:64])).any()
-        assert np.isfinite(np.asarray(y[:32])).all() and np.isfinite(np.asarray(y[64:])).all()
-
-
-def test_a_piece_smaller_than_the_block_is_one_block() -> None:
-    q, scale = _quantize.quantize_blocks(jnp.ones((5, 4)), 256)
-    assert q.shape == (1, 20) and scale.shape == (1,)
-    assert _quantize.wire_bytes(20, 256) == 20 + 4
 
 
 # -- the compiled program ----------------------------------------------------------------------

@@ -6,7 +6,7 @@
 >>> tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
 """
 
-from zero_jax import adapters, checkpoint
+from zero_jax import adapters, checkpoint, measure
 from zero_jax._audit.audit import audit
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.report import AuditError, AuditReport, Communication, LeafBytes, Violation
@@ -80,6 +80,7 @@ __all__ = [
     "leaf_layout",
     "load_params",
     "make_train_step",
+    "measure",
     "model_state_bytes",
     "offload_plan",
     "plan",

@@ -54,8 +54,6 @@ Example (stage 2 on 8 simulated devices):
 (8448, 16900)
 >>> round(report.comm.ratio, 3)
 1.0
-
-Floor 6: imports the measurement, the theory, the policy and the optimizer.
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ from zero_jax._audit import hlo
 from zero_jax._audit.communication import comm_violation, communication, formula_inputs, wire_roles, wire_violations
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.memory import memory as memory_figures
-from zero_jax._audit.model_axes import model_axes, model_gather_violations, model_parallel, split_of
+from zero_jax._audit.model_axes import model_gather_violations, split_of
 from zero_jax._audit.report import CATEGORIES, FIELD_CATEGORY, AuditReport, LeafBytes, ParamInfo, Violation
 from zero_jax._audit.schedule import layer_schedule
 from zero_jax._audit.violations import (
@@ -87,6 +85,7 @@ from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_an
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.optimizer import frozen_leaves
+from zero_jax._step.train import StepFacts, TrainStep
 from zero_jax._theory.formulas import comm_bytes, model_state_bytes
 
 NO_POLICY = (
@@ -178,7 +177,7 @@ def _state_leaves(
     """Every state leaf (and gradient leaf, unless ``grads`` is ``False``) with
     its bytes; ``totals`` has no ``"grads"`` when gradients were not measured."""
     leaves, totals = _leaves(state, None, model)
-    if grads is None and hasattr(train_step, "grads"):
+    if grads is None and isinstance(train_step, TrainStep):
         grads = _measure_grads(train_step, state, batch, abstract, options)
     if grads is not None and grads is not False:
         g_leaves, g_totals = _leaves(grads, "grads", model)
@@ -189,10 +188,9 @@ def _state_leaves(
     return leaves, totals
 
 
-def _frozen(train_step: Any, layout_tree: PyTree, count: int) -> list[bool]:
+def _frozen(tx: Any, layout_tree: PyTree, count: int) -> list[bool]:
     """Which parameters the step's optimizer never changes (no gradient, no
-    reduction): ``zj.frozen_leaves`` of ``train_step.tx``; none if unknown."""
-    tx = getattr(getattr(train_step, "tx", None), "inner", None)
+    reduction): ``zj.frozen_leaves`` of the optax transformation; none if unknown."""
     if tx is None:
         return [False] * count
     logical = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), layout_tree, is_leaf=is_layout)
@@ -203,8 +201,9 @@ def _frozen(train_step: Any, layout_tree: PyTree, count: int) -> list[bool]:
     return flags if len(flags) == count else [False] * count
 
 
-def _param_infos(train_step: Any, state: Any, policy: ZeroPolicy) -> list[ParamInfo]:
+def _param_infos(facts: StepFacts, state: Any) -> list[ParamInfo]:
     """The float parameters with their layouts: the state's own record, else the policy's rule."""
+    policy = facts.policy
     params = _field(state, "params")
     record = _field(state, "layouts")
     layout_tree = record.tree() if hasattr(record, "tree") else policy.layouts(params)
@@ -212,14 +211,14 @@ def _param_infos(train_step: Any, state: Any, policy: ZeroPolicy) -> list[ParamI
     param_leaves = jax.tree.leaves(params)
     if len(param_leaves) != len(layout_pairs):
         raise ValueError("audit: the state's params do not match its layouts; build the state with zj.init_state.")
-    frozen, model = _frozen(train_step, layout_tree, len(layout_pairs)), model_axes(policy)
+    frozen, model = _frozen(facts.tx, layout_tree, len(layout_pairs)), policy.model_axes
     return [
         ParamInfo(
             path_str(p),
             lay,
             np.dtype(leaf.dtype),
             fz,
-            under_any(p, policy.stacked),
+            under_any(p, policy.stacked_prefixes),
             split_of(getattr(leaf, "sharding", None), len(lay.shape), model),
         )  # fmt: skip
         for (p, lay), leaf, fz in zip(layout_pairs, param_leaves, frozen, strict=True)
@@ -280,21 +279,27 @@ def audit(
     state: Any,
     batch: PyTree,
     *,
-    policy: ZeroPolicy | None = None,
     grads: Any = None,
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     tolerance: float = 0.02,
+    prefetch: int | None = None,
+    fast_compile: bool = True,
+    policy: ZeroPolicy | None = None,
     accum_mode: str | None = None,
     accum_steps: int | None = None,
     reduce_dtype: Any = None,
-    fast_compile: bool = True,
-    prefetch: int | None = None,
 ) -> AuditReport:
     """Compile ``train_step(state, batch)`` and report what it holds and sends.
 
+    A step made by :func:`zero_jax.make_train_step` says what it is (its
+    policy, gather mode, accumulation, precision and optimizer:
+    ``train_step.facts``); the last four arguments are for any other
+    ``jax.jit`` step, or to judge a step by other facts than its own.
+
     Args:
       train_step: a :func:`zero_jax.make_train_step` step, or any
-        ``jax.jit``-wrapped ``step(state, batch)`` (then pass ``policy``).
+        ``jax.jit``-wrapped ``step(state, batch)`` (then pass ``policy``, or
+        give the state a ``policy`` field).
       state: the state, concrete arrays or ``jax.ShapeDtypeStruct``s with
         shardings (``zj.init_state`` on abstract parameters makes those; then
         nothing is allocated and bytes are read from the shardings). Its
@@ -302,9 +307,8 @@ def audit(
         and ``master`` (optimizer, as ZeRO counts them); anything else
         "other".
       batch: the global batch (arrays or ``ShapeDtypeStruct``s).
-      policy: defaults to ``train_step.policy`` (or ``state.policy``).
-      grads: ``None`` measures ``train_step.grads(state, batch)`` when the step
-        has it; ``False`` skips gradients; or pass the gradient tree.
+      grads: ``None`` measures ``train_step.grads(state, batch)`` for a
+        zero_jax step; ``False`` skips gradients; or pass the gradient tree.
       min_shard_size: the size (elements) from which the audit calls a float
         leaf partitionable. By default the library's default threshold, so a
         policy built with a larger ``min_shard_size`` that keeps such leaves
@@ -312,48 +316,49 @@ def audit(
         It also bounds the all-reduce check: in stages 1–3 an all-reduce over
         the data (or replica) axes of at least this many elements (or of the
         smallest partitioned leaf's model shard, if smaller) is a
-        gradient-sized all-reduce; one over model axes only is the model's own. (An optimizer that reduces
-        statistics across a parameter, like Adafactor's factored moments, may
-        all-reduce vectors that large and be flagged.)
+        gradient-sized all-reduce; one over model axes only is the model's
+        own. (An optimizer that reduces statistics across a parameter, like
+        Adafactor's factored moments, may all-reduce vectors that large and
+        be flagged.)
       tolerance: communication may exceed the theory by this fraction.
-      accum_mode, accum_steps: gradient accumulation; default
-        ``getattr(train_step, "accum_mode", None)`` and ``"accum_steps"``
-        (1). With ``"local"`` gradients must be reduced once per step, so a
-        gradient reduction inside a loop of ``accum_steps`` trips (the
-        outermost loop around it) is a violation; in other modes the theory
-        counts one reduction per microbatch.
-      reduce_dtype: the dtype gradients are reduced in; default the policy's
-        ``precision.reduce_dtype``, else each parameter's dtype.
-      fast_compile: compile with LLVM optimisation off
-        (``xla_backend_optimization_level=0``): the same HLO, buffer
-        assignment and ``memory_analysis()``, about 3x faster on CPU.
       prefetch: how many blocks ahead the step's ``zj.apply_layers`` /
         ``zj.scan_layers`` gather; a stage-3 ``gather="manual"`` step (not
         accumulating locally) may hold ``prefetch + 1`` whole layers at once
-        (``report.layers``). ``None``:
-        1, the largest the library's layer primitives use unless told (their
-        default); pass the step's own value if it prefetches more.
+        (``report.layers``). ``None``: 1, the layer primitives' default; pass
+        the step's own value if it prefetches more.
+      fast_compile: compile with LLVM optimisation off
+        (``xla_backend_optimization_level=0``): the same HLO, buffer
+        assignment and ``memory_analysis()``, about 3x faster on CPU.
+      policy: the policy to judge by (default: the step's, else
+        ``state.policy``).
+      accum_mode, accum_steps: gradient accumulation (default: the step's;
+        none for a foreign step). With ``"local"`` gradients must be reduced
+        once per step, so a gradient reduction inside a loop of
+        ``accum_steps`` trips (the outermost loop around it) is a violation;
+        in other modes the theory counts one reduction per microbatch.
+      reduce_dtype: the dtype gradients are reduced in (default: the
+        policy's ``precision.reduce_dtype``).
 
     Returns:
       An :class:`AuditReport`; ``report.check()`` raises on violations.
     See the module docstring for an example.
     """
     check_live(state, where="zj.audit")
-    policy = _resolve_policy(train_step, state, policy)
+    facts = step_facts(train_step, state, policy=policy, accum_mode=accum_mode, accum_steps=accum_steps)
+    policy, accum_mode, steps = facts.policy, facts.accum_mode, facts.accum_steps
     if not 0 <= tolerance < 1:
         raise ValueError(f"audit: tolerance must be in [0, 1), got {tolerance!r}.")
     policy.check_batch(batch, where="audit")
-    accum_mode, steps = _accumulation(train_step, accum_mode, accum_steps)
     prefetch = _prefetch(prefetch)
 
     abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
     options = dict(hlo.FAST_COMPILE) if fast_compile else {}
     memory, colls, loops, scheduled = _program(train_step, state, batch, policy, options)
-    leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, model_axes(policy))
-    params = _param_infos(train_step, state, policy)
+    leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
+    params = _param_infos(facts, state)
     phi = sum(math.prod(p.layout.shape) for p in params)
     if reduce_dtype is None:
-        reduce_dtype = getattr(getattr(policy, "precision", None), "reduce_dtype", None)
+        reduce_dtype = policy.precision.reduce_dtype
     comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
     comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
     per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
@@ -364,7 +369,7 @@ def audit(
     violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
     layers = layer_schedule(scheduled, params, policy, prefetch)
     # gather="all" and local accumulation (one gather per step) hold the whole model by design.
-    layerwise = getattr(train_step, "gather", "manual") != "all" and not (accum_mode == "local" and steps > 1)
+    layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
     violations += layer_violations(layers, policy, layerwise)
     return AuditReport(
         stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
@@ -396,8 +401,8 @@ def _by_axes(colls: tuple[Collective, ...], params: list[ParamInfo], policy: Zer
     return {
         "comm_per_axis": hlo.ring_bytes_per_axis(colls, policy.mesh),
         "comm_per_axis_kind": hlo.ring_bytes_per_axis_kind(colls, policy.mesh),
-        "model_axes": model_axes(policy),
-        "model_parallel": model_parallel(policy),
+        "model_axes": policy.model_axes,
+        "model_parallel": policy.model_parallel,
         "params_per_model_shard": sum(math.prod(p.layout.shape) / p.model_split for p in params),
     }
 
@@ -452,20 +457,23 @@ def _state_bytes(leaves: list[LeafBytes], totals: Totals) -> dict[str, dict[str,
     }
 
 
-def _accumulation(train_step: Any, accum_mode: str | None, accum_steps: int | None) -> tuple[str | None, int]:
-    """The accumulation mode and steps to judge by: given, else the step's."""
-    accum_mode = accum_mode if accum_mode is not None else getattr(train_step, "accum_mode", None)
-    steps = accum_steps if accum_steps is not None else getattr(train_step, "accum_steps", 1)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"audit: accum_steps must be a positive integer, got {steps!r}.")
-    return accum_mode, steps
-
-
-def _resolve_policy(train_step: Any, state: Any, policy: ZeroPolicy | None) -> ZeroPolicy:
-    """The policy to judge by: given, the step's, or the state's; and a jitted step."""
-    policy = policy if policy is not None else getattr(train_step, "policy", None) or _field(state, "policy")
-    if not isinstance(policy, ZeroPolicy):
-        raise TypeError(NO_POLICY.format(kind=type(policy).__name__))
+def step_facts(
+    train_step: Any, state: Any, *, policy: ZeroPolicy | None = None, accum_mode: str | None = None,
+    accum_steps: int | None = None,
+) -> StepFacts:  # fmt: skip
+    """What to judge ``train_step`` by: a :class:`TrainStep`'s own facts, or
+    for any other jitted step the given ``policy`` (else ``state.policy``);
+    each given argument overrides."""
     if not hasattr(train_step, "lower"):
         raise TypeError(NOT_JITTED.format(kind=type(train_step).__name__))
-    return policy
+    facts = train_step.facts if isinstance(train_step, TrainStep) else None
+    chosen = policy if policy is not None else facts.policy if facts is not None else _field(state, "policy")
+    if not isinstance(chosen, ZeroPolicy):
+        raise TypeError(NO_POLICY.format(kind=type(chosen).__name__))
+    facts = (facts or StepFacts(chosen))._replace(policy=chosen)
+    if accum_mode is not None:
+        facts = facts._replace(accum_mode=accum_mode)
+    steps = accum_steps if accum_steps is not None else facts.accum_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"audit: accum_steps must be a positive integer, got {steps!r}.")
+    return facts._replace(accum_steps=steps)

@@ -24,9 +24,6 @@ int8 did not run wider (:func:`wire_violations`).
 (8, 12, 256)
 >>> pass_bytes(3000, 8, 256)  # (N - 1) x wire_bytes: 7 x (12 x 256 + 12 x 4)
 21840.0
-
-Floor 6 (with ``_audit``): imports the measurement, the wire format, the
-policy, the model-axis view and the report types.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from zero_jax._audit.hlo import DTYPE_BYTES, Collective, ring_bytes
-from zero_jax._audit.model_axes import is_model_only, local_shape, model_axes
+from zero_jax._audit.model_axes import is_model_only, local_shape
 from zero_jax._audit.report import COMM_OVER_THEORY, WIDE_WIRE, Communication, ParamInfo, Violation
 from zero_jax._base.units import fmt_bytes
 from zero_jax._layout.leaf import piece_elements
@@ -231,7 +228,7 @@ def communication(
     quantized wire (``policy.wire``) a quantized pass costs its int8 blocks
     and float32 scales (:func:`zero_jax._wire_audit.pass_bytes`).
     """
-    n, model, wire = policy.num_shards, set(model_axes(policy)), policy.wire
+    n, model, wire = policy.num_shards, set(policy.model_axes), policy.wire
     local = steps > 1 and accum_mode == "local"
     reduces = steps if steps > 1 and not local else 1
     gathers = 1 if not policy.partitions_params else (1 if local else 2 * steps)

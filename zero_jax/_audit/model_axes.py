@@ -11,8 +11,6 @@ across a model axis (:func:`model_gather_violations`), the silent loss of
 tensor parallelism when XLA gathers the operand of a data-axis collective
 across the automatic model axis first.
 
-Floor 6 (with ``_audit``): imports the measurement, the policy's type and the report types.
-
 >>> import jax
 >>> from jax.sharding import NamedSharding, PartitionSpec as P
 >>> mesh = jax.make_mesh((4, 2), ("data", "model"))
@@ -43,22 +41,6 @@ MODEL_GATHER_MESSAGE = (
     "(in_specs / out_specs = its model spec) so each device moves only its model shard; in the model's own code, "
     "constrain the activations' sharding (jax.lax.with_sharding_constraint) so the compiler keeps the weight cut."
 )
-
-
-def model_axes(policy: ZeroPolicy) -> tuple[str, ...]:
-    """The mesh axes in no ZeRO role: ``policy.model_axes`` where the policy
-    has it, else every mesh axis that is neither a data nor a replica axis."""
-    axes = getattr(policy, "model_axes", None)
-    if axes is None:
-        zero = set(policy.axes) | set(policy.replica_axes)
-        axes = tuple(a for a in policy.mesh.axis_names if a not in zero)
-    return tuple(axes)
-
-
-def model_parallel(policy: ZeroPolicy) -> int:
-    """M: the product of the model axes' sizes (1 on a data-only mesh)."""
-    m = getattr(policy, "model_parallel", None)
-    return int(m) if m is not None else math.prod(policy.mesh.shape[a] for a in model_axes(policy))
 
 
 def split_of(sharding: Any, ndim: int, axes: Iterable[str]) -> tuple[int, ...]:
@@ -118,7 +100,7 @@ def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], 
     """All-gathers across a model axis whose result has the shape of a
     model-sharded parameter gathered whole over (one of) its model axes, or
     (qwZ) int8 weight blocks gathered across a model axis and data together."""
-    model = set(model_axes(policy))
+    model = set(policy.model_axes)
     if not model:
         return []
     shapes: dict[tuple[int, ...], list[str]] = {}

@@ -3,8 +3,6 @@
 :class:`AuditReport` holds what a compiled step keeps on each device and
 sends per step, beside its stage's contract; :class:`Violation` is one broken
 promise and :class:`AuditError` lists them all.
-
-Floor 1 (with ``_measure``): imports only ``_measure``, ``_quantize`` and ``_units``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,6 @@ theory and the wire check live in :mod:`zero_jax._audit.communication`), and
 gathers and all-to-all reductions included). Which state a stage partitions
 is asked of the policy (``policy.partitions_params`` and its siblings), never
 read off the stage number.
-
-Floor 6 (with ``_audit``): imports the policy, the partition rules, the
-communication audit and the report types.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from zero_jax._audit.hlo import Collective
-from zero_jax._audit.model_axes import is_model_only, local_shape, model_axes
+from zero_jax._audit.model_axes import is_model_only, local_shape
 from zero_jax._audit.report import (
     GRADIENT_ALL_REDUCE,
     LAYERS_ALIVE,
@@ -142,7 +139,7 @@ def all_reduce_violations(
     threshold = max(2, min([min_shard_size, *sizes]))  # a scalar (a loss, a norm) is never a gradient
     # HSDP all-reduces each gradient's 1/N piece (of its model shard) across the replica axes: expected.
     pieces = {local_shape(shard_shape(p.layout, policy.num_shards), p.split) for p in params if p.layout.partitioned}
-    replica_axes, model = set(policy.replica_axes), set(model_axes(policy))
+    replica_axes, model = set(policy.replica_axes), set(policy.model_axes)
     # A leaf model-sharded on every free dimension stays whole over data (the policy says so): its
     # gradient is all-reduced by design, one all-reduce of its model-shard shape, whatever shares it.
     expected = collections.Counter(
@@ -174,7 +171,7 @@ def accum_violations(
     """Gradient reductions inside the accumulation loop of a local-accumulation
     step (over the data or replica axes: the model's own reductions over model
     axes run per microbatch by design); with qgZ an int8 all-to-all is one."""
-    model = set(model_axes(policy)) if policy is not None else set()
+    model = set(policy.model_axes) if policy is not None else set()
     out = []
     for c in colls:
         nest = loops.get(c.name, ())

@@ -1,8 +1,6 @@
 """Pytree vocabulary shared by every floor: key paths as users write them,
 the one meaning of "under a prefix", and the donated-state check.
 
-Floor 1: imports no other zero_jax module.
-
 >>> import jax
 >>> from zero_jax._base.tree import path_str, under
 >>> (path, _), = jax.tree_util.tree_flatten_with_path({"layers": {"w": 1}})[0]

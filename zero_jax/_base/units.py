@@ -1,7 +1,7 @@
 """Numbers as users write them: sizes, bandwidths, durations and counts, and
 the one byte formatter.
 
-Floor 1: imports no other zero_jax module. Sizes written as strings are
+Sizes written as strings are
 decimal for ``KB``/``MB``/``GB``/``TB`` (the ZeRO paper's GB is 10⁹ bytes) and
 binary for ``KiB``/``MiB``/``GiB``/``TiB``; bandwidths may be written in bytes
 (``300GB/s``) or bits (``200Gb/s``).

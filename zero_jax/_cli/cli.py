@@ -10,8 +10,6 @@ reference model's compiled step for each stage (``zj.audit``).
 Without an accelerator the commands simulate CPU devices (set before JAX
 starts a backend); on GPUs or TPUs they use the real devices unchanged.
 Bad input is one line on stderr and exit status 2, never a traceback.
-
-Floor 8: imports everything below it, nothing imports it.
 """
 
 from __future__ import annotations

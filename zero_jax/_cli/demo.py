@@ -3,8 +3,6 @@ stage, with a progress bar per stage (steps, loss), and print per stage the
 final loss, the bytes each device holds next to the ZeRO formula, the compiled
 peak and the step time; then draw the measured bytes beside the formula as
 stacked bars in a PNG (when matplotlib is installed).
-
-Floor 8 (with ``_cli``): imports the train step, the reference model and ``zj.launch``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ zeros; a piece smaller than ``block`` is one block): ``scale = max|block| /
 127`` and ``q = round(x / scale)``. The round trip is off by at most
 ``scale / 2`` per element (plus the float rounding of the multiply), and a
 block holding a NaN or an infinity comes back non-finite everywhere, so a
-loss-scaled fp16 overflow step is still seen (and skipped). Quantization exists only on the wire: ``_collectives``
+loss-scaled fp16 overflow step is still seen (and skipped). Quantization exists only on the wire: ``collectives``
 dequantizes right after the collective, and the master copy, the optimizer
 and the reduced gradients never hold int8.
 

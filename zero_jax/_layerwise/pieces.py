@@ -188,7 +188,7 @@ PIECES_USED_DIRECTLY = (
 
 
 #: Where the library's own code touches pieces: the gathers and their ties run
-#: under these name scopes (``_layerwise``, ``scan_layers``), and the custom
+#: under these name scopes (``blocks``, ``scan``), and the custom
 #: VJPs of ``fetch_with_grad_slot``, ``scan_layers`` and ``apply_layer(s)`` are
 #: functions named ``zero_jax_*``.
 OWN_SCOPES = ("zj_block", "zero_jax")

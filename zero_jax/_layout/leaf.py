@@ -144,7 +144,7 @@ def leaf_layout(
     least (ties go to the larger dimension). ``skip_leading`` excludes
     dimension 0 (the layer axis of stacked layers, which ``scan_layers``
     iterates over and must never be cut), and ``model`` (one entry per
-    dimension, see ``_model_specs``) the dimensions the model already shards.
+    dimension, see ``_policy.model_specs``) the dimensions the model already shards.
 
     >>> leaf_layout((10, 640), "float32", 8).dim
     1

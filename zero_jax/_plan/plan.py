@@ -6,8 +6,6 @@ target size and read the compiled program.
 ``num_devices`` simulated CPU devices in a child process
 (:func:`zero_jax._processes.child.run_child`), and audits it (:func:`zero_jax.audit`).
 The formulas it is checked against live in :mod:`zero_jax._theory.formulas`.
-
-Floor 6: imports the audit, the train step and the reference model.
 """
 
 from __future__ import annotations

@@ -2,8 +2,6 @@
 replica axes), the other dimensions as ``ZeroPolicy(batch_spec=...)`` says
 (a sequence axis splitting the sequence dimension); and the checks that every
 batch leaf can be laid out so, each bad leaf named.
-
-Floor 1: pure (imports only ``_tree``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Memory kinds: where an array lives (device or pinned host memory), the
 offload options a policy is built with, and the in-step move to the device.
-
-Floor 1: imports no other zero_jax module.
 """
 
 from __future__ import annotations

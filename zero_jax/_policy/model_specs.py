@@ -4,10 +4,8 @@ One ``PartitionSpec`` per parameter over mesh axes other than ZeRO's (tensor,
 sequence, expert axes), as the user's model already shards it. This module
 checks every leaf's spec against the mesh and the leaf's shape (collecting
 every bad leaf before one error) and normalises it to one entry per
-dimension; ``_partition`` then picks the data-axis cut among the dimensions
+dimension; ``_layout.leaf`` then picks the data-axis cut among the dimensions
 the model leaves free.
-
-Floor 1: pure (imports only ``_tree``).
 """
 
 from __future__ import annotations
@@ -59,14 +57,33 @@ def spec_leaves(param_specs: Any, params: PyTree) -> list[tuple[KeyPath, Any, An
         return [(p, leaf, None) for p, leaf in pairs]
     if callable(param_specs) and not isinstance(param_specs, PartitionSpec):
         return [(p, leaf, param_specs(p, leaf)) for p, leaf in pairs]
-    specs, spec_def = jax.tree_util.tree_flatten(param_specs, is_leaf=_is_spec_leaf)
-    if spec_def.num_leaves != treedef.num_leaves or len(specs) != len(pairs):
-        raise ValueError(NOT_MIRRORED.format(detail=f"{len(specs)} specs for {len(pairs)} parameter leaves"))
+    spec_pairs = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=_is_spec_leaf)[0]
+    if len(spec_pairs) != len(pairs):
+        raise ValueError(NOT_MIRRORED.format(detail=mismatch(pairs, spec_pairs)))
     try:
         specs = treedef.flatten_up_to(param_specs)
     except (ValueError, TypeError) as err:
         raise ValueError(NOT_MIRRORED.format(detail=str(err).splitlines()[0])) from None
     return [(p, leaf, spec) for (p, leaf), spec in zip(pairs, specs, strict=True)]
+
+
+def mismatch(pairs: list[tuple[KeyPath, Any]], spec_pairs: list[tuple[KeyPath, Any]]) -> str:
+    """Which parameter leaves the spec tree lacks and which of its specs name no parameter.
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> params = {"w": 1, "b": 2, "layers": {"k": 3}}
+    >>> mismatch(jax.tree_util.tree_flatten_with_path(params)[0],
+    ...          jax.tree_util.tree_flatten_with_path({"w": P(), "bias": P(), "layers": {}})[0])
+    '3 parameter leaves, 2 specs: no spec for b, layers/k; no parameter for bias'
+    """
+    have = [path_str(p) for p, _ in pairs]
+    given = [path_str(p) for p, _ in spec_pairs]
+    missing = [p for p in have if p not in set(given)]
+    extra = [p for p in given if p not in set(have)]
+    parts = [f"{len(have)} parameter leaves, {len(given)} specs"]
+    parts += [f"no spec for {', '.join(missing)}"] if missing else []
+    parts += [f"no parameter for {', '.join(extra)}"] if extra else []
+    return "; ".join(parts[:1]) + (": " + "; ".join(parts[1:]) if parts[1:] else "")
 
 
 def _entry(raw: Any) -> Entry:

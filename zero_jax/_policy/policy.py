@@ -184,7 +184,7 @@ class ZeroPolicy:
     mesh: Mesh
     axis: str | Sequence[str] = "data"
     _: dataclasses.KW_ONLY
-    replica_axis: str | Sequence[str] | None = ()
+    replica_axis: str | Sequence[str] | None = None
     optimizer_over_replicas: bool = False
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
     stacked: str | Sequence[str] = ()

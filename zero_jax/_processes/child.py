@@ -6,8 +6,6 @@ picklable arguments. The child restores the parent's ``sys.path``, sizes its
 CPU backend to ``devices`` before anything touches JAX, calls the function
 and pickles its result (or its error) back.
 
-Floor 1: imports no other zero_jax module.
-
 >>> run_child("math:hypot", 3.0, 4.0, devices=1, where="example")
 5.0
 """

@@ -5,7 +5,7 @@ Each process is a fresh Python with its own simulated CPU devices, joined by
 port): the multi-controller runtime JAX uses on TPU pods and GPU clusters,
 on one machine. It is for tests and local runs; on a real cluster the same
 training script runs unchanged after ``jax.distributed.initialize()`` (see
-the README). The processes are started by ``_child``, the one home of the
+the README). The processes are started by ``child``, the one home of the
 child-process runner.
 """
 
@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def run_member(target: str, args: tuple[Any, ...], pid: int, processes: int, port: int) -> Any:
-    """What each launched process runs (inside ``_child``): join the pod, call
+    """What each launched process runs (inside ``child``): join the pod, call
     the function, leave the pod."""
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=pid, initialization_timeout=120

@@ -1,7 +1,7 @@
 """The gradient program: one ``jax.shard_map`` over the batch axes.
 
 Each device runs ``loss_fn`` on its slice of the batch (in microbatches when
-accumulating) and the collectives of ``_collectives`` reduce the gradients in
+accumulating) and the collectives of ``_comm.collectives`` reduce the gradients in
 the precision policy's reduce dtype: all-reduce in stage 0, reduce-scatter
 from stage 1; stages 2–3 reduce-scatter each gradient the moment the
 backward pass produces it (into a zero "slot" piece), and stage 3 also
@@ -12,8 +12,6 @@ Everything here is a function of a :class:`GradPlan`, built once per trace;
 the program talks through return values (:class:`Grads`). Frozen and
 non-float leaves have no gradient (``None``): never differentiated, never
 communicated.
-
-Floor 4: imports the collectives, the layer scope and the state.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ its sharding (``"device"`` or ``"pinned_host"``), so offload is three things:
    between steps (all of them, or a fraction of the bytes, largest leaves
    first), and :func:`with_host` gives their shardings that memory kind
    (the memory kinds themselves, the options and ``to_device`` live in
-   ``_memory``);
+   ``_policy.memory``);
 2. streaming: :func:`streamed` runs the optimizer update chunk by chunk. A
    chunk is a set of offloaded leaves that the update mixes (Adam's ``mu``,
    ``nu`` and master copy of one parameter), found by a data-dependence walk

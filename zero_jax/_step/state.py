@@ -1,7 +1,5 @@
 """TrainState: everything that lives between steps, placed per a policy;
 init_state, full_params and the one map from a state to its shardings.
-
-Floor 3: imports the policy, the sharded optimizer's layouts and the offload plan.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax._base.tree import PyTree, check_live, path_str
-from zero_jax._layout.leaf import is_layout
 from zero_jax._layout.trees import TreeLayouts, with_dtype
 from zero_jax._policy.placement import store, to_logical
 from zero_jax._policy.policy import ZeroPolicy
@@ -94,24 +91,23 @@ def state_shardings(state: TrainState) -> TrainState:
     state has the old one's layouts, hence its shardings."""
     policy = state.policy
 
-    def shardings(layouts: PyTree, partitioned: bool, axes: tuple[str, ...] | None = None) -> PyTree:
-        return jax.tree.map(lambda lay: policy.named_sharding(lay, partitioned, axes), layouts, is_leaf=is_layout)
-
     layouts = state.layouts.tree()
     placed = state.replace(
         step=policy.replicated(),
-        params=shardings(layouts, policy.partitions_params),
+        params=policy.shardings(layouts, policy.partitions_params),
         opt_state=ShardedOptState(
-            shardings(state.opt_state.layouts.tree(), policy.partitions_opt_state, policy.state_axes),
+            policy.shardings(state.opt_state.layouts.tree(), policy.partitions_opt_state, policy.state_axes),
             policy,
             state.opt_state.param_layouts,
             state.opt_state.layouts,
         ),
-        master=None if state.master is None else shardings(layouts, policy.partitions_opt_state, policy.state_axes),
+        master=None
+        if state.master is None
+        else policy.shardings(layouts, policy.partitions_opt_state, policy.state_axes),
         loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: policy.replicated(), state.loss_scale),
         model_state=jax.tree.map(lambda _: policy.replicated(), state.model_state),
     )
-    if not policy.offload_optimizer and not policy.offload_params:
+    if not policy.offloads:
         return placed
     plan = _offload.offload_plan(state)  # offloaded leaves live in pinned_host
     opt = placed.opt_state

@@ -2,15 +2,15 @@
 
 The step has three parts, each in the view that suits it (one module each):
 
-1. gradients (``_grads``), in ``jax.shard_map``: each device runs ``loss_fn``
+1. gradients (``grads``), in ``jax.shard_map``: each device runs ``loss_fn``
    on its slice of the batch (in microbatches when accumulating) and the
-   collectives of ``_collectives`` reduce the gradients in the precision
+   collectives of ``_comm.collectives`` reduce the gradients in the precision
    policy's reduce dtype (all-reduce in stage 0, reduce-scatter from stage 1;
    stages 2–3 reduce-scatter each gradient the moment the backward pass
    produces it; stage 3 also gathers the parameters for use). The global
    gradient norm, which is also the overflow check, costs one scalar
    all-reduce;
-2. the optimizer (``_update``), in the global view: :func:`shard_optimizer`
+2. the optimizer (``update``), in the global view: :func:`shard_optimizer`
    runs the optax update on the partitioned (fp32 master) state, where the
    compiler keeps elementwise math local and adds only the small reductions
    an optimizer itself needs;
@@ -21,8 +21,6 @@ The collectives ZeRO is about are therefore explicit (the compiler never
 chooses them), which is what makes their cost provable from the program.
 This module holds :class:`TrainStep` (validation that names every bad leaf,
 then the jitted program) and :func:`make_train_step`.
-
-Floor 5: imports the state, the gradient program and the update.
 
 A stateful loss (here a running mean of the inputs, averaged over devices):
 
@@ -47,10 +45,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from zero_jax._base.tree import PyTree, check_live, path_str
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout
@@ -92,6 +91,19 @@ def check_batch_sizes(batch: PyTree) -> None:
     if len(sizes) > 1:
         listing = ", ".join(f"'{p}' {shape}" for p, shape in pairs)
         raise ValueError(BATCH_SIZES_DIFFER.format(listing=listing))
+
+
+class StepFacts(NamedTuple):
+    """What a train step knows about itself, for whoever judges its program
+    (``zj.audit``): its policy, how ``loss_fn`` gets parameters, its gradient
+    accumulation and the optax transformation its ``tx`` wraps (``None``:
+    unknown, for a step not made by :func:`make_train_step`)."""
+
+    policy: ZeroPolicy
+    gather: str = "manual"
+    accum_mode: str | None = None
+    accum_steps: int = 1
+    tx: optax.GradientTransformation | None = None
 
 
 class TrainStep:
@@ -148,6 +160,11 @@ class TrainStep:
         leaves. Loss scaling is not undone here."""
         self._validate(state, batch)
         return self._grads_jitted(state, batch).grads
+
+    @property
+    def facts(self) -> StepFacts:
+        """What this step is (see :class:`StepFacts`)."""
+        return StepFacts(self.policy, self.gather, self.accum_mode, self.accum_steps, self.tx.inner)
 
     # -- checks with errors that say what to do -----------------------------------------
 

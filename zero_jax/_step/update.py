@@ -7,8 +7,6 @@ the optimizer takes them (unscaled, clipped on the global norm), the float16
 loss scale (an overflow skips the step on every device), and, where the
 optimizer sees a slice of whole parameters, the all-gather of the updated
 pieces (in the compute dtype).
-
-Floor 4: imports the collectives, the offload streaming and the state.
 """
 
 from __future__ import annotations
@@ -90,7 +88,7 @@ def apply_optimizer(
         return optax.apply_updates(master, updates), opt_state
 
     master = optimizer_view(state)
-    if policy.offload_optimizer or policy.offload_params:
+    if policy.offloads:
         update = _offload.stream_update(update, master, state, shardings)
     if state.loss_scale is None:
         return Updated(*update(master, state.opt_state), jnp.asarray(True))
@@ -125,7 +123,7 @@ def master_for_compute(state: TrainState, new_master: PyTree, shardings: TrainSt
     """With offload: the updated master leaves in the memory the compute copy
     is made in (see ``_offload.for_compute``); otherwise unchanged."""
     policy = state.policy
-    if policy.offload_optimizer or policy.offload_params:
+    if policy.offloads:
         return _offload.for_compute(new_master, shardings.params, policy.precision.compute_dtype)
     return new_master
 
@@ -166,7 +164,7 @@ def finish_state(state: TrainState, new_state: TrainState, shardings: TrainState
     """The new state placed: offloaded leaves written to host memory, every
     leaf constrained to the state's sharding."""
     policy = state.policy
-    if policy.offload_optimizer or policy.offload_params:
+    if policy.offloads:
         new_state = _offload.to_memory_kinds(new_state, shardings)
     return jax.tree.map(jax.lax.with_sharding_constraint, new_state, shardings)
 

@@ -238,7 +238,7 @@ def build_metadata(state: TrainState, entries: list[Entry], step: int, sums: lis
         "axes": list(policy.axes),
         "mesh_shape": {str(k): int(v) for k, v in policy.mesh.shape.items()},
         "min_shard_size": policy.min_shard_size,
-        "stacked": ["/".join(p) for p in policy.stacked],
+        "stacked": list(policy.stacked),
         "precision": {
             "param_dtype": np.dtype(prec.param_dtype).name,
             "compute_dtype": None if prec.compute_dtype is None else np.dtype(prec.compute_dtype).name,

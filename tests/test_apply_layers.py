@@ -14,7 +14,6 @@ from _models import make_mesh, reference_run, relative_update_error
 
 import zero_jax as zj
 from zero_jax import measure as _measure
-from zero_jax._layerwise.schedule import tie
 
 N = 8
 D = 32
@@ -151,18 +150,6 @@ def test_a_non_finite_fp16_step_is_skipped_exactly_as_with_gather_all(poison: fl
         results[mode] = zj.full_params(state)
     errors = relative_update_error(results["apply_layers"], results["plain"], _params())
     assert max(errors.values()) <= 1e-2, errors  # fp16 compute
-
-
-def test_the_tie_changes_no_bit() -> None:
-    values = jnp.array([1.5, -0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 1e-45, -3.0], jnp.float32)
-    for anchor in (jnp.array([2.0]), jnp.array([jnp.nan]), jnp.array([jnp.inf]), jnp.array([-0.0]), jnp.array([7])):
-        for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
-            v = values.astype(dtype)
-            out = jax.jit(tie)(v, anchor)
-            np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(v).view(np.uint8))
-    ints = jnp.arange(3)
-    assert tie(ints, jnp.ones(2)) is ints  # non-float values pass through
-    assert tie(values, jnp.zeros((0,))) is values  # an anchor without elements ties nothing
 
 
 def _compiled(stage: int, depth: int, prefetch: int, mode: str = "apply_layers"):
