@@ -224,7 +224,7 @@ def docstring_lines(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if isinstance(first, ast.Expr) and isinstance(getattr(first.value, "value", None), str):
                 lines.update(range(first.lineno, first.end_lineno + 1))
     return lines
 
@@ -290,7 +290,7 @@ def defined_attributes(tree: ast.Module) -> set[str]:
 
 
 def module_aliases(module: Module, modules: dict[str, Module], package: str) -> dict[str, str]:
-    """Local names bound to modules of the package (``from zero_jax._audit import measure as _measure``, ``import x as m``)."""
+    """Local names bound to modules of the package (``from zero_jax._audit import hlo``, ``import x as m``)."""
     aliases = {}
     for node in ast.walk(module.tree):
         if isinstance(node, ast.Import):

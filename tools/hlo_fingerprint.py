@@ -35,7 +35,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, megatron_specs, synthetic_batch
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, megatron_specs, synthetic_batch  # noqa: E402
 
 LOCATION = re.compile(r"^\d+ ")  # the compiled text's tables of files, functions and stack frames
 METADATA = re.compile(r", metadata=\{[^}]*\}")

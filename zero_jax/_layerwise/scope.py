@@ -5,11 +5,11 @@ runs under), read by the layer-wise primitives to find the step's policy.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from zero_jax._base.scoped import Scoped
 from zero_jax._policy.policy import ZeroPolicy
 
 
@@ -30,26 +30,17 @@ class TraceScope:
     pieces: bool = True
 
 
-_EMPTY_SCOPE = TraceScope()
-
-
-_SCOPE: contextvars.ContextVar[TraceScope | None] = contextvars.ContextVar("zero_jax_trace_scope", default=None)
+_SCOPE: Scoped[TraceScope] = Scoped("zero_jax_trace_scope", TraceScope())
 
 
 def current_scope() -> TraceScope:
     """The :class:`TraceScope` of the trace in progress (empty outside one)."""
-    return _SCOPE.get() or _EMPTY_SCOPE
+    return _SCOPE.current()
 
 
-@contextlib.contextmanager
-def trace_scope(**changes: Any) -> Iterator[TraceScope]:
+def trace_scope(**changes: Any) -> contextlib.AbstractContextManager[TraceScope]:
     """Run a block with the current :class:`TraceScope`'s fields replaced."""
-    scope = dataclasses.replace(current_scope(), **changes)
-    token = _SCOPE.set(scope)
-    try:
-        yield scope
-    finally:
-        _SCOPE.reset(token)
+    return _SCOPE.replaced(**changes)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from zero_jax._base.problems import Problem
 from zero_jax._layout.leaf import LeafLayout, piece_elements
 from zero_jax._policy.batch import batch_spec_problem
+from zero_jax._policy.memory import offload_problems
 from zero_jax._policy.precision import Precision
 from zero_jax._theory.checks import BAD_STAGE, is_stage, wire_problems
 from zero_jax._theory.wire import DEFAULT_BLOCK
@@ -83,10 +84,10 @@ def argument_problems(
     quantize_weights: Any = None,
     quantize_grads: Any = None,
     quant_block: Any = DEFAULT_BLOCK,
-    **_offload_arguments: Any,
+    offload_optimizer: Any = False,
+    offload_params: Any = False,
 ) -> list[Problem]:
-    """Every problem with ``ZeroPolicy``'s arguments (the offload ones are
-    checked by ``check_options``), each with its exception type."""
+    """Every problem with ``ZeroPolicy``'s arguments, each with its exception type."""
     problems: list[Problem] = []
     stage_ok = is_stage(stage)
     if not stage_ok:
@@ -125,6 +126,7 @@ def argument_problems(
         problems.append((ValueError, PARTITION_ACTIVATIONS_STAGE.format(stage=stage)))
     known_stage = int(stage) if stage_ok else None
     problems.extend(wire_problems(known_stage, quantize_weights, quantize_grads, quant_block, WHERE))
+    problems.extend(offload_problems(offload_optimizer, offload_params, known_stage, mesh))
     return problems
 
 

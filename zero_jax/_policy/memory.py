@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from zero_jax._base.problems import Problem
+
 #: The memory kind offloaded state lives in.
 HOST = "pinned_host"
 DEVICE = "device"
@@ -24,6 +26,7 @@ OFFLOAD_PARAMS_STAGE = (
     "and only partitioned parameters are offloaded (stages 0-2 need the whole parameters on every device for "
     "each step). Use stage=3, or offload_optimizer instead."
 )
+BAD_OFFLOAD_OPTIMIZER = "ZeroPolicy: offload_optimizer must be a bool or a fraction in [0, 1], got {kind}."
 NO_HOST_MEMORY = (
     "ZeroPolicy: offload needs the {host!r} memory kind, but the {platform!r} backend's devices have {kinds}. "
     "Run without offload_optimizer / offload_params on this backend (or use a higher stage or more devices to "
@@ -52,38 +55,41 @@ class OffloadOptions:
     fraction: float = 0.0
     params: bool = False
 
-    def __iter__(self) -> Iterator[Any]:  # ``fraction, params = check_options(...)``
+    def __iter__(self) -> Iterator[Any]:  # ``fraction, params = policy.offload``
         return iter((self.fraction, self.params))
 
 
-def check_options(
-    offload_optimizer: Any, offload_params: Any, stage: int, mesh: Any, *, partitions_params: bool
-) -> OffloadOptions:
-    """Validate ``ZeroPolicy``'s offload arguments (``partitions_params``: the
-    stage partitions the parameters; ``stage`` is only named in messages)."""
+def offload_problems(offload_optimizer: Any, offload_params: Any, stage: int | None, mesh: Any) -> list[Problem]:
+    """Every problem with ``ZeroPolicy``'s offload arguments (``stage``: None
+    when not known to be valid, so not compared), each with its exception type."""
+    problems: list[Problem] = []
+    fraction = 0.0
     if isinstance(offload_optimizer, (bool, np.bool_)):
         fraction = 1.0 if offload_optimizer else 0.0
     elif isinstance(offload_optimizer, (int, float, np.integer, np.floating)):
         fraction = float(offload_optimizer)
         if not 0.0 <= fraction <= 1.0:  # also rejects NaN
-            raise ValueError(OFFLOAD_FRACTION_RANGE.format(value=offload_optimizer))
+            problems.append((ValueError, OFFLOAD_FRACTION_RANGE.format(value=offload_optimizer)))
     else:
-        raise TypeError(
-            f"ZeroPolicy: offload_optimizer must be a bool or a fraction in [0, 1], got "
-            f"{type(offload_optimizer).__name__}."
-        )
+        problems.append((TypeError, BAD_OFFLOAD_OPTIMIZER.format(kind=type(offload_optimizer).__name__)))
     if not isinstance(offload_params, (bool, np.bool_)):
-        raise TypeError(f"ZeroPolicy: offload_params must be True or False, got {offload_params!r}.")
-    if offload_params and not partitions_params:
-        raise ValueError(OFFLOAD_PARAMS_STAGE.format(stage=stage))
-    if fraction > 0 or offload_params:
+        problems.append((TypeError, f"ZeroPolicy: offload_params must be True or False, got {offload_params!r}."))
+    elif offload_params and stage is not None and stage < 3:
+        problems.append((ValueError, OFFLOAD_PARAMS_STAGE.format(stage=stage)))
+    if (fraction > 0 or offload_params is True) and hasattr(mesh, "devices"):
         device = mesh.devices.flat[0]
         kinds = memory_kinds(device)
         if HOST not in kinds:
-            raise ValueError(
-                NO_HOST_MEMORY.format(host=HOST, platform=device.platform, kinds=sorted(kinds) or "no memory kinds")
-            )
-    return OffloadOptions(fraction, bool(offload_params))
+            kinds_text = sorted(kinds) or "no memory kinds"
+            problems.append((ValueError, NO_HOST_MEMORY.format(host=HOST, platform=device.platform, kinds=kinds_text)))
+    return problems
+
+
+def offload_options(offload_optimizer: bool | float, offload_params: bool) -> OffloadOptions:
+    """The validated options (see :func:`offload_problems`): ``True`` is the fraction 1.0."""
+    if isinstance(offload_optimizer, (bool, np.bool_)):
+        offload_optimizer = 1.0 if offload_optimizer else 0.0
+    return OffloadOptions(float(offload_optimizer), bool(offload_params))
 
 
 def is_host(x: Any) -> bool:

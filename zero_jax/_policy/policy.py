@@ -25,7 +25,7 @@ from zero_jax._layout.leaf import leaf_layout as layout_of
 from zero_jax._policy.arguments import WHERE, argument_problems, check_quant_block
 from zero_jax._policy.batch import batch_partition_spec
 from zero_jax._policy.batch import check_batch as check_batch_leaves
-from zero_jax._policy.memory import OffloadOptions, check_options
+from zero_jax._policy.memory import OffloadOptions, offload_options
 from zero_jax._policy.model_specs import model_entries, spec_key
 from zero_jax._policy.precision import Precision
 from zero_jax._theory.wire import DEFAULT_BLOCK, WireFormat
@@ -203,8 +203,7 @@ class ZeroPolicy:
 
     def __post_init__(self) -> None:
         raise_problems(argument_problems(**self.arguments), WHERE)
-        offload = check_options(self.offload_optimizer, self.offload_params, int(self.stage), self.mesh,
-                                partitions_params=int(self.stage) >= 3)  # fmt: skip
+        offload = offload_options(self.offload_optimizer, self.offload_params)
         normalised = {
             "stage": int(self.stage),
             "axis": _names(self.axis),

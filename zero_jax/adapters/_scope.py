@@ -1,6 +1,6 @@
-"""The adapters' own trace-time state, in their own ``ContextVar`` (the core's
-one, ``zero_jax._layerwise.scope``, carries only what the layer-wise
-primitives read).
+"""The adapters' own trace-time state, a :class:`~zero_jax._base.scoped.Scoped`
+value of their own (the core's, ``zero_jax._layerwise.scope``, carries only
+what the layer-wise primitives read).
 
 >>> with adapter_scope(state_updates="discard"):
 ...     count_scan()
@@ -13,10 +13,10 @@ primitives read).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
+
+from zero_jax._base.scoped import Scoped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,26 +33,20 @@ class AdapterScope:
     scans: int = 0
 
 
-_EMPTY = AdapterScope()
-_SCOPE: contextvars.ContextVar[AdapterScope | None] = contextvars.ContextVar("zero_jax_adapter_scope", default=None)
+_SCOPE: Scoped[AdapterScope] = Scoped("zero_jax_adapter_scope", AdapterScope())
 
 
 def current() -> AdapterScope:
     """The :class:`AdapterScope` of the trace in progress (empty outside one)."""
-    return _SCOPE.get() or _EMPTY
+    return _SCOPE.current()
 
 
-@contextlib.contextmanager
-def adapter_scope(**changes: Any) -> Iterator[None]:
+def adapter_scope(**changes: Any) -> contextlib.AbstractContextManager[AdapterScope]:
     """Run a block with the current scope's fields replaced (``scans``
     restarts at 0 unless given)."""
-    token = _SCOPE.set(dataclasses.replace(current(), **{"scans": 0, **changes}))
-    try:
-        yield
-    finally:
-        _SCOPE.reset(token)
+    return _SCOPE.replaced(**{"scans": 0, **changes})
 
 
 def count_scan() -> None:
     """Record one run of an adapter's ``scan_layers`` in the current scope."""
-    _SCOPE.set(dataclasses.replace(current(), scans=current().scans + 1))
+    _SCOPE.update(scans=current().scans + 1)

@@ -2,10 +2,11 @@
 
 from zero_jax.models.transformer import (
     TransformerConfig,
+    block,
     init_params,
     make_loss_fn,
     megatron_specs,
     synthetic_batch,
 )
 
-__all__ = ["TransformerConfig", "init_params", "make_loss_fn", "megatron_specs", "synthetic_batch"]
+__all__ = ["TransformerConfig", "block", "init_params", "make_loss_fn", "megatron_specs", "synthetic_batch"]
