@@ -262,6 +262,16 @@ def test_bad_specs_name_every_leaf_and_the_fix() -> None:
         zj.ZeroPolicy(3, mesh, param_specs={"up": P()}).layouts(_params())
 
 
+def test_a_spec_tree_that_lacks_or_adds_a_leaf_names_it() -> None:
+    mesh = _mesh(4, 2)
+    lacking = {k: v for k, v in SPECS.items() if k != "down"}
+    with pytest.raises(ValueError, match=r"\(6 parameter leaves, 5 specs: no spec for down\)"):
+        zj.ZeroPolicy(3, mesh, param_specs=lacking, stacked="layers").layouts(_params())
+    extra = {**SPECS, "bias_typo": P()}
+    with pytest.raises(ValueError, match=r"no parameter for bias_typo"):
+        zj.ZeroPolicy(3, mesh, param_specs=extra, stacked="layers").layouts(_params())
+
+
 def test_a_leaf_with_no_free_dimension_is_reported_not_hidden() -> None:
     policy = zj.ZeroPolicy(3, _mesh(4, 2), param_specs=SPECS, min_shard_size=0, stacked="layers")
     replicated = {r.path: r.reason for r in policy.replicated_leaves(_params())}
