@@ -75,6 +75,8 @@ class Schedule(NamedTuple):
     tie_backward_order: bool = True
     leafwise_prefetch: bool = True
     unfusable_cut: bool = True
+    #: Options a zero_jax step compiles with on this backend (``make_train_step`` passes them to ``jax.jit``).
+    compiler_options: tuple[tuple[str, str], ...] = ()
 
     def due(self, piece: Any, anchor: Any) -> Any:
         """``piece`` for a gather, computed only once ``anchor`` exists (``tie_gathers``)."""

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax._base.tree import PyTree, check_live, path_str
+from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout
 from zero_jax._layout.trees import TreeLayouts, full_shapes
 from zero_jax._policy.policy import ZeroPolicy
@@ -137,10 +138,14 @@ class TrainStep:
         self.accum_mode = accum_mode
         self.clip_norm = clip_norm
         batch_sharding = policy.batch_sharding()
-        self.jitted = jax.jit(self._step, in_shardings=(None, batch_sharding), donate_argnums=(0,) if donate else ())
+        #: The backend's compiler options for layer-wise steps (the schedule seam); none on XLA:CPU.
+        self.compiler_options = dict(schedule_for(policy).compiler_options) or None
+        self.jitted = jax.jit(self._step, in_shardings=(None, batch_sharding), donate_argnums=(0,) if donate else (),
+                              compiler_options=self.compiler_options)  # fmt: skip
         self._grads_jitted = jax.jit(
-            functools.partial(self._grads, for_optimizer=False), in_shardings=(None, batch_sharding)
-        )
+            functools.partial(self._grads, for_optimizer=False), in_shardings=(None, batch_sharding),
+            compiler_options=self.compiler_options,
+        )  # fmt: skip
         functools.update_wrapper(self, loss_fn, updated=())
 
     # -- the public face -------------------------------------------------------------
