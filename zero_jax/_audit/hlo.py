@@ -282,7 +282,7 @@ def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = Non
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
         compiled = lowered.compile(compiler_options=options)
-        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*")))
+        files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))
         if files:
             with open(files[-1]) as f:
                 return compiled, f.read()
