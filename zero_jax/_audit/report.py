@@ -543,7 +543,7 @@ class AuditReport:
             )
         lines.extend(self.wire_lines())
         lines.extend(self.comm_lines())
-        lines.extend(self.compiled.lines(self._post_kinds()) if self.compiled is not None else [])
+        lines.extend(self.compiled.lines(self.post_spmd_by_kind()) if self.compiled is not None else [])
         lines.extend(self.layers.lines() if self.layers is not None else [])
         lines.extend(self.overlap.lines() if self.overlap is not None else [])
         if self.violations:
@@ -556,8 +556,9 @@ class AuditReport:
                          + f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
         return "\n".join(lines)
 
-    def _post_kinds(self) -> dict[str, tuple[float, tuple[str, ...]]]:
-        """Kind -> ring bytes and dtypes of the post-SPMD collectives."""
+    def post_spmd_by_kind(self) -> dict[str, tuple[float, tuple[str, ...]]]:
+        """Kind -> ring bytes per device per step and dtypes of the post-SPMD
+        collectives (what :attr:`compiled` is compared with)."""
         out: dict[str, tuple[float, tuple[str, ...]]] = {}
         for c in self.collectives:
             ring, dtypes = out.get(c.kind, (0.0, ()))
