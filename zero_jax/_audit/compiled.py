@@ -287,6 +287,13 @@ def _source(name: str, by_name: Mapping[str, Instruction]) -> Instruction | None
     return ins
 
 
+def _named(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> str:
+    """An instruction's op_name, or (a fusion that has none) the last one in its body: nearest its result."""
+    if ins.op_name or ins.op != "fusion":
+        return ins.op_name
+    return next((j.op_name for j in reversed(comps.get(_callee(ins) or "", [])) if j.op_name), "")
+
+
 def _fused(fusion: Instruction, comps: Mapping[str, list[Instruction]]) -> tuple[list[Instruction], dict[int, str]]:
     """A fusion's body and its parameters' names by number."""
     body = comps.get(_callee(fusion) or "", [])
@@ -390,9 +397,10 @@ def _collective(where: _Where, t: int, found: tuple[str, str, Instruction], comp
             result, index = (done or ins).name, i if len(members) > 1 else None
             writes = _writes_piece(source, math.prod(member[1]), n, where.by_name, comps)
             real, shape = _real_kind(member, n, _slices(result, where.users, comps, index), writes)
-        # A combined or decomposed all-reduce carries one member's op_name (or none): name it by its operand's maker.
-        borrowed = kind == "all-reduce" and (len(members) > 1 or real != kind)
-        mine = (source.op_name if source is not None else "") if borrowed else holder.op_name
+        # A combined all-reduce carries one member's op_name, a decomposed reduce-scatter none: name a member by
+        # the op that made its operand.
+        borrowed = kind == "all-reduce" and (len(members) > 1 or real == "reduce-scatter")
+        mine = _named(source, comps) if borrowed and source is not None else holder.op_name
         out.append(CompiledCollective(
             real, kind, spelling, member[0], shape, nbytes, n, where.trips, ins.name, (done or ins).name, where.name,
             t, end, mine or holder.op_name, real != kind, max(steps, 0), compute, i,
