@@ -17,7 +17,22 @@ the audit reads them there:
   scan (``zj.scan_layers``) or repeated block of the parameter tree, the
   all-gathers and reduce-scatters per step, and the most whole layers alive
   at once in the compiled (scheduled) program; a stage-3 manual step holding
-  more than ``prefetch + 1`` fails the check.
+  more than ``prefetch + 1`` fails the check;
+* the backend's own program (``report.compiled``, ``report.overlap``): every
+  collective of the compiled program however the backend spells it
+  (:mod:`zero_jax._audit.compiled`: on TPU async continuation fusions, and
+  reduce-scatters decomposed into all-reduce + dynamic-slice, which move twice
+  the bytes), per kind beside the post-SPMD figure; and for each layer
+  gather and reduction whether compute is scheduled between its start and its
+  done (:func:`zero_jax._audit.schedule.layer_overlap`). Reported, not
+  judged: ``check()`` judges the step's own collectives.
+
+A step built on a TPU topology's devices
+(``jax.experimental.topologies.get_topology_desc("v5p:2x2x2",
+platform="tpu").devices`` in a ``Mesh``, abstract state from
+``zj.init_state`` on ``ShapeDtypeStruct``s) is compiled by libtpu without a
+TPU and audited the same way; ``compiler_options=`` passes libtpu's options
+(async all-gathers: see :func:`audit`).
 
 On a mesh with model axes (every axis that is neither the data nor the
 replica axis: tensor, sequence, expert parallelism; M the product of their

@@ -433,7 +433,8 @@ def _plain(ins: Instruction, spelling: str, colls: list[CompiledCollective]) -> 
     for c in colls:
         groups.setdefault((c.kind, c.op_name), []).append(c)
     out = []
-    for k, ((kind, op_name), members) in enumerate(groups.items()):
+    # The gathers keep the op's name: what reads the op reads them (a gathered layer is alive while it is read).
+    for k, ((kind, op_name), members) in enumerate(sorted(groups.items(), key=lambda g: g[0][0] != "all-gather")):
         arrays = tuple((c.dtype, c.shape, math.prod(c.shape) * _itemsize(c.dtype)) for c in members)
         out.append(dataclasses.replace(
             ins, name=ins.name if k == 0 else f"{ins.name}#{k}", op=kind if spelling == SYNC else f"{kind}-start",
