@@ -15,6 +15,10 @@ data-parallel step).
 * :func:`compile_with_hlo`: one compile that also returns the post-SPMD HLO.
 * :func:`layers_alive` / :func:`scheduled_computations`: the schedule of a
   compiled program.
+* :func:`read_compiled`: the compiled program's collectives however the
+  backend spells them (:class:`CompiledCollective`: TPU's async pairs and
+  continuation fusions, a reduce-scatter done as all-reduce + dynamic-slice),
+  each with the compute scheduled while it is in flight.
 
 >>> import jax, jax.numpy as jnp
 >>> from zero_jax import measure
@@ -24,6 +28,7 @@ data-parallel step).
 ['all-reduce']
 """
 
+from zero_jax._audit.compiled import CompiledCollective, read_compiled, scheduled_computations
 from zero_jax._audit.hlo import (
     FAST_COMPILE,
     Collective,
@@ -38,11 +43,12 @@ from zero_jax._audit.hlo import (
     summarize,
 )
 from zero_jax._audit.memory import memory, resident_bytes, resident_bytes_by_kind
-from zero_jax._audit.schedule import layers_alive, scheduled_computations
+from zero_jax._audit.schedule import layers_alive
 
 __all__ = [
     "FAST_COMPILE",
     "Collective",
+    "CompiledCollective",
     "collectives",
     "compile_with_hlo",
     "layers_alive",
@@ -50,6 +56,7 @@ __all__ = [
     "memory",
     "parse_collectives",
     "partitioned_hlo",
+    "read_compiled",
     "resident_bytes",
     "resident_bytes_by_kind",
     "ring_bytes",

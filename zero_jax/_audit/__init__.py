@@ -1,6 +1,9 @@
 """Reading a compiled step: what it holds (``memory``), what it sends
-(``hlo``: collectives after SPMD partitioning, loops and trip counts), its
-schedule (``schedule``: per-layer gathers and reductions, layers alive), the
-communication theory per leaf (``communication``, int8 wires included), the
-model-axis view (``model_axes``), the contract's violations (``violations``),
-the report (``report``) and ``zj.audit`` itself (``audit``)."""
+(``hlo``: collectives after SPMD partitioning, loops and trip counts), the
+compiled program as the backend runs it (``compiled``: each collective however
+the backend spells it, TPU's async and decomposed forms included), its
+schedule (``schedule``: per-layer gathers and reductions, layers alive,
+overlap with compute), the communication theory per leaf
+(``communication``, int8 wires included), the model-axis view
+(``model_axes``), the contract's violations (``violations``), the report
+(``report``) and ``zj.audit`` itself (``audit``)."""

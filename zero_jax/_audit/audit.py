@@ -17,7 +17,22 @@ the audit reads them there:
   scan (``zj.scan_layers``) or repeated block of the parameter tree, the
   all-gathers and reduce-scatters per step, and the most whole layers alive
   at once in the compiled (scheduled) program; a stage-3 manual step holding
-  more than ``prefetch + 1`` fails the check.
+  more than ``prefetch + 1`` fails the check;
+* the backend's own program (``report.compiled``, ``report.overlap``): every
+  collective of the compiled program however the backend spells it
+  (:mod:`zero_jax._audit.compiled`: on TPU async continuation fusions, and
+  reduce-scatters decomposed into all-reduce + dynamic-slice, which move twice
+  the bytes), per kind beside the post-SPMD figure; and for each layer
+  gather and reduction whether compute is scheduled between its start and its
+  done (:func:`zero_jax._audit.schedule.layer_overlap`). Reported, not
+  judged: ``check()`` judges the step's own collectives.
+
+A step built on a TPU topology's devices
+(``jax.experimental.topologies.get_topology_desc("v5p:2x2x2",
+platform="tpu").devices`` in a ``Mesh``, abstract state from
+``zj.init_state`` on ``ShapeDtypeStruct``s) is compiled by libtpu without a
+TPU and audited the same way; ``compiler_options=`` passes libtpu's options
+(async all-gathers: see :func:`audit`).
 
 On a mesh with model axes (every axis that is neither the data nor the
 replica axis: tensor, sequence, expert parallelism; M the product of their
@@ -68,11 +83,21 @@ import numpy as np
 
 from zero_jax._audit import hlo
 from zero_jax._audit.communication import comm_violation, communication, formula_inputs, wire_roles, wire_violations
+from zero_jax._audit.compiled import CompiledProgram, read_compiled
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.memory import memory as memory_figures
 from zero_jax._audit.model_axes import model_gather_violations, split_of
-from zero_jax._audit.report import CATEGORIES, FIELD_CATEGORY, AuditReport, LeafBytes, ParamInfo, Violation
-from zero_jax._audit.schedule import layer_schedule
+from zero_jax._audit.report import (
+    CATEGORIES,
+    FIELD_CATEGORY,
+    AuditReport,
+    CompiledComm,
+    CompiledKind,
+    LeafBytes,
+    ParamInfo,
+    Violation,
+)
+from zero_jax._audit.schedule import layer_overlap, layer_schedule
 from zero_jax._audit.violations import (
     accum_violations,
     all_reduce_violations,
@@ -288,6 +313,7 @@ def audit(
     accum_mode: str | None = None,
     accum_steps: int | None = None,
     reduce_dtype: Any = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> AuditReport:
     """Compile ``train_step(state, batch)`` and report what it holds and sends.
 
@@ -338,6 +364,11 @@ def audit(
         in other modes the theory counts one reduction per microbatch.
       reduce_dtype: the dtype gradients are reduced in (default: the
         policy's ``precision.reduce_dtype``).
+      compiler_options: passed to ``lowered.compile(...)`` (with
+        ``fast_compile``'s), e.g. libtpu's async all-gather options
+        ``{"xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
+        "xla_enable_async_all_gather": "true"}``: the audit then reads the
+        program those options make (``report.overlap``).
 
     Returns:
       An :class:`AuditReport`; ``report.check()`` raises on violations.
@@ -352,8 +383,9 @@ def audit(
     prefetch = _prefetch(prefetch)
 
     abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
-    options = dict(hlo.FAST_COMPILE) if fast_compile else {}
+    options = (dict(hlo.FAST_COMPILE) if fast_compile else {}) | dict(compiler_options or {})
     memory, colls, loops, scheduled = _program(train_step, state, batch, policy, options)
+    program = read_compiled(scheduled, policy.mesh.size)
     leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
     params = _param_infos(facts, state)
     phi = sum(math.prod(p.layout.shape) for p in params)
@@ -367,7 +399,7 @@ def audit(
     violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size, roles)
     violations += comm_violation(comm, policy.stage, tolerance)
     violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
-    layers = layer_schedule(scheduled, params, policy, prefetch)
+    layers = layer_schedule(program, params, policy, prefetch)
     # gather="all" and local accumulation (one gather per step) hold the whole model by design.
     layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
     violations += layer_violations(layers, policy, layerwise)
@@ -379,7 +411,33 @@ def audit(
         violations=tuple(violations), **_by_axes(colls, params, policy),
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
         abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
+        compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
     )  # fmt: skip
+
+
+def compiled_comm(
+    program: CompiledProgram, colls: tuple[Collective, ...], theory: float, policy: ZeroPolicy
+) -> CompiledComm:
+    """What the compiled program sends per kind (:class:`CompiledComm`),
+    beside the post-SPMD collectives ``colls`` and the theory."""
+    rows: dict[str, list[Any]] = {}
+    for c in program.collectives:
+        r = rows.setdefault(c.kind, [set(), 0, 0, 0.0, set(), 0, 0])
+        r[0].add((c.computation, c.name))
+        r[1] += c.trips
+        r[2] += c.bytes * c.trips
+        r[3] += c.total_ring_bytes
+        r[4].add(c.dtype)
+        r[5] += c.trips * c.is_async
+        r[6] += c.trips * c.decomposed
+    kinds = tuple(
+        CompiledKind(kind, len(r[0]), r[1], r[2], r[3], tuple(sorted(r[4])), r[5], r[6])
+        for kind, r in sorted(rows.items())
+    )
+    device = policy.mesh.devices.flat[0]
+    kind = getattr(device, "device_kind", "")
+    backend = device.platform + (f" ({kind})" if kind and kind.lower() != device.platform else "")
+    return CompiledComm(backend, kinds, hlo.ring_bytes(colls), theory)
 
 
 def _comm_formula(params: list[ParamInfo], policy: ZeroPolicy) -> float:

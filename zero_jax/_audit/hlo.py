@@ -123,7 +123,7 @@ def array_bytes(text: str) -> list[tuple[str, tuple[int, ...], int]]:
     return out
 
 
-def _replica_group(line: str, num_devices: int) -> tuple[int, tuple[int, ...]]:
+def replica_group(line: str, num_devices: int) -> tuple[int, tuple[int, ...]]:
     """The group size of a collective and its first replica group, from any
     HLO spelling: ``{{0,4},{1,5}}``, the iota form ``[G,S]<=[dims]T(perm)``,
     ``mesh['data'=4,'model'=2]{'data'}`` or ``source_target_pairs``."""
@@ -212,7 +212,7 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
         if not m:
             continue
         kind = m.group("kind")
-        n, group = _replica_group(line, num_devices)
+        n, group = replica_group(line, num_devices)
         op_name = OP_NAME.search(line)
         pairs = line.split("source_target_pairs=")[1].split("}}")[0] + "}" if "source_target_pairs=" in line else ""
         for dtype, shape, nbytes in array_bytes(m.group("type")):
@@ -282,7 +282,7 @@ def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = Non
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
         compiled = lowered.compile(compiler_options=options)
-        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*")))
+        files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))
         if files:
             with open(files[-1]) as f:
                 return compiled, f.read()

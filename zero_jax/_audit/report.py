@@ -208,6 +208,165 @@ class LayerSchedule:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompiledKind:
+    """One collective kind in the compiled program (what the backend runs), per step.
+
+    Attributes:
+      kind: what the collectives do (a decomposed reduce-scatter counts as a
+        reduce-scatter).
+      ops: compiled instructions doing it (a combined op's members count once).
+      executions: members x trips, as the post-SPMD counts go.
+      bytes: the whole tensors moved (a gather's result, a reduce-scatter's
+        input), x trips.
+      ring_bytes: what one device sends, as a ring moves it (a collective done
+        as all-reduce: two passes of the whole tensor).
+      dtypes: the wire dtypes.
+      async_executions: executions with a start and a done (not synchronous).
+      decomposed: executions the backend does as all-reduce (a reduce-scatter
+        as all-reduce + dynamic-slice, a small all-gather as an all-reduce of
+        a zero-filled piece).
+    """
+
+    kind: str
+    ops: int
+    executions: int
+    bytes: int
+    ring_bytes: float
+    dtypes: tuple[str, ...]
+    async_executions: int
+    decomposed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledComm:
+    """What the compiled program sends per device per step, beside the
+    post-SPMD program the audit judges.
+
+    The step's own collectives are those right after SPMD partitioning (its
+    logical kinds and dtypes); the backend may then rewrite them. Measured on
+    libtpu 0.0.42.1: on v5p every reduce-scatter becomes an all-reduce of the
+    whole operand + a dynamic-slice (twice the ring bytes), on v5e those that
+    scatter a minor dimension; an f32 gather feeding a matmul is narrowed to
+    bf16. ``check()`` judges the post-SPMD program, so a correct step passes
+    whatever the backend does with it, and a wrong one (a gradient
+    all-reduced whole, a leaf left replicated) fails on every backend.
+
+    Attributes:
+      backend: the platform and device kind (``"tpu (TPU v5)"``, ``"cpu"``).
+      kinds: one :class:`CompiledKind` per kind.
+      post_spmd: ring bytes of the post-SPMD program (every collective).
+      theory: the stage's theory (``report.comm.theory``).
+    """
+
+    backend: str
+    kinds: tuple[CompiledKind, ...]
+    post_spmd: float
+    theory: float
+
+    @property
+    def ring_bytes(self) -> float:
+        return float(sum(k.ring_bytes for k in self.kinds))
+
+    def kind(self, name: str) -> CompiledKind | None:
+        return next((k for k in self.kinds if k.kind == name), None)
+
+    @property
+    def decomposed_reduce_scatters(self) -> tuple[int, int]:
+        """(done as all-reduce, all) reduce-scatter executions."""
+        rs = self.kind("reduce-scatter")
+        return (rs.decomposed, rs.executions) if rs is not None else (0, 0)
+
+    def lines(self, post_kinds: Mapping[str, tuple[float, tuple[str, ...]]] | None = None) -> list[str]:
+        """The report's text (``post_kinds``: kind -> post-SPMD ring bytes and dtypes, for the notes)."""
+        out = [f"compiled program ({self.backend}; what the backend runs, per device per step):"]
+        for k in self.kinds:
+            note = f"  ({k.decomposed} of {k.executions} done as all-reduce: 2 passes)" if k.decomposed else ""
+            out.append(
+                f"  {k.kind:<19}{'/'.join(k.dtypes):<9} {k.ops:>4} ops x{k.executions:<5} {fmt_bytes(k.bytes):>11}  "
+                f"ring {fmt_bytes(k.ring_bytes)}" + (f", {k.async_executions} async" if k.async_executions else "")
+                + note
+            )  # fmt: skip
+        done, total = self.decomposed_reduce_scatters
+        ratio = f" ({self.ring_bytes / self.theory:.4f}x theory)" if self.theory else ""
+        out.append(
+            f"  ring {fmt_bytes(self.ring_bytes)} compiled{ratio} against {fmt_bytes(self.post_spmd)} post-SPMD"
+            + (f"; reduce-scatters decomposed into all-reduce: {done} of {total}" if total else "")
+        )
+        for k in self.kinds:
+            post, dtypes = (post_kinds or {}).get(k.kind, (0.0, ()))
+            delta = k.ring_bytes - post
+            if post_kinds is not None and abs(delta) > 1e-3 * max(post, 1.0):
+                why = []
+                if k.decomposed:
+                    why.append(f"{k.decomposed} done as all-reduce")
+                if dtypes and tuple(dtypes) != k.dtypes:
+                    why.append(f"{'/'.join(dtypes)} -> {'/'.join(k.dtypes)} on the wire")
+                out.append(f"    {k.kind}: {'+' if delta > 0 else '-'}{fmt_bytes(abs(delta))} against post-SPMD"
+                           + (f" ({', '.join(why)})" if why else ""))  # fmt: skip
+        if done:
+            out.append("  check() judges the post-SPMD program (the step's own collectives), not the backend's rewrite")
+        return out
+
+
+class OverlapRow(NamedTuple):
+    """Collectives of one role in the compiled schedule (executions per step)."""
+
+    role: str  # "layer all-gather", "layer reduction" or "other"
+    ops: int
+    executions: int
+    async_executions: int
+    overlapped: int  # with compute between start and done (or fused into its continuation steps)
+
+    @property
+    def exposed(self) -> int:
+        return self.executions - self.overlapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """Overlap of communication with compute, read off the compiled schedule
+    (:func:`zero_jax._audit.schedule.layer_overlap`): a collective is
+    overlapped when compute is scheduled between its start and its done; a
+    synchronous one is exposed by definition (XLA:CPU runs every collective
+    so: its fraction is 0)."""
+
+    rows: tuple[OverlapRow, ...]
+
+    def row(self, role: str) -> OverlapRow | None:
+        return next((r for r in self.rows if r.role == role), None)
+
+    @property
+    def gather_fraction(self) -> float:
+        """Layer all-gather executions overlapped with compute / all of them (0 when none)."""
+        r = self.row("layer all-gather")
+        return r.overlapped / r.executions if r is not None and r.executions else 0.0
+
+    @property
+    def reduction_fraction(self) -> float:
+        r = self.row("layer reduction")
+        return r.overlapped / r.executions if r is not None and r.executions else 0.0
+
+    @property
+    def exposed(self) -> int:
+        """Collective executions per step with no compute in flight beside them."""
+        return sum(r.exposed for r in self.rows)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"overlap (compiled schedule): layer all-gathers {self.gather_fraction:.0%} overlapped with compute, "
+            f"layer reductions {self.reduction_fraction:.0%}; {self.exposed} collective execution(s) exposed per step",
+            f"  {'':<18}{'ops':>5}{'executions':>12}{'async':>7}{'overlapped':>12}{'exposed':>9}",
+        ]
+        out += [
+            f"  {r.role:<18}{r.ops:>5}{r.executions:>12}{r.async_executions:>7}{r.overlapped:>12}{r.exposed:>9}"
+            for r in self.rows
+        ]
+        if not any(r.async_executions for r in self.rows):
+            out.append("  every collective is synchronous in this program (no start/done pair): exposed by definition")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class AuditReport:
     """What a compiled step holds and sends, beside its stage's contract.
 
@@ -254,6 +413,11 @@ class AuditReport:
       wire: the policy's wire format (``policy.wire``: what qwZ / qgZ quantize).
       wire_roles: per collective (aligned with ``collectives``): ``"int8
         values"``, ``"float32 scales"`` (the scales beside them) or ``""``.
+      compiled: what the compiled program (the backend's, after its own
+        rewrites) sends per kind, beside the post-SPMD figure
+        (:class:`CompiledComm`).
+      overlap: layer gathers and reductions overlapped with compute in the
+        compiled schedule (:class:`Overlap`).
     """
 
     stage: int
@@ -284,6 +448,8 @@ class AuditReport:
     params_per_model_shard: float = 0.0
     wire: WireFormat = WireFormat()
     wire_roles: tuple[str, ...] = ()
+    compiled: CompiledComm | None = None
+    overlap: Overlap | None = None
 
     @property
     def ok(self) -> bool:
@@ -377,7 +543,9 @@ class AuditReport:
             )
         lines.extend(self.wire_lines())
         lines.extend(self.comm_lines())
+        lines.extend(self.compiled.lines(self.post_spmd_by_kind()) if self.compiled is not None else [])
         lines.extend(self.layers.lines() if self.layers is not None else [])
+        lines.extend(self.overlap.lines() if self.overlap is not None else [])
         if self.violations:
             lines.append(f"VIOLATIONS ({len(self.violations)}):")
             lines.extend(f"  - {v}" for v in self.violations)
@@ -387,6 +555,15 @@ class AuditReport:
                          + ("no collective asked to be int8 running wider, " if self.wire != WireFormat() else "")
                          + f"communication within {self.tolerance:.0%} of theory)")  # fmt: skip
         return "\n".join(lines)
+
+    def post_spmd_by_kind(self) -> dict[str, tuple[float, tuple[str, ...]]]:
+        """Kind -> ring bytes per device per step and dtypes of the post-SPMD
+        collectives (what :attr:`compiled` is compared with)."""
+        out: dict[str, tuple[float, tuple[str, ...]]] = {}
+        for c in self.collectives:
+            ring, dtypes = out.get(c.kind, (0.0, ()))
+            out[c.kind] = (ring + c.total_ring_bytes, tuple(sorted({*dtypes, c.dtype})))
+        return out
 
     def _per_shard(self) -> str:
         shard = self.params_per_model_shard

@@ -1,9 +1,24 @@
-"""TODO."""
+"""The per-layer schedule of a compiled step, read off the program the backend runs.
+
+* :func:`layer_schedule`: for each block (``zj.apply_layer(s)``, named
+  ``zj_block<i>_gather`` / ``zj_block<i>_reduce`` in the program), scan
+  (``zj.scan_layers``, recognised by its layer shapes) or repeated block of
+  the parameter tree: its all-gathers and gradient reductions per step, and
+  the most whole layers alive at once (:func:`layers_alive`).
+* :func:`layer_overlap`: for each layer gather and reduction, whether compute
+  is scheduled between its start and its done (``report.overlap``).
+
+Both read the compiled program through :func:`zero_jax._audit.compiled.read_compiled`,
+so every spelling a backend uses counts alike: TPU's continuation fusions and
+async pairs, a reduce-scatter the TPU backend decomposes into all-reduce +
+dynamic-slice (named by the block whose backward produced its operand:
+``zj_block<i>_compute``), a small gather done as all-reduce, and combined
+tuple all-reduces, member by member.
+"""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -12,16 +27,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from zero_jax._audit.communication import QUANTIZED_KINDS, is_float_dtype, wire_shape, wire_stored_by_shape
-from zero_jax._audit.hlo import COMPUTATION, OP_NAME, array_bytes, trip_counts
+from zero_jax._audit.compiled import CompiledCollective, CompiledProgram, Instruction, as_program
 from zero_jax._audit.model_axes import model_shard_layout
-from zero_jax._audit.report import BlockSchedule, LayerSchedule, ParamInfo
+from zero_jax._audit.report import BlockSchedule, LayerSchedule, Overlap, OverlapRow, ParamInfo
 from zero_jax._layout.leaf import LeafLayout, shard_shape
 from zero_jax._policy.policy import ZeroPolicy
-
-_SCHEDULED = re.compile(
-    r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
-)
-
 
 #: Ops whose result holds the same (gathered) data as their operand: a layer
 #: stays whole while any of them is alive.
@@ -29,51 +39,6 @@ _ALIASES = frozenset({
     "bitcast", "bitcast-convert", "copy", "copy-start", "copy-done", "reshape", "transpose", "convert", "slice",
     "tuple", "get-tuple-element", "all-gather-done", "optimization-barrier",
 })  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One instruction of a compiled (scheduled) HLO computation."""
-
-    name: str
-    op: str
-    arrays: tuple[tuple[str, tuple[int, ...], int], ...]  # (dtype, dims, bytes) of each result array
-    operands: tuple[str, ...]
-    op_name: str  # the JAX name stack (``jit(step)/.../zj_block3_gather/all_gather``)
-    attrs: str  # the rest of the line (``index=``, ``body=``, ``kind=``)
-    root: bool
-
-    @property
-    def elements(self) -> int:
-        return sum(math.prod(dims) for _, dims, _ in self.arrays)
-
-
-def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str, dict[str, int]]:
-    """Each computation's instructions in order (``is_scheduled=true``: the
-    order they run in), the entry computation's name, and how many times each
-    computation runs per step (loops' trip counts multiplied)."""
-    comps: dict[str, list[Instruction]] = {}
-    current, entry = None, ""
-    for line in hlo.splitlines():
-        m = COMPUTATION.match(line)
-        if m:
-            current = m.group(1)
-            comps[current] = []
-            entry = current if line.lstrip().startswith("ENTRY") else entry
-            continue
-        m = _SCHEDULED.match(line)
-        if m is None or current is None:
-            continue
-        rest = m.group("rest")
-        op_name = OP_NAME.search(rest)
-        args = rest.split(", metadata=")[0]
-        arrays = array_bytes(m.group("type"))
-        arrays = arrays[len(arrays) // 2 :] if m.group("op").endswith("-start") else arrays  # (operands, results)
-        comps[current].append(Instruction(
-            m.group("name"), m.group("op"), tuple(arrays),
-            tuple(re.findall(r"%([\w.\-]+)", args)), op_name.group(1) if op_name else "", args, bool(m.group("root")),
-        ))  # fmt: skip
-    return comps, entry, trip_counts(hlo)
 
 
 Classify = Any  # all-gather -> ("block", 3, "forward"), "elements" / a count (unnamed layer-shaped) or None
@@ -123,7 +88,7 @@ def _intervals(
     return span, size, root_slots
 
 
-def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
+def layers_alive(program: str | CompiledProgram, classify: Classify, layer_elements: int) -> Alive:
     """The largest number of whole layers alive at once in a scheduled
     (compiled) HLO module.
 
@@ -134,7 +99,9 @@ def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
     unnamed layer-shaped gathers (and, in a loop body, the gathered layers
     carried from the previous trip: a prefetch queue) count their elements /
     ``layer_elements``, rounded down. At a while loop the count is what stays
-    alive across the loop plus the most its body holds.
+    alive across the loop plus the most its body holds. ``program``: HLO text,
+    or the program :func:`zero_jax._audit.compiled.read_compiled` read (an
+    async gather is alive from its start).
 
     >>> lines = ["ENTRY %main (p: f32[2,8]) -> f32[2,8] {", "  %p = f32[2,8] parameter(0)",
     ...          "  %g0 = f32[8,8] all-gather(%p)", "  %g1 = f32[8,8] all-gather(%p)",
@@ -142,7 +109,8 @@ def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
     >>> layers_alive(chr(10).join(lines), lambda ins: "elements", 64)  # g0, g1 alive together from g1 to d0
     Alive(layers=2, where='main/g1')
     """
-    comps, entry, _ = scheduled_computations(hlo)
+    program = as_program(program)
+    comps, entry = program.computations, program.entry
     found = (re.search(r"body=%?([\w.\-]+)", i.attrs) for b in comps.values() for i in b if i.op == "while")
     bodies = {m.group(1) for m in found if m}
     memo: dict[str, Alive] = {}
@@ -173,7 +141,8 @@ def layers_alive(hlo: str, classify: Classify, layer_elements: int) -> Alive:
     return walk(entry)
 
 
-_BLOCK_SCOPE = re.compile(r"zj_block(\d+)_(gather|reduce)")
+_BLOCK_SCOPE = re.compile(r"zj_block(\d+)_(gather|reduce|compute)")
+_REDUCTIONS = ("reduce-scatter", "all-to-all")
 
 
 class _Group(NamedTuple):
@@ -249,19 +218,43 @@ def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
     return out
 
 
-def _scope(ins: Instruction) -> tuple[int, str] | None:
-    """(block index, "forward" | "backward" | "reduce") of a named collective, or None."""
-    found = list(_BLOCK_SCOPE.finditer(ins.op_name))
+def _scope(op: str, op_name: str) -> tuple[int, str] | None:
+    """(block index, "forward" | "backward" | "reduce") of a named collective
+    (``op``: its plain op), or None. A gradient reduction is named by its
+    block's reduce scope, or (a reduce-scatter the backend decomposed, which
+    keeps no name of its own) by the block whose backward made its operand."""
+    if op.removesuffix("-start") in _REDUCTIONS:
+        found = [m for m in _BLOCK_SCOPE.finditer(op_name) if m.group(2) in ("reduce", "compute")]
+        m = found[-1] if found else None
+        if m is not None and (m.group(2) == "reduce" or "transpose(" in op_name[: m.start()]):
+            return int(m.group(1)), "reduce"
+        return None
+    found = [m for m in _BLOCK_SCOPE.finditer(op_name) if m.group(2) != "compute"]
     if not found:
         return None
     m = found[-1]
     if m.group(2) == "reduce":
         return int(m.group(1)), "reduce"
-    return int(m.group(1)), "backward" if "transpose(" in ins.op_name[: m.start()] else "forward"
+    return int(m.group(1)), "backward" if "transpose(" in op_name[: m.start()] else "forward"
+
+
+def _squeezed(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """Leading size-1 dimensions dropped (the TPU program gathers one layer of
+    a scan as ``[1, d, f]``)."""
+    while len(dims) > 1 and dims[0] == 1:
+        dims = dims[1:]
+    return dims
+
+
+def _in(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
+    return dims in shapes or _squeezed(dims) in shapes
 
 
 def _count(
-    hlo: str, groups: list[_Group], policy: ZeroPolicy, stored: Mapping[tuple[int, ...], tuple[int, int]]
+    program: CompiledProgram,
+    groups: list[_Group],
+    policy: ZeroPolicy,
+    stored: Mapping[tuple[int, ...], tuple[int, int]],
 ) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
     """Per named block [weights, forward, backward, reduces, bytes, elements,
     weights, bytes] and per group [forward, backward, reduces]: all-gather /
@@ -270,7 +263,7 @@ def _count(
     int8 all-gather is a gather, an int8 all-to-all a reduction, its float32
     scales ride along uncounted, and its whole bytes are the leaf's
     (``stored``: int8 shape -> the dequantized stored elements and bytes)."""
-    comps, _, trips = scheduled_computations(hlo)
+    comps, trips = program.computations, program.trips
     heads = scale_heads(comps.values(), policy.wire.block)
     named: dict[int, list[int]] = {}
     unnamed = {g.name: [0, 0, 0] for g in groups}
@@ -279,11 +272,12 @@ def _count(
         for ins in instrs:
             arrays = [a for a in joined_arrays(ins) if not (is_float_dtype(a[0]) and a[1] in heads)]
             int8 = bool(arrays) and all(dt == "s8" for dt, _, _ in arrays)
-            if not arrays or ins.op not in ("all-gather", "all-gather-start", "reduce-scatter", "all-to-all"):
+            op = ins.op.removesuffix("-start")
+            if not arrays or op not in ("all-gather", "reduce-scatter", "all-to-all"):
                 continue
-            k, scope = trips.get(comp, 1), _scope(ins)
-            gather = ins.op.startswith("all-gather")
-            if (gather and not policy.partitions_params) or (ins.op == "all-to-all" and not int8):
+            k, scope = trips.get(comp, 1), _scope(op, ins.op_name)
+            gather = op == "all-gather"
+            if (gather and not policy.partitions_params) or (op == "all-to-all" and not int8):
                 continue  # stage 2: the update's all-gathers, not layers; a float all-to-all: the model's
             whole = [stored.get(d, (0, b))[1] if dt == "s8" else b * (1 if gather else policy.num_shards)
                      for dt, d, b in arrays]  # fmt: skip
@@ -299,22 +293,25 @@ def _count(
                     row[7] += sum(whole)
                 continue
             for dt, dims, _ in arrays:
-                g = next((g for g in groups if (dims in g.wire_counted if dt == "s8" else dims in g.counted and dims
-                          in (g.gathered if gather else g.pieces))), None)  # fmt: skip
+                g = next((g for g in groups if (_in(dims, g.wire_counted) if dt == "s8" else _in(dims, g.counted) and
+                          _in(dims, g.gathered if gather else g.pieces))), None)  # fmt: skip
                 if g is not None:
                     unnamed[g.name][(1 if "transpose(" in ins.op_name else 0) if gather else 2] += k
     return named, unnamed
 
 
-def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefetch: int) -> LayerSchedule | None:
+def layer_schedule(
+    program: str | CompiledProgram, params: list[ParamInfo], policy: ZeroPolicy, prefetch: int
+) -> LayerSchedule | None:
     """The per-layer schedule of a compiled (scheduled) stage-2/3 program, or
     None when it runs no blocks (see :class:`LayerSchedule`)."""
     if not policy.partitions_grads:
         return None
+    program = as_program(program, policy.mesh.size)
     stored = wire_stored_by_shape(params, policy)
     params = [p._replace(layout=model_shard_layout(p)) for p in params]  # with model axes: what one device gathers
-    groups, wire = _layer_groups(params, policy), policy.wire
-    named, unnamed = _count(hlo, groups, policy, stored)
+    groups = _layer_groups(params, policy)
+    named, unnamed = _count(program, groups, policy, stored)
     blocks = [
         BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
     ]
@@ -325,20 +322,76 @@ def layer_schedule(hlo: str, params: list[ParamInfo], policy: ZeroPolicy, prefet
         return None
     # On an int8 weight wire a layer is alive as its int8 gathers (then their dequantized copy), each
     # counting the stored elements it carries: what the same gather holds in float.
-    shapes = set().union(*((g.wire if wire.weights else g.gathered) for g in groups))
+    shapes = _layer_shapes(groups, policy)[0]
     elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
 
     def classify(ins: Instruction) -> Any:
         if not policy.partitions_params:
             return None
-        scope = _scope(ins)
+        scope = _scope(ins.op, ins.op_name)
         if scope is not None:
             return ("block", *scope)
         held = [stored.get(dims, (0,))[0] if dt == "s8" else math.prod(dims) for dt, dims, _ in ins.arrays]
-        return sum(held) if any(dims in shapes for _, dims, _ in ins.arrays) else None
+        return sum(held) if any(_in(dims, shapes) for _, dims, _ in ins.arrays) else None
 
-    alive = layers_alive(hlo, classify, elements)
+    alive = layers_alive(program, classify, elements)
     return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, True)
+
+
+def _layer_shapes(groups: list[_Group], policy: ZeroPolicy) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+    """The shapes a layer is gathered in (int8 ones on a quantized weight
+    wire) and its gradient pieces are reduced in."""
+    gathered = set().union(*((g.wire if policy.wire.weights else g.gathered) for g in groups))
+    pieces = set().union(*((g.wire if policy.wire.grads else g.pieces) for g in groups))
+    return gathered, pieces
+
+
+#: The rows of ``report.overlap``.
+LAYER_GATHER, LAYER_REDUCTION, OTHER = "layer all-gather", "layer reduction", "other"
+
+
+def layer_overlap(program: str | CompiledProgram, params: list[ParamInfo], policy: ZeroPolicy) -> Overlap:
+    """Overlap read off the compiled schedule: for each layer all-gather,
+    each layer gradient reduction and every other collective, whether compute
+    (:data:`zero_jax._audit.compiled.COMPUTE_OPS` not part of the collective)
+    is scheduled between its start and its done, or fused into its
+    continuation steps. A synchronous collective (no start / done) is exposed
+    by definition: XLA:CPU runs every collective so, and libtpu runs
+    all-gathers so unless asked for async ones. A layer collective is one
+    named by a block scope (``zj_block<i>_gather`` / ``_reduce``) or shaped
+    like a layer of a scan or repeated block; counts are executions per step.
+
+    >>> import jax
+    >>> from zero_jax._audit.compiled import read_compiled
+    >>> policy = ZeroPolicy(3, jax.make_mesh((8,), ("data",)))
+    >>> text = chr(10).join(["ENTRY %main (p: f32[8,256]) -> f32[64,256] {", "  %p = f32[8,256]{1,0} parameter(0)",
+    ...     '  ROOT %g = f32[64,256]{1,0} all-gather(%p), metadata={op_name="zj_block0_gather/ag"}', "}"])
+    >>> layer_overlap(read_compiled(text, 8), [], policy).rows[0]  # synchronous: exposed
+    OverlapRow(role='layer all-gather', ops=1, executions=1, async_executions=0, overlapped=0)
+    """
+    program = as_program(program, policy.mesh.size)
+    params = [p._replace(layout=model_shard_layout(p)) for p in params]
+    gathered, pieces = _layer_shapes(_layer_groups(params, policy), policy) if params else (set(), set())
+    rows: dict[str, list[Any]] = {role: [set(), 0, 0, 0] for role in (LAYER_GATHER, LAYER_REDUCTION, OTHER)}
+    for c in program.collectives:
+        row = rows[_role(c, policy, gathered, pieces)]
+        row[0].add((c.computation, c.name))
+        row[1] += c.trips
+        row[2] += c.trips * c.is_async
+        row[3] += c.trips * c.overlapped
+    return Overlap(tuple(OverlapRow(role, len(r[0]), *r[1:]) for role, r in rows.items() if r[1]))
+
+
+def _role(c: CompiledCollective, policy: ZeroPolicy, gathered: set[tuple[int, ...]],
+          pieces: set[tuple[int, ...]]) -> str:  # fmt: skip
+    """A compiled collective's row in :func:`layer_overlap`."""
+    scope = _scope(c.kind, c.op_name)
+    if c.kind == "all-gather" and policy.partitions_params:
+        named = scope is not None and scope[1] != "reduce"
+        return LAYER_GATHER if named or _in(c.shape, gathered) else OTHER
+    if c.kind in _REDUCTIONS and policy.partitions_grads and (c.kind != "all-to-all" or c.dtype == "s8"):
+        return LAYER_REDUCTION if scope is not None or _in(c.shape, pieces) else OTHER
+    return OTHER
 
 
 def joined_arrays(ins: Instruction) -> list[tuple[str, tuple[int, ...], int]]:

@@ -1,0 +1,436 @@
+"""zj.audit on TPU programs: the TPU compiler (libtpu) compiles here without a TPU.
+
+The fast tests read short HLO snippets copied from real compiled TPU programs
+(libtpu 0.0.42.1, v5p:2x2x2 / "TPU v5 lite:2x4"; backend_config, most
+synchronisation flags and tile layouts trimmed). The slow ones compile small
+layer-wise steps (dim 256, depth 2-3, 8 chips) for a TPU topology and audit
+them: each compile takes 5-40 s on 2 loaded cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# Two processes (the suite's xdist workers) may load libtpu at once; a deviceless compile needs no chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+
+import zero_jax as zj  # noqa: E402
+from zero_jax import measure  # noqa: E402
+from zero_jax._audit import compiled as _compiled  # noqa: E402
+from zero_jax._audit import report as _report  # noqa: E402
+from zero_jax._audit import schedule as _schedule  # noqa: E402
+
+DIM = 256
+#: libtpu's smallest option set that makes all-gathers async (research/tpu/FINDINGS.md, section 1).
+ASYNC_ALL_GATHER = {
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
+    "xla_enable_async_all_gather": "true",
+}
+GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true"
+
+
+def hlo(*lines: str) -> str:
+    return "\n".join(lines)
+
+
+# -- snippets of real compiled TPU programs ------------------------------------------------------------------
+
+# v5p, async all-gather options: one all-gather as continuation fusions (block 1's w1, gathered while block 0's
+# matmul runs in the step fusion). 22 u32 sync flags trimmed to 1.
+CONTINUATION = hlo(
+    "%fused_computation.147 (param_0.421: bf16[256,64]) -> (bf16[256,64], bf16[256,512], s32[2], u32[]) {",
+    "  %param_0.421 = bf16[256,64]{0,1:T(8,128)(2,1)} parameter(0)",
+    f"  %all-gather.65 = bf16[256,512]{{0,1:T(8,128)(2,1)}} all-gather(%param_0.421), channel_id=1, {GROUP}, "
+    'dimensions={1}, metadata={op_name="jit(_step)/shard_map/jvp(zj_block1_gather)/all_gather"}',
+    "  ROOT %custom-call.1 = (bf16[256,64]{0,1}, bf16[256,512]{0,1}, s32[2]{0}, u32[]{:S(2)}) "
+    "custom-call(%param_0.421, %all-gather.65)",
+    "}",
+    "%async_collective_fusion.89 (param_0.425: bf16[256,64], param_1.507: bf16[256,512], param_2.354: s32[2], "
+    "param_3.269: u32[], param_26.3: f32[2,256], param_25.2: bf16[512,256]) -> (f32[2,256], bf16[256,64], "
+    "bf16[256,512], s32[2], u32[]) {",
+    "  %param_0.425 = bf16[256,64]{0,1:T(8,128)(2,1)} parameter(0)",
+    f"  %all-gather.67 = bf16[256,512]{{0,1:T(8,128)(2,1)}} all-gather(%param_0.425), channel_id=1, {GROUP}, "
+    'dimensions={1}, metadata={op_name="jit(_step)/shard_map/jvp(zj_block1_gather)/all_gather"}',
+    "  %param_26.3 = f32[2,256]{1,0:T(2,128)S(1)} parameter(4)",
+    "  %param_25.2 = bf16[512,256]{1,0:T(8,128)(2,1)S(1)} parameter(5)",
+    "  %convolution.102 = f32[2,256]{1,0:T(2,128)} convolution(%param_26.3, %param_25.2), dim_labels=bf_io->bf",
+    "  ROOT %tuple.63 = (f32[2,256]{1,0}, bf16[256,64]{0,1}, bf16[256,512]{0,1}, s32[2]{0}, u32[]) "
+    "tuple(%convolution.102, %param_0.425, %all-gather.67)",
+    "}",
+    "%fused_computation.149 (param_0.427: bf16[256,64], param_1.509: bf16[256,512]) -> bf16[256,512] {",
+    "  %param_0.427 = bf16[256,64]{0,1:T(8,128)(2,1)} parameter(0)",
+    "  %param_1.509 = bf16[256,512]{0,1:T(8,128)(2,1)} parameter(1)",
+    f"  %all-gather.69 = bf16[256,512]{{0,1:T(8,128)(2,1)}} all-gather(%param_0.427), channel_id=1, {GROUP}, "
+    'dimensions={1}, metadata={op_name="jit(_step)/shard_map/jvp(zj_block1_gather)/all_gather"}',
+    "  ROOT %custom-call.3 = bf16[256,512]{0,1:T(8,128)(2,1)} custom-call(%param_0.427, %param_1.509, %all-gather.69)",
+    "}",
+    "ENTRY %main.33_spmd (param.9: bf16[256,64], param.26: f32[2,256], param.25: bf16[512,256]) -> f32[2,256] {",
+    "  %param.9 = bf16[256,64]{0,1:T(8,128)(2,1)} parameter(0)",
+    "  %param.26 = f32[2,256]{1,0:T(2,128)} parameter(1)",
+    "  %param.25 = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(2)",
+    "  %async-collective-start = (bf16[256,64]{0,1:T(8,128)(2,1)}, bf16[256,512]{0,1:T(8,128)(2,1)}, s32[2]{0:S(4)}, "
+    "u32[]{:S(2)}) fusion(%param.9), kind=kCustom, calls=%fused_computation.147",
+    "  %get-tuple-element.233 = u32[]{:S(2)} get-tuple-element(%async-collective-start), index=3",
+    "  %get-tuple-element.232 = s32[2]{0:S(4)} get-tuple-element(%async-collective-start), index=2",
+    "  %get-tuple-element.231 = bf16[256,512]{0,1:T(8,128)(2,1)} get-tuple-element(%async-collective-start), index=1",
+    "  %get-tuple-element.230 = bf16[256,64]{0,1:T(8,128)(2,1)} get-tuple-element(%async-collective-start), index=0",
+    "  %fusion.89 = (f32[2,256]{1,0:T(2,128)}, bf16[256,64]{0,1}, bf16[256,512]{0,1}, s32[2]{0}, u32[]{:S(2)}) "
+    "fusion(%get-tuple-element.230, %get-tuple-element.231, %get-tuple-element.232, %get-tuple-element.233, "
+    "%param.26, %param.25), kind=kOutput, calls=%async_collective_fusion.89, "
+    'metadata={op_name="jit(_step)/shard_map/jvp(zj_block0_compute)/dot_general"}',
+    "  %get-tuple-element.255 = f32[2,256]{1,0:T(2,128)} get-tuple-element(%fusion.89), index=0",
+    "  %get-tuple-element.256 = bf16[256,64]{0,1:T(8,128)(2,1)} get-tuple-element(%fusion.89), index=1",
+    "  %get-tuple-element.257 = bf16[256,512]{0,1:T(8,128)(2,1)} get-tuple-element(%fusion.89), index=2",
+    "  %async-collective-done = bf16[256,512]{0,1:T(8,128)(2,1)} fusion(%get-tuple-element.256, "
+    "%get-tuple-element.257), kind=kCustom, calls=%fused_computation.149, "
+    'metadata={op_name="jit(_step)/shard_map/jvp(zj_block1_gather)/all_gather"}',
+    "  ROOT %fusion.9 = f32[2,256]{1,0:T(2,128)} fusion(%get-tuple-element.255, %async-collective-done), "
+    'kind=kOutput, calls=%fused_computation.72, metadata={op_name="jit(_step)/shard_map/jvp(zj_block1_compute)/dot"}',
+    "}",
+)
+
+# v5p, default options: block 3's two weight gradients reduce-scattered as ONE combined all-reduce of the whole
+# gradients (pass reduce-scatter-decomposer, then the all-reduce combiner), each member read by a dynamic-slice
+# of 1/8 (w1 in its own fusion, w2 inside the Adam update's fusion). The all-reduce has no op_name.
+DECOMPOSED = hlo(
+    "%fused_computation.85 (param_0.213: f32[256,512], param_1.280: u32[]) -> f32[256,64] {",
+    "  %param_0.213 = f32[256,512]{1,0:T(8,128)} parameter(0)",
+    "  %constant.118 = u32[]{:T(128)} constant(0)",
+    "  %param_1.280 = u32[]{:T(128)S(6)} parameter(1)",
+    "  ROOT %dynamic-slice.35 = f32[256,64]{1,0:T(8,128)S(1)} dynamic-slice(%param_0.213, %constant.118, "
+    "%param_1.280), dynamic_slice_sizes={256,64}",
+    "}",
+    "%fused_computation.16 (param_0.32: f32[64,256], param_4.142: f32[512,256], param_5.125: u32[]) -> f32[64,256] {",
+    "  %param_0.32 = f32[64,256]{1,0:T(8,128)S(1)} parameter(0)",
+    "  %param_4.142 = f32[512,256]{1,0:T(8,128)} parameter(1)",
+    "  %param_5.125 = u32[]{:T(128)S(6)} parameter(2)",
+    "  %constant.137.clone.1 = u32[]{:T(128)} constant(0)",
+    "  %dynamic-slice.37.clone.1 = f32[64,256]{1,0:T(8,128)} dynamic-slice(%param_4.142, %param_5.125, "
+    "%constant.137.clone.1), dynamic_slice_sizes={64,256}",
+    "  ROOT %add.306 = f32[64,256]{1,0:T(8,128)S(1)} add(%param_0.32, %dynamic-slice.37.clone.1), "
+    'metadata={op_name="add"}',
+    "}",
+    "ENTRY %main.33_spmd (p.84: bf16[2,512], p.70: f32[2,256], p.27: f32[64,256], m.41: u32[]) -> f32[64,256] {",
+    "  %copy-done.84 = bf16[2,512]{1,0:T(2,128)(2,1)S(1)} parameter(0)",
+    "  %copy-done.70 = f32[2,256]{1,0:T(2,128)S(1)} parameter(1)",
+    "  %copy-done.27 = f32[64,256]{1,0:T(8,128)S(1)} parameter(2)",
+    "  %multiply.41 = u32[]{:T(128)S(6)} parameter(3)",
+    "  %fusion.34 = f32[512,256]{1,0:T(8,128)} fusion(%copy-done.84, %copy-done.70), kind=kOutput, "
+    'calls=%fused_computation.133, metadata={op_name="jit(_step)/shard_map/transpose(jvp(zj_block3_compute))'
+    '/transpose(jvp())/dot_general"}',
+    "  %copy-start.3 = (f32[512,256]{1,0:T(8,128)S(1)}, f32[512,256]{1,0:T(8,128)}, u32[]{:S(2)}) "
+    "copy-start(%fusion.34)",
+    "  %fusion.22 = f32[256,512]{1,0:T(8,128)} fusion(%copy-done.84, %copy-done.70), kind=kOutput, "
+    'calls=%fused_computation.120, metadata={op_name="jit(_step)/shard_map/transpose(jvp(zj_block3_compute))'
+    '/transpose(jvp())/dot_general"}',
+    "  %copy-done.3 = f32[512,256]{1,0:T(8,128)S(1)} copy-done(%copy-start.3)",
+    "  %all-reduce.12 = (f32[256,512]{1,0:T(8,128)}, f32[512,256]{1,0:T(8,128)}) all-reduce(%fusion.22, "
+    f"%copy-done.3), channel_id=2, {GROUP}, to_apply=%region_0.1.clone",
+    "  %get-tuple-element.109 = f32[512,256]{1,0:T(8,128)} get-tuple-element(%all-reduce.12), index=1",
+    "  %get-tuple-element.108 = f32[256,512]{1,0:T(8,128)} get-tuple-element(%all-reduce.12), index=0",
+    "  %constant_dynamic-slice_fusion.9 = f32[256,64]{1,0:T(8,128)S(1)} fusion(%get-tuple-element.108, "
+    "%multiply.41), kind=kLoop, calls=%fused_computation.85",
+    "  ROOT %multiply_add_fusion = f32[64,256]{1,0:T(8,128)S(1)} fusion(%copy-done.27, %get-tuple-element.109, "
+    '%multiply.41), kind=kLoop, calls=%fused_computation.16, metadata={op_name="jit(_step)/add"}',
+    "}",
+)
+
+# "TPU v5 lite:2x4": a reduce-scatter of the major dimension survives; the bias gradients (kept whole) and the
+# loss are all-reduced by one combined all-reduce whose op_name is one member's.
+KEPT = hlo(
+    "ENTRY %main.19_spmd (p.34: f32[512,256], p.163: f32[512], p.165: f32[512], p.285: f32[]) -> f32[64,256] {",
+    "  %fusion.34 = f32[512,256]{1,0:T(8,128)} parameter(0)",
+    "  %get-tuple-element.163 = f32[512]{0:T(512)} parameter(1)",
+    "  %get-tuple-element.165 = f32[512]{0:T(512)} parameter(2)",
+    "  %add.285 = f32[]{:T(128)} parameter(3)",
+    f"  %reduce_scatter.57 = f32[64,256]{{1,0:T(8,128)S(1)}} reduce-scatter(%fusion.34), channel_id=1, {GROUP}, "
+    "dimensions={0}, to_apply=%region_1.2, "
+    'metadata={op_name="jit(_step)/shard_map/transpose(jvp(zj_block1_compute))/zj_block1_reduce/reduce_scatter"}',
+    "  %all-reduce.4 = (f32[512]{0:T(512)S(1)}, f32[512]{0:T(512)S(1)}, f32[]{:T(128)}) "
+    f"all-reduce(%get-tuple-element.163, %get-tuple-element.165, %add.285), channel_id=3, {GROUP}, "
+    'to_apply=%region_7.8, metadata={op_name="jit(_step)/shard_map/psum_invariant"}',
+    "  ROOT %copy = f32[64,256]{1,0} copy(%reduce_scatter.57)",
+    "}",
+)
+
+# v5p scan_layers: the f32[512] bias layer (64 elements per device) gathered as an all-reduce of a zero-filled
+# buffer the device writes its piece into (op_name all_gather); then a scanned body of 3 trips (the loop
+# condition compares the counter with constant(3): no known_trip_count on TPU).
+SMALL_GATHER_AND_LOOP = hlo(
+    "%fused_computation.69 (param_0.182: f32[512], param_1.213: u32[], param_2.153: f32[64]) -> f32[512] {",
+    "  %param_0.182 = f32[512]{0:T(512)} parameter(0)",
+    "  %param_2.153 = f32[64]{0:T(128)} parameter(2)",
+    "  %bitcast.55 = f32[64]{0:T(128)} bitcast(%param_2.153)",
+    "  %param_1.213 = u32[]{:T(128)S(6)} parameter(1)",
+    "  ROOT %dynamic-update-slice.7 = f32[512]{0:T(512)} dynamic-update-slice(%param_0.182, %bitcast.55, %param_1.213)",
+    "}",
+    "%wide.region_0.1_spmd.sunk (wide.param.4: (s32[], bf16[1,512,64])) -> (s32[], bf16[1,512,64]) {",
+    "  %wide.param.4 = (s32[]{:T(128)}, bf16[1,512,64]{2,1,0}) parameter(0)",
+    "  %get-tuple-element.1 = s32[]{:T(128)} get-tuple-element(%wide.param.4), index=0",
+    "  %get-tuple-element.2 = bf16[1,512,64]{2,1,0} get-tuple-element(%wide.param.4), index=1",
+    "  %all-gather.17 = bf16[1,512,256]{2,1,0:T(8,128)(2,1)} all-gather(%get-tuple-element.2), channel_id=4, "
+    f"{GROUP}, dimensions={{2}}, "
+    'metadata={op_name="jit(_step)/shard_map/jvp()/while/body/closed_call/all_gather"}',
+    "  ROOT %tuple.77 = (s32[]{:T(128)}, bf16[1,512,64]{2,1,0}) tuple(%get-tuple-element.1, %get-tuple-element.2)",
+    "}",
+    "%wide.region_1.2_spmd (wide.param.1: (s32[], bf16[1,512,64])) -> pred[] {",
+    '  %constant.158.clone.1 = s32[]{:T(128)} constant(3), metadata={op_name="jit(_step)/shard_map"}',
+    "  %wide.param.1 = (s32[]{:T(128)}, bf16[1,512,64]{2,1,0}) parameter(0)",
+    "  %get-tuple-element.446 = s32[]{:T(128)} get-tuple-element(%wide.param.1), index=0",
+    "  ROOT %lt.76 = pred[]{:T(512)} compare(%get-tuple-element.446, %constant.158.clone.1), direction=LT",
+    "}",
+    "ENTRY %main.20_spmd (param.9: f32[64], b.29: f32[512], m.18: u32[], w: bf16[1,512,64]) -> f32[512] {",
+    "  %param.9 = f32[64]{0:T(128)} parameter(0)",
+    "  %broadcast.29.clone = f32[512]{0:T(512)} parameter(1)",
+    "  %multiply.18 = u32[]{:T(128)} parameter(2)",
+    "  %w = bf16[1,512,64]{2,1,0} parameter(3)",
+    "  %bitcast_dynamic-update-slice_fusion.4 = f32[512]{0:T(512)} fusion(%broadcast.29.clone, %multiply.18, "
+    "%param.9), kind=kLoop, calls=%fused_computation.69",
+    "  %all-reduce.2 = f32[512]{0:T(512)} all-reduce(%bitcast_dynamic-update-slice_fusion.4), channel_id=8, "
+    f'{GROUP}, to_apply=%add.2, metadata={{op_name="jit(_step)/shard_map/jvp()/all_gather"}}',
+    "  %constant.0 = s32[]{:T(128)} constant(0)",
+    "  %tuple.96 = (s32[]{:T(128)}, bf16[1,512,64]{2,1,0}) tuple(%constant.0, %w)",
+    "  %while.45 = (s32[]{:T(128)}, bf16[1,512,64]{2,1,0}) while(%tuple.96), condition=%wide.region_1.2_spmd, "
+    "body=%wide.region_0.1_spmd.sunk",
+    "  ROOT %copy.1 = f32[512]{0:T(512)} copy(%all-reduce.2)",
+    "}",
+)
+
+# v5p: ppermute is async by default: a collective-permute-start / -done pair, here with a matmul fusion between.
+PERMUTE = hlo(
+    "ENTRY %main (p: f32[1024,1024], q: f32[8,1024]) -> f32[1024,1024] {",
+    "  %p = f32[1024,1024]{1,0:T(8,128)} parameter(0)",
+    "  %q = f32[8,1024]{1,0:T(8,128)} parameter(1)",
+    "  %collective-permute-start = (f32[1024,1024]{1,0:T(8,128)S(1)}, f32[1024,1024]{1,0:T(8,128)}, u32[]{:S(2)}, "
+    "u32[]{:S(2)}) collective-permute-start(%p), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},"
+    "{5,6},{6,7},{7,0}}",
+    "  %fusion.1 = f32[8,1024]{1,0:T(8,128)} fusion(%q, %p), kind=kOutput, calls=%fused_matmul",
+    "  ROOT %collective-permute-done = f32[1024,1024]{1,0:T(8,128)} collective-permute-done(%collective-permute-start)",
+    "}",
+)
+
+
+def test_a_continuation_fusion_is_one_async_all_gather_with_compute_in_its_steps() -> None:
+    (c,) = measure.read_compiled(CONTINUATION, 8).collectives
+    assert (c.kind, c.op, c.spelling) == ("all-gather", "all-gather", _compiled.CONTINUATION)
+    assert (c.name, c.done) == ("async-collective-start", "async-collective-done")
+    assert (c.dtype, c.shape, c.bytes, c.group_size) == ("bf16", (256, 512), 256 * 512 * 2, 8)
+    assert c.ring_bytes == 7 / 8 * 256 * 512 * 2
+    assert (c.steps, c.compute, c.overlapped) == (1, 0, True)  # the matmul runs inside the continuation step
+    assert "zj_block1_gather" in c.op_name  # from the clone: the start fusion has no op_name
+    # The schedule reads it in XLA:CPU's spelling: a gathered layer alive from the start to its use.
+    program = measure.read_compiled(CONTINUATION, 8)
+    ops = [ins.op for ins in program.computations["main.33_spmd"]]
+    assert ops.count("all-gather-start") == 1 and ops.count("all-gather-done") == 1
+    assert list(program.computations) == ["main.33_spmd"]  # fusion bodies are not scheduled code
+    alive = measure.layers_alive(program, lambda ins: "elements", 256 * 512)
+    assert alive == (1, "main.33_spmd/async-collective-start")
+
+
+def test_a_decomposed_reduce_scatter_is_read_member_by_member_and_costs_two_passes() -> None:
+    colls = measure.read_compiled(DECOMPOSED, 8).collectives
+    assert [(c.kind, c.op, c.decomposed, c.shape, c.member) for c in colls] == [
+        ("reduce-scatter", "all-reduce", True, (256, 64), 0),  # read by its own dynamic-slice fusion
+        ("reduce-scatter", "all-reduce", True, (64, 256), 1),  # read inside the Adam update's fusion
+    ]
+    whole = 256 * 512 * 4
+    assert all(c.bytes == whole and c.ring_bytes == 2 * 7 / 8 * whole for c in colls)  # 2x a reduce-scatter
+    assert all("zj_block3_compute" in c.op_name for c in colls)  # named by the backward that made each operand
+    assert _compiled.ops(colls) == 1
+    # The layer schedule names them by that block: a reduction of block 3.
+    assert {_schedule._scope(c.kind, c.op_name) for c in colls} == {(3, "reduce")}
+    plain = measure.read_compiled(DECOMPOSED, 8).computations["main.33_spmd"]
+    (rs,) = [ins for ins in plain if ins.op == "reduce-scatter"]
+    assert [dims for _, dims, _ in rs.arrays] == [(256, 64), (64, 256)]
+
+
+def test_a_kept_reduce_scatter_and_a_combined_all_reduce_of_whole_leaves() -> None:
+    colls = measure.read_compiled(KEPT, 8).collectives
+    assert [(c.kind, c.op, c.decomposed, c.shape) for c in colls] == [
+        ("reduce-scatter", "reduce-scatter", False, (64, 256)),
+        ("all-reduce", "all-reduce", False, (512,)),
+        ("all-reduce", "all-reduce", False, (512,)),
+        ("all-reduce", "all-reduce", False, ()),
+    ]
+    rs = colls[0]
+    assert rs.bytes == 512 * 256 * 4 and rs.ring_bytes == 7 / 8 * 512 * 256 * 4  # one pass: the input's 7/8
+    assert "zj_block1_reduce" in rs.op_name
+
+
+def test_a_small_gather_done_as_all_reduce_and_trip_counts_off_the_loop_condition() -> None:
+    program = measure.read_compiled(SMALL_GATHER_AND_LOOP, 8)
+    small, scanned = program.collectives
+    assert (small.kind, small.op, small.decomposed, small.shape) == ("all-gather", "all-reduce", True, (512,))
+    assert small.ring_bytes == 2 * 7 / 8 * 512 * 4 and small.trips == 1
+    assert (scanned.kind, scanned.computation, scanned.trips) == ("all-gather", "wide.region_0.1_spmd.sunk", 3)
+    assert sorted(program.computations) == ["main.20_spmd", "wide.region_0.1_spmd.sunk", "wide.region_1.2_spmd"]
+
+
+def test_a_start_done_pair_with_compute_between_is_overlapped() -> None:
+    (c,) = measure.read_compiled(PERMUTE, 8).collectives
+    assert (c.kind, c.spelling, c.done, c.compute, c.overlapped) == (
+        "collective-permute",
+        _compiled.START_DONE,
+        "collective-permute-done",
+        1,
+        True,
+    )
+    assert (c.shape, c.bytes, c.ring_bytes) == ((1024, 1024), 4 * 2**20, 4.0 * 2**20)
+
+
+def test_overlap_counts_layer_gathers_exposed_when_synchronous_and_overlapped_when_async() -> None:
+    policy = zj.ZeroPolicy(3, jax.make_mesh((8,), ("data",)))
+    overlapped = _schedule.layer_overlap(measure.read_compiled(CONTINUATION, 8), [], policy)
+    assert overlapped.rows == (_report.OverlapRow(_schedule.LAYER_GATHER, 1, 1, 1, 1),)
+    assert (overlapped.gather_fraction, overlapped.exposed) == (1.0, 0)
+    exposed = _schedule.layer_overlap(measure.read_compiled(KEPT, 8), [], policy)
+    row = _report.OverlapRow
+    assert exposed.rows == (row(_schedule.LAYER_REDUCTION, 1, 1, 0, 0), row(_schedule.OTHER, 1, 3, 0, 0))
+    assert (exposed.gather_fraction, exposed.exposed) == (0.0, 4)
+    assert "every collective is synchronous" in "\n".join(exposed.lines())
+
+
+# -- TPU compiles -----------------------------------------------------------------------------------------------
+
+
+def block(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
+
+
+def _leaf_shapes() -> dict[str, tuple[int, ...]]:
+    return {"w1": (DIM, 2 * DIM), "b": (2 * DIM,), "w2": (2 * DIM, DIM)}
+
+
+def topology_mesh(name: str) -> jax.sharding.Mesh:
+    devices = np.array(topologies.get_topology_desc(name, platform="tpu").devices)
+    return jax.sharding.Mesh(devices.reshape(-1), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def build(mesh: jax.sharding.Mesh, stage: int, depth: int, scan: bool = False) -> tuple:
+    """A layer-wise step of ``depth`` blocks (prefetch 1) on abstract inputs: nothing is allocated."""
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    if scan:
+        policy = zj.ZeroPolicy(stage, mesh, stacked="layers")
+        params = {"layers": {k: f32((depth, *s)) for k, s in _leaf_shapes().items()}}
+        loss = lambda p, b: jnp.mean(zj.scan_layers(block, p["layers"], b["x"], policy, prefetch=1) ** 2)  # noqa: E731
+    else:
+        policy = zj.ZeroPolicy(stage, mesh)
+        params = {"blocks": [{k: f32(s) for k, s in _leaf_shapes().items()} for _ in range(depth)]}
+        loss = lambda p, b: jnp.mean(zj.apply_layers(block, p["blocks"], b["x"], policy, prefetch=1) ** 2)  # noqa: E731
+    tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+    step = zj.make_train_step(loss, tx, policy, gather="manual")
+    batch = {"x": jax.ShapeDtypeStruct((16, DIM), jnp.float32, sharding=policy.batch_sharding())}
+    return step, zj.init_state(params, tx, policy), batch, policy
+
+
+@functools.cache
+def audited(case: str) -> zj.AuditReport:
+    """One audit per case, compiled once for the whole file."""
+    topology, stage, depth, scan, options, grads = {
+        "v5p stage 3": ("v5p:2x2x2", 3, 2, False, None, None),  # grads measured too: a second TPU compile
+        "v5p stage 3 async": ("v5p:2x2x2", 3, 2, False, ASYNC_ALL_GATHER, False),
+        "v5p stage 1": ("v5p:2x2x2", 1, 2, False, None, False),
+        "v5p stage 3 scan": ("v5p:2x2x2", 3, 3, True, None, False),
+        "v5e stage 3": ("TPU v5 lite:2x4", 3, 2, False, None, False),
+        "cpu stage 3": ("cpu", 3, 2, False, None, False),
+    }[case]
+    mesh = zj_cpu_mesh() if topology == "cpu" else topology_mesh(topology)
+    step, state, batch, _ = build(mesh, stage, depth, scan)
+    return zj.audit(step, state, batch, grads=grads, compiler_options=options)
+
+
+def zj_cpu_mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+WEIGHT = DIM * 2 * DIM  # elements of w1 (and of w2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["v5p stage 3", "v5p stage 1", "v5p stage 3 scan", "v5e stage 3"])
+def test_the_audit_runs_on_a_tpu_step_and_passes_a_correct_one(case: str) -> None:
+    report = audited(case).check()
+    assert report.compiled.backend == ("tpu (TPU v5 lite)" if case.startswith("v5e") else "tpu (TPU v5)")
+    assert report.comm.ratio == pytest.approx(1.0, abs=1e-3)  # the post-SPMD program: the step's own collectives
+    assert report.state_bytes["optimizer"] == pytest.approx(report.formula["optimizer"], rel=0.02)
+    if case == "v5p stage 3":
+        assert report.state_bytes["grads"] == pytest.approx(report.formula["grads"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_v5p_reduce_scatters_are_all_reduces_of_the_whole_gradient_and_its_gathers_bf16() -> None:
+    report = audited("v5p stage 3")
+    rs, ag = report.compiled.kind("reduce-scatter"), report.compiled.kind("all-gather")
+    assert report.compiled.decomposed_reduce_scatters == (4, 4)  # 2 blocks x (w1, w2)
+    assert (rs.ops, rs.executions, rs.bytes) == (2, 4, 4 * WEIGHT * 4)  # one combined all-reduce per block
+    post = report.post_spmd_by_kind()
+    assert rs.ring_bytes == pytest.approx(2 * post["reduce-scatter"][0])  # two passes instead of one
+    assert (ag.ops, ag.executions, ag.dtypes, ag.async_executions) == (8, 8, ("bf16",), 0)
+    assert ag.ring_bytes == pytest.approx(post["all-gather"][0] / 2)  # f32 gathered as bf16 before the matmul
+    text = str(report)
+    assert "reduce-scatters decomposed into all-reduce: 4 of 4" in text
+    assert "check() judges the post-SPMD program" in text
+
+
+@pytest.mark.slow
+def test_v5e_keeps_the_reduce_scatter_of_a_major_dimension() -> None:
+    rs = audited("v5e stage 3").compiled.kind("reduce-scatter")
+    assert (rs.executions, rs.decomposed, rs.ops) == (4, 2, 4)  # w2 (512, 256) kept; w1 (256, 512) decomposed
+    assert rs.ring_bytes == pytest.approx(2 * 7 / 8 * WEIGHT * 4 * 2 + 7 / 8 * WEIGHT * 4 * 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["v5p stage 3", "v5p stage 3 scan", "v5e stage 3", "cpu stage 3"])
+def test_the_layer_schedule_on_tpu_gathers_each_weight_twice_and_reduces_it_once(case: str) -> None:
+    layers = audited(case).layers
+    weights = 3 if "scan" in case else 2  # b is cut too when stacked (3 x 512), kept whole otherwise (512)
+    assert [(b.layers, b.weights, b.gathers_per_weight, b.reduces_per_weight) for b in layers.blocks] == (
+        [(3, weights, 2.0, 1.0)] if "scan" in case else [(1, weights, 2.0, 1.0)] * 2
+    )
+    # The TPU scheduler sinks a scan's prefetch gathers below the layer's compute: one layer whole at a time.
+    assert layers.max_alive == (1 if "scan" in case else 2) <= layers.prefetch + 1
+
+
+@pytest.mark.slow
+def test_overlap_is_zero_by_default_and_positive_with_async_all_gathers() -> None:
+    default, asynchronous = audited("v5p stage 3").overlap, audited("v5p stage 3 async").overlap
+    assert default.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 0, 0)
+    assert (default.gather_fraction, default.exposed) == (0.0, 16)
+    assert asynchronous.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 4, 4)
+    assert asynchronous.gather_fraction == 0.5 and asynchronous.exposed == 12
+    assert asynchronous.row(_schedule.LAYER_REDUCTION).overlapped == 0  # all-reduces stay synchronous
+    assert "layer all-gathers 50% overlapped" in str(audited("v5p stage 3 async"))
+    # v5e makes some all-gathers async without being asked.
+    assert audited("v5e stage 3").overlap.gather_fraction == 0.25
+
+
+@pytest.mark.slow
+def test_overlap_is_zero_on_cpu_where_every_collective_is_synchronous() -> None:
+    report = audited("cpu stage 3")
+    assert report.overlap.gather_fraction == 0.0
+    assert all(r.async_executions == 0 for r in report.overlap.rows)
+    assert report.compiled.backend == "cpu" and report.compiled.decomposed_reduce_scatters == (0, 4)
+    assert "every collective is synchronous" in str(report)
+
+
+@pytest.mark.slow
+def test_a_wrong_step_still_fails_on_tpu() -> None:
+    step, state, batch, policy = build(topology_mesh("v5p:2x2x2"), 0, 2)  # data parallel, judged as ZeRO-1
+    report = zj.audit(step, state, batch, grads=False, policy=zj.ZeroPolicy(1, policy.mesh))
+    kinds = {v.kind for v in report.violations}
+    assert kinds == {_report.GRADIENT_ALL_REDUCE, _report.REPLICATED_LEAF}
+    assert sum(v.kind == _report.GRADIENT_ALL_REDUCE for v in report.violations) == 4  # w1, w2 of 2 blocks
+    assert report.compiled.kind("all-reduce").ring_bytes == pytest.approx(
+        sum(c.total_ring_bytes for c in report.collectives)
+    )
+    assert report.compiled.decomposed_reduce_scatters == (0, 0)  # stage 0 reduce-scatters nothing
+    with pytest.raises(zj.AuditError):
+        report.check()
