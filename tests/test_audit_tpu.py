@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from unittest import mock
 
 # Two processes (the suite's xdist workers) may load libtpu at once; a deviceless compile needs no chip.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -27,6 +28,7 @@ from zero_jax import measure  # noqa: E402
 from zero_jax._audit import compiled as _compiled  # noqa: E402
 from zero_jax._audit import report as _report  # noqa: E402
 from zero_jax._audit import schedule as _schedule  # noqa: E402
+from zero_jax._layerwise import schedule as zj_schedule  # noqa: E402
 
 DIM = 256
 #: libtpu's smallest option set that makes all-gathers async (research/tpu/FINDINGS.md, section 1).
@@ -333,7 +335,12 @@ def build(mesh: jax.sharding.Mesh, stage: int, depth: int, scan: bool = False) -
 
 @functools.cache
 def audited(case: str) -> zj.AuditReport:
-    """One audit per case, compiled once for the whole file."""
+    """One audit per case, compiled once for the whole file. A zero_jax step on TPU compiles with the
+    schedule's options (libtpu's async all-gather); "libtpu defaults" builds it without them."""
+    if case.endswith("libtpu defaults"):
+        without = {"tpu": zj_schedule.MEASURED["tpu"]._replace(compiler_options=())}
+        with mock.patch.dict(zj_schedule.MEASURED, without):
+            return audited.__wrapped__(case.removesuffix(" libtpu defaults"))
     topology, stage, depth, scan, options, grads = {
         "v5p stage 3": ("v5p:2x2x2", 3, 2, False, None, None),  # grads measured too: a second TPU compile
         "v5p stage 3 async": ("v5p:2x2x2", 3, 2, False, ASYNC_ALL_GATHER, False),
@@ -367,7 +374,7 @@ def test_the_audit_runs_on_a_tpu_step_and_passes_a_correct_one(case: str) -> Non
 
 @pytest.mark.slow
 def test_v5p_reduce_scatters_are_all_reduces_of_the_whole_gradient_and_its_gathers_bf16() -> None:
-    report = audited("v5p stage 3")
+    report = audited("v5p stage 3 libtpu defaults")
     rs, ag = report.compiled.kind("reduce-scatter"), report.compiled.kind("all-gather")
     assert report.compiled.decomposed_reduce_scatters == (4, 4)  # 2 blocks x (w1, w2)
     assert (rs.ops, rs.executions, rs.bytes) == (2, 4, 4 * WEIGHT * 4)  # one combined all-reduce per block
@@ -401,15 +408,17 @@ def test_the_layer_schedule_on_tpu_gathers_each_weight_twice_and_reduces_it_once
 
 @pytest.mark.slow
 def test_overlap_is_zero_by_default_and_positive_with_async_all_gathers() -> None:
-    default, asynchronous = audited("v5p stage 3").overlap, audited("v5p stage 3 async").overlap
+    default, asynchronous = audited("v5p stage 3 libtpu defaults").overlap, audited("v5p stage 3 async").overlap
     assert default.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 0, 0)
     assert (default.gather_fraction, default.exposed) == (0.0, 16)
     assert asynchronous.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 4, 4)
     assert asynchronous.gather_fraction == 0.5 and asynchronous.exposed == 12
     assert asynchronous.row(_schedule.LAYER_REDUCTION).overlapped == 0  # all-reduces stay synchronous
     assert "layer all-gathers 50% overlapped" in str(audited("v5p stage 3 async"))
+    # A zero_jax step on TPU compiles with the async options itself (the schedule seam).
+    assert audited("v5p stage 3").overlap.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 4, 4)
     # v5e makes some all-gathers async without being asked.
-    assert audited("v5e stage 3").overlap.gather_fraction == 0.25
+    assert audited("v5e stage 3 libtpu defaults").overlap.gather_fraction == 0.25
 
 
 @pytest.mark.slow

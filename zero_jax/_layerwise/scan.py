@@ -120,11 +120,12 @@ def scan_layers(
         backward re-gather happens); ``remat=False`` is for stages 0–1.
       prefetch: how many layers ahead to issue the all-gather (stage 3), so
         it can overlap the current layer's compute; each costs at most one
-        more whole layer of memory (prefetch=1: 0.38 of a layer of compiled
-        peak measured on the reference model at depths 4 to 16, the backward
-        pass re-gathering leaf by leaf, see ``paired_anchors``). 0 gathers
-        each layer only when it is needed. Lowered to
-        ``depth - 2`` where needed so each loop runs at least twice.
+        more whole layer of memory (``benchmarks/results/layerwise.txt``). 0
+        gathers each layer only when it is needed. Lowered to ``depth - 2``
+        where needed so each loop runs at least twice. On a backend whose
+        compiler overlaps a gather only with its own consumers (the TPU
+        compiler: see ``zero_jax._layerwise.schedule``) the layers are
+        gathered in place whatever ``prefetch`` says.
     """
     policy = active_policy(policy, "zj.scan_layers")
     depth = _depth(stacked_params)
@@ -153,7 +154,8 @@ def scan_layers(
     # would only copy whole layers into the loop state). In stage 3 each loop
     # keeps at least two trips: XLA inlines a one-trip loop and then merges the
     # backward re-gathers into the forward gathers, keeping every layer alive.
-    ahead = min(prefetch, max(depth - 2, 0)) if policy.partitions_params else 0
+    carried = policy.partitions_params and schedule_for(policy).prefetch_across_trips
+    ahead = min(prefetch, max(depth - 2, 0)) if carried else 0
     return _zero_scan(layer_fn, treedef, nodes, carry, policy, ahead, depth)
 
 

@@ -43,11 +43,29 @@ from here.
     pass. The cut is made by a reduce-scatter of the bits instead
     (:func:`slice_unfusable`), which no consumer can absorb.
 
-Each was measured on XLA:CPU with the reference transformer at depths 4 to
-16: ``benchmarks/unscanned.py`` (apply_layers) and ``benchmarks/layerwise.py``
-(scan_layers) re-measure compiled peak, gathers and layers alive with
-prefetch 0 and 1 (``benchmarks/results/unscanned.txt``, ``layerwise.txt``).
-Backends that were not measured take XLA:CPU's schedule.
+``prefetch_across_trips``
+    ``scan_layers`` issues the gather of layer i + prefetch in loop trip i and
+    carries it to the next trip. On the TPU compiler that buys nothing: it
+    overlaps a gather only with the matmuls that consume it (continuation
+    fusion), sinks the carried gathers to the end of the trip, and the queue
+    costs a layer of HBM; gathered in place, half the layer gathers overlap.
+    Off there (``apply_layer(s)``, unrolled, keeps its prefetch: its consumers
+    are visible).
+``compiler_options``
+    Options the step compiles with: on TPU, libtpu's async all-gather
+    (:data:`TPU_ASYNC_ALL_GATHER`); with libtpu's defaults every gather is
+    synchronous and nothing overlaps.
+
+Each was measured on XLA:CPU (jax 0.10.2, 8 simulated devices) with the
+reference transformer at depths 4 to 16: ``benchmarks/unscanned.py``
+(apply_layers) and ``benchmarks/layerwise.py`` (scan_layers) re-measure
+compiled peak, gathers and layers alive with prefetch 0 and 1
+(``benchmarks/results/unscanned.txt``, ``layerwise.txt``); and on the TPU
+compiler (libtpu 0.0.42.1, deviceless v5p and v5e slices), where the ties and
+the leaf-by-leaf prefetch are needed as on XLA:CPU (untied, it merges the
+re-gathers and hoists the gathers alike): ``benchmarks/tpu_aot.py``
+(``benchmarks/results/tpu_aot.txt``). Backends that were not measured take
+XLA:CPU's schedule.
 """
 
 from __future__ import annotations
@@ -75,6 +93,7 @@ class Schedule(NamedTuple):
     tie_backward_order: bool = True
     leafwise_prefetch: bool = True
     unfusable_cut: bool = True
+    prefetch_across_trips: bool = True
     #: Options a zero_jax step compiles with on this backend (``make_train_step`` passes them to ``jax.jit``).
     compiler_options: tuple[tuple[str, str], ...] = ()
 
@@ -101,8 +120,21 @@ class Schedule(NamedTuple):
         return paired_anchors(needed, sizes, produced, grads, freed, layouts, start, fallback)
 
 
+#: libtpu's continuation fusion for all-gathers (async gathers overlapped with the matmuls that
+#: consume them); off by default in libtpu 0.0.42.1, where every gather is synchronous.
+TPU_ASYNC_ALL_GATHER = (
+    ("xla_tpu_enable_async_collective_fusion", "true"),
+    ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "true"),
+    ("xla_tpu_enable_async_collective_fusion_multiple_steps", "true"),
+    ("xla_tpu_overlap_compute_collective_tc", "true"),
+    ("xla_enable_async_all_gather", "true"),
+)
+
 #: The schedule of each backend that was measured (see the module docstring).
-MEASURED: dict[str, Schedule] = {"cpu": Schedule("cpu")}
+MEASURED: dict[str, Schedule] = {
+    "cpu": Schedule("cpu"),
+    "tpu": Schedule("tpu", prefetch_across_trips=False, compiler_options=TPU_ASYNC_ALL_GATHER),
+}
 
 
 def schedule_for(policy: Any) -> Schedule:

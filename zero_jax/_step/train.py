@@ -128,6 +128,7 @@ class TrainStep:
         clip_norm: float | None,
         donate: bool,
         stateful: bool = False,
+        compiler_options: dict[str, Any] | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.stateful = stateful
@@ -138,14 +139,14 @@ class TrainStep:
         self.accum_mode = accum_mode
         self.clip_norm = clip_norm
         batch_sharding = policy.batch_sharding()
-        #: The backend's compiler options for layer-wise steps (the schedule seam); none on XLA:CPU.
-        self.compiler_options = dict(schedule_for(policy).compiler_options) or None
+        #: What the step compiles with: the backend's options (the schedule seam; none on XLA:CPU), then the caller's.
+        self.compiler_options = {**dict(schedule_for(policy).compiler_options), **(compiler_options or {})} or None
         self.jitted = jax.jit(self._step, in_shardings=(None, batch_sharding), donate_argnums=(0,) if donate else (),
                               compiler_options=self.compiler_options)  # fmt: skip
+        # For inspection, and jitted again inside zj.audit: a nested jit takes no compiler options.
         self._grads_jitted = jax.jit(
-            functools.partial(self._grads, for_optimizer=False), in_shardings=(None, batch_sharding),
-            compiler_options=self.compiler_options,
-        )  # fmt: skip
+            functools.partial(self._grads, for_optimizer=False), in_shardings=(None, batch_sharding)
+        )
         functools.update_wrapper(self, loss_fn, updated=())
 
     # -- the public face -------------------------------------------------------------
@@ -319,6 +320,7 @@ def make_train_step(
     clip_norm: float | None = None,
     donate: bool = True,
     stateful: bool = False,
+    compiler_options: dict[str, Any] | None = None,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
 
@@ -368,6 +370,10 @@ def make_train_step(
         integer, boolean and key leaves must agree across devices and their
         maximum is taken (``pmax``). A float16 step skipped for overflow keeps
         the old model state.
+      compiler_options: XLA options the step compiles with, over the ones
+        zero_jax picks for the mesh's backend (on TPU, libtpu's async
+        all-gather: ``zero_jax._layerwise.schedule``); e.g.
+        ``{"xla_enable_async_all_gather": "false"}`` turns that one off.
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch)`` with
@@ -407,7 +413,22 @@ def make_train_step(
         clip_norm=None if clip_norm is None else float(clip_norm),
         donate=donate,
         stateful=stateful,
+        compiler_options=_checked_compiler_options(compiler_options),
     )
+
+
+COMPILER_OPTIONS = (
+    "make_train_step: compiler_options must be a dict of XLA option names to values (strings, bools or numbers), "
+    "e.g. {{'xla_enable_async_all_gather': 'false'}}; got {got}."
+)
+
+
+def _checked_compiler_options(options: Any) -> dict[str, Any] | None:
+    if options is None:
+        return None
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise TypeError(COMPILER_OPTIONS.format(got=repr(options)))
+    return dict(options)
 
 
 def _check_options(
