@@ -1,12 +1,26 @@
 """Which subtrees of a model's parameters are its blocks: ``layers=`` of the
 adapters, resolved on the parameter pytree alone (no Flax or Equinox here).
 
-``layers`` is ``"auto"`` (sibling subtrees named ``<stem><number>`` whose
-parameters have identical structure, repeated at least twice: ``h/0 … h/11``,
-``layers_0 … layers_5``, list entries), a key-path pattern with ``*``
-(``"transformer/h/*"``, ``"layers_*"``), or a module class (or tuple of them),
+``layers`` is ``"auto"``, a key-path pattern with ``*`` (``"transformer/h/*"``,
+``"layers_*"``), a list of patterns, or a module class (or tuple of them),
 matched through the ``classes`` map the adapter provides (key path -> class of
 the submodule there).
+
+``"auto"`` takes every *group of blocks* (:func:`block_groups`): sibling
+subtrees named ``<stem><number>`` (``h/0 … h/11``, ``layers_0 … layers_5``,
+list entries), at least two of them, whose parameters share one structure,
+the *core* (the structure most of them have; with no two alike, the smallest),
+a member with extra leaves besides the core counting as a block too (T5's
+block 0, which also holds the relative-attention bias). Every stack of an
+encoder–decoder is a group; groups inside another group's blocks are part of
+those blocks. A member whose parameters differ from the core in any other way
+is left whole, and said so (``Blocks.left_whole``, a warning).
+
+A pattern (or each pattern of a list) may match blocks of differing structure
+when they are numbered siblings of one stem (``encoder/block/*``: block 0 with
+its position bias); each matched block runs on its own. Blocks run in the
+order the parameters were created (``order=``: the model's own variables, in
+the order its ``init`` made them), which is the order a model calls them.
 
 >>> import jax.numpy as jnp
 >>> params = {"embed": jnp.zeros((10, 4)), "h": [{"w": jnp.zeros((4, 4))} for _ in range(3)]}
@@ -15,15 +29,25 @@ the submodule there).
 (('h/0', 'h/1', 'h/2'), 3, 64)
 >>> print(blocks)
 3 blocks at h/0 … h/2, 64 B each
+
+An encoder–decoder: both stacks, block 0 of each with an extra bias.
+
+>>> def stack(n, extra):
+...     return [{"w": jnp.zeros((4, 4)), **({"bias": jnp.zeros(2)} if i == 0 else {})} | extra for i in range(n)]
+>>> t5 = {"encoder": stack(3, {}), "decoder": stack(3, {"x": jnp.zeros(4)})}
+>>> print(find_blocks(t5, "auto", where="example", order=t5))
+6 blocks at encoder/0 … encoder/2, decoder/0 … decoder/2, up to 88 B each
 >>> [sorted(p) for p in block_params(params, blocks)]
 [['w'], ['w'], ['w']]
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import re
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -36,12 +60,14 @@ from zero_jax._units import fmt_bytes
 
 __all__ = [
     "Blocks",
+    "block_groups",
     "block_params",
     "check_layer_options",
     "classes_by_auto_name",
     "describe_group",
     "find_blocks",
     "gather_outside",
+    "Groups",
     "group_pattern",
     "inside",
     "instances_in",
@@ -59,24 +85,34 @@ class Blocks(NamedTuple):
 
     Attributes:
       paths: key paths of the matched blocks (``"h/0"``, ``"layers_3"``) in
-        call order (numeric-aware: ``h/2`` before ``h/10``).
+        call order: the order the parameters were created in when the adapter
+        knows it (``encoder/…`` before ``decoder/…``), else numeric-aware key
+        order (``h/2`` before ``h/10``).
       count: how many.
       bytes_per_layer: parameter bytes of one block (the largest, if they differ).
-      note: how they were found (``"auto"``: the group chosen among several).
+      note: how they were found (``"auto"``: the groups taken, what was left whole).
+      left_whole: ``"auto"``: the numbered siblings of a group that are not
+        blocks (their parameters differ from the group's), each as
+        ``"'path' (bytes): why"``; they are gathered whole with the rest of
+        the model.
     """
 
     paths: tuple[str, ...]
     count: int
     bytes_per_layer: int
     note: str = ""
+    left_whole: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        """``"12 blocks at transformer/h/0 … transformer/h/11, 7.1 MiB each"``."""
+        """``"12 blocks at transformer/h/0 … transformer/h/11, 7.1 MiB each"``; several groups:
+        ``"8 blocks at encoder/block/0 … encoder/block/3, decoder/block/0 … decoder/block/3, up to 8.2 KiB each"``."""
         if not self.paths:
             return "no blocks"
-        where = self.paths[0] if self.count == 1 else f"{self.paths[0]} … {self.paths[-1]}"
+        runs = _runs([_split(p) for p in self.paths])
+        where = ", ".join(_join(r[0]) if len(r) == 1 else f"{_join(r[0])} … {_join(r[-1])}" for r in runs)
         noun = "block" if self.count == 1 else "blocks"
-        text = f"{self.count} {noun} at {where}, {fmt_bytes(self.bytes_per_layer)} each"
+        size = f"{'' if len(runs) == 1 else 'up to '}{fmt_bytes(self.bytes_per_layer)} each"
+        text = f"{self.count} {noun} at {where}, {size}"
         return f"{text} ({self.note})" if self.note else text
 
     def __str__(self) -> str:
@@ -84,7 +120,7 @@ class Blocks(NamedTuple):
 
 
 NO_MATCH = (
-    "{where}: layers={layers!r} matches no block of the parameters. {candidates} Pass layers='auto', a key-path "
+    "{where}: {what} no block of the parameters. {candidates} Pass layers='auto', a key-path "
     "pattern with '*' naming the repeated subtrees (e.g. {example!r}), or the block's module class."
 )
 NO_CANDIDATES = (
@@ -93,17 +129,18 @@ NO_CANDIDATES = (
 )
 CANDIDATES = "Repeated subtrees found: {groups}."
 DIFFERENT = (
-    "{where}: layers={layers!r} matches blocks of different structure: '{a}' and '{b}' differ ({diff}). One "
-    "layers= group must match blocks with identical parameters: narrow the pattern so it matches only blocks "
-    "like '{a}', or name one block class."
+    "{where}: layers={layers!r} matches subtrees of different structure that are not numbered siblings of one "
+    "name: '{a}' and '{b}' differ ({diff}). A pattern matches blocks like h/0 … h/11 (each may differ, as a first "
+    "block with a position bias) or blocks with identical parameters: narrow the pattern so it matches only "
+    "blocks like '{a}', give a list of patterns (one per kind of block), or name the block class."
 )
 NESTED = (
     "{where}: layers={layers!r} matches blocks inside other matched blocks: {pairs}. A block is gathered whole, "
     "so match only the outer blocks (or only the inner ones)."
 )
 BAD_LAYERS = (
-    "{where}: layers must be 'auto', a key-path pattern with '*' (e.g. 'transformer/h/*', 'layers_*'), a module "
-    "class or a tuple of classes; got {got}."
+    "{where}: layers must be 'auto', a key-path pattern with '*' (e.g. 'transformer/h/*', 'layers_*'), a list of "
+    "such patterns (['encoder/block/*', 'decoder/block/*']), a module class or a tuple of classes; got {got}."
 )
 NO_CLASSES = (
     "{where}: layers={layers!r} names module classes, but no submodule of that class is known before the model "
@@ -240,19 +277,49 @@ def _difference(a: Signature, b: Signature) -> str:
     return "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
 
 
-def _check_matches(matched: list[Path], layers: Any, leaves: Mapping[Path, Any], where: str) -> None:
+def _sibling_key(path: Path) -> tuple[Path, str] | None:
+    """``(parent, stem)`` of a numbered subtree (``h/3`` -> ``(('h',), '')``), else None."""
+    stem = _stem(path[-1]) if path else None
+    return None if stem is None else (path[:-1], stem)
+
+
+def _runs(paths: list[Path]) -> list[list[Path]]:
+    """Consecutive blocks that differ in one numbered name, as runs (for messages)."""
+    out: list[list[Path]] = []
+    for p in paths:
+        if out and _next_sibling(out[-1][-1], p):
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+def _next_sibling(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` differ in one numbered name of one stem (``h/0/mlp`` and ``h/1/mlp``)."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y] if len(a) == len(b) else []
+    return len(diff) == 1 and _sibling_key(a[: diff[0] + 1]) is not None and (_stem(a[diff[0]]) == _stem(b[diff[0]]))
+
+
+def _check_nested(matched: list[Path], layers: Any, where: str) -> None:
     nested = [(o, i) for o in matched for i in matched if o != i and i[: len(o)] == o]
     if nested:
         pairs = ", ".join(f"'{_join(i)}' inside '{_join(o)}'" for o, i in nested[:4])
         raise ValueError(NESTED.format(where=where, layers=layers, pairs=pairs))
+
+
+def _pattern_problem(pattern: str, matched: list[Path], leaves: Mapping[Path, Any], where: str) -> str | None:
+    """Blocks of one pattern must be numbered siblings of one stem (whatever their structure: each runs on
+    its own) or share one structure: a pattern over unrelated subtrees is a mistake worth naming."""
+    stems = {None if k is None else k[1] for k in map(_sibling_key, matched)}
+    if len(stems) == 1 and None not in stems:
+        return None
     first = _signature(matched[0], leaves)
     for other in matched[1:]:
         sig = _signature(other, leaves)
         if sig != first:
             diff = _difference(first, sig)
-            raise ValueError(
-                DIFFERENT.format(where=where, layers=layers, a=_join(matched[0]), b=_join(other), diff=diff)
-            )
+            return DIFFERENT.format(where=where, layers=pattern, a=_join(matched[0]), b=_join(other), diff=diff)
+    return None
 
 
 def subtree_paths(params: PyTree) -> list[str]:
@@ -261,11 +328,14 @@ def subtree_paths(params: PyTree) -> list[str]:
     return [_join(p) for p in nodes if p and _signature(p, leaves)]
 
 
-def _no_match(params: PyTree, layers: Any, where: str) -> ValueError:
+def _no_match(params: PyTree, layers: Any, where: str, empty: Sequence[str] = ()) -> ValueError:
     groups = repeated_groups(params)
     text = CANDIDATES.format(groups=", ".join(describe_group(g) for g in groups)) if groups else NO_CANDIDATES
     example = group_pattern(groups[0]) if groups else "h/*"
-    return ValueError(NO_MATCH.format(where=where, layers=layers, candidates=text, example=example))
+    what = f"layers={layers!r} matches"
+    if empty:
+        what = f"layers={layers!r}: the pattern(s) {', '.join(repr(p) for p in empty)} match"
+    return ValueError(NO_MATCH.format(where=where, what=what, candidates=text, example=example))
 
 
 def _is_classes(layers: Any) -> bool:
@@ -274,31 +344,152 @@ def _is_classes(layers: Any) -> bool:
     return isinstance(layers, tuple) and bool(layers) and all(isinstance(c, type) for c in layers)
 
 
-def find_blocks(params: PyTree, layers: Any, *, where: str, classes: Mapping[str, type] | None = None) -> Blocks:
-    """The blocks ``layers`` names in ``params`` (see the module docstring).
+def _is_patterns(layers: Any) -> bool:
+    return isinstance(layers, (list, tuple)) and bool(layers) and all(isinstance(p, str) and _split(p) for p in layers)
 
-    Raises ``ValueError`` when ``layers`` matches nothing (naming the repeated
-    subtrees there are), matches blocks of different structure (naming both
-    and what differs) or blocks inside other blocks; ``TypeError`` for a
-    ``layers`` of another kind.
+
+class Groups(NamedTuple):
+    """What :func:`block_groups` found: the groups of blocks, and the numbered
+    siblings of a group left whole (``(path, why)``)."""
+
+    groups: tuple[tuple[Path, ...], ...]
+    left_whole: tuple[tuple[Path, str], ...]
+
+
+def block_groups(params: PyTree) -> Groups:
+    """Every group of blocks ``layers="auto"`` takes (see the module docstring),
+    outermost first: numbered siblings sharing a core structure, members with
+    extra leaves besides it included; members that differ otherwise left whole.
+
+    >>> import jax.numpy as jnp
+    >>> params = {"h": [{"w": jnp.zeros(4)}, {"w": jnp.zeros(4)}, {"w": jnp.zeros(4), "pos": jnp.zeros(2)},
+    ...                 {"w": jnp.zeros(5)}]}
+    >>> found = block_groups(params)
+    >>> found.groups
+    ((('h', '0'), ('h', '1'), ('h', '2')),)
+    >>> found.left_whole
+    ((('h', '3'), "its parameters differ from 'h/0' ('w' is (4,) float32 vs (5,) float32)"),)
+    """
+    nodes, leaves = _index(params)
+    sets: dict[tuple[Path, str], list[Path]] = {}
+    for path in nodes:
+        key = _sibling_key(path)
+        if key is not None and _signature(path, leaves):
+            sets.setdefault(key, []).append(path)
+    groups: list[tuple[Path, ...]] = []
+    left: list[tuple[Path, str]] = []
+    for key in sorted(sets, key=lambda k: (len(k[0]), _natural(k[0]), k[1])):
+        members = [p for p in sets[key] if not any(p[: len(b)] == b for g in groups for b in g)]
+        sigs = {p: _signature(p, leaves) for p in members}
+        counts = collections.Counter(sigs.values())
+        if len(members) < 2:
+            continue
+        common, n = counts.most_common(1)[0]
+        core = common if n >= 2 else min(counts, key=lambda g: (len(g), sum(math.prod(s) for _, s, _ in g)))
+        blocks = sorted((p for p in members if set(core) <= set(sigs[p])), key=_natural)
+        if len(blocks) < 2:
+            continue
+        like = next(p for p in blocks if sigs[p] == core)
+        groups.append(tuple(blocks))
+        left += [
+            (p, f"its parameters differ from '{_join(like)}' ({_difference(core, sigs[p])})")
+            for p in sorted(set(members) - set(blocks), key=_natural)
+        ]
+    left = [(p, why) for p, why in left if not any(p[: len(b)] == b for g in groups for b in g)]
+    return Groups(tuple(groups), tuple(left))
+
+
+LEFT_WHOLE = (
+    "{where}: layers='auto' left {count} numbered subtree(s) beside its blocks whole: {items}. They are gathered "
+    "whole once for the step (no block-by-block saving for them). If they are blocks too, name them: "
+    "layers=[{patterns}] runs every match of each pattern as its own block, whatever its structure."
+)
+
+
+def _creation_rank(tree: Any) -> dict[Path, int]:
+    """Preorder rank of every subtree of ``tree``, children in the order the
+    containers hold them (a dict: insertion order, which for a model's
+    variables is the order ``init`` created, i.e. called, its submodules)."""
+    rank: dict[Path, int] = {}
+
+    def walk(node: Any, path: Path) -> None:
+        rank.setdefault(path, len(rank))
+        if isinstance(node, Mapping):
+            kids = [(str(k), v) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            kids = [(str(i), v) for i, v in enumerate(node)]
+        else:
+            kids = _children(node) or []
+        for name, child in kids:
+            walk(child, (*path, name))
+
+    walk(tree, ())
+    return rank
+
+
+def _call_order(matched: list[Path], order: Any) -> list[Path]:
+    """``matched`` in the order the model calls its blocks, as far as the creation order of ``order`` tells:
+    creation order where it agrees with the numbers within each group of siblings; else groups by their
+    first creation, numeric order within each; without ``order`` (or a path it lacks), numeric-aware order."""
+    natural = sorted(set(matched), key=_natural)
+    rank = _creation_rank(order) if order is not None else {}
+    if not all(p in rank for p in natural):
+        return natural
+    sets: dict[Any, list[Path]] = {}
+    for p in natural:
+        sets.setdefault(_sibling_key(p) or p, []).append(p)
+    if all(sorted(g, key=rank.__getitem__) == g for g in sets.values()):
+        return sorted(natural, key=rank.__getitem__)
+    first = {k: min(rank[p] for p in g) for k, g in sets.items()}
+    return sorted(natural, key=lambda p: (first[_sibling_key(p) or p], _natural(p)))
+
+
+def find_blocks(
+    params: PyTree, layers: Any, *, where: str, classes: Mapping[str, type] | None = None, order: Any = None
+) -> Blocks:
+    """The blocks ``layers`` names in ``params`` (see the module docstring), in
+    call order (``order``: the model's parameters as it created them, when
+    ``params`` may have lost that order; default numeric-aware key order).
+
+    Raises ``ValueError`` when ``layers`` (or a pattern of a list) matches
+    nothing (naming the repeated subtrees there are), a pattern matches
+    unrelated blocks of different structure (naming both and what differs)
+    or blocks inside other blocks; ``TypeError`` for a ``layers`` of another
+    kind. ``"auto"`` warns about numbered siblings it left whole.
 
     >>> import jax.numpy as jnp
     >>> params = {"layers_0": {"w": jnp.zeros(4)}, "layers_1": {"w": jnp.zeros(4)}, "head": {"w": jnp.zeros(2)}}
     >>> find_blocks(params, "layers_*", where="example").paths
     ('layers_0', 'layers_1')
+    >>> find_blocks(params, ["layers_*", "head"], where="example").paths
+    ('head', 'layers_0', 'layers_1')
     """
     nodes, leaves = _index(params)
-    note = ""
+    note, left_whole = "", ()
     if isinstance(layers, str) and layers == "auto":
-        groups = repeated_groups(params)
-        if not groups:
+        found = block_groups(params)
+        if not found.groups:
             raise _no_match(params, layers, where)
-        matched = list(groups[0])
-        if len(groups) > 1:
-            others = ", ".join(describe_group(g) for g in groups[1:4])
-            note = f"auto: the repeated group with the most parameter bytes; also found {others}"
-    elif isinstance(layers, str) and _split(layers):
-        matched = _match_pattern(layers, nodes)
+        matched = [p for g in found.groups for p in g]
+        shown = [f"'{_join(p)}' ({fmt_bytes(_bytes(p, leaves))}): {why}" for p, why in found.left_whole]
+        left_whole = tuple(shown)
+        note = f"auto left whole: {'; '.join(shown)}" if shown else ""
+        if shown:
+            patterns = ", ".join(repr(group_pattern(g)) for g in found.groups)
+            warnings.warn(
+                LEFT_WHOLE.format(where=where, count=len(shown), items="; ".join(shown), patterns=patterns),
+                stacklevel=3,
+            )
+    elif isinstance(layers, str) and _split(layers) or _is_patterns(layers):
+        patterns = [layers] if isinstance(layers, str) else list(layers)
+        per = {pat: [p for p in _match_pattern(pat, nodes) if _signature(p, leaves)] for pat in patterns}
+        empty = [pat for pat, m in per.items() if not m]
+        if empty and len(patterns) > 1:
+            raise _no_match(params, layers, where, empty)
+        problems = [q for pat, m in per.items() if m for q in [_pattern_problem(pat, m, leaves, where)] if q]
+        if problems:
+            raise ValueError(" ".join(problems))
+        matched = [p for m in per.values() for p in m]
     elif _is_classes(layers):
         matched = _match_classes(layers, classes, nodes, where)
     else:
@@ -306,10 +497,10 @@ def find_blocks(params: PyTree, layers: Any, *, where: str, classes: Mapping[str
     matched = [p for p in matched if _signature(p, leaves)]
     if not matched:
         raise _no_match(params, layers, where)
-    matched = sorted(set(matched), key=_natural)
-    _check_matches(matched, layers, leaves, where)
+    matched = _call_order(matched, order)
+    _check_nested(matched, layers, where)
     paths = tuple(_join(p) for p in matched)
-    return Blocks(paths, len(paths), max(_bytes(p, leaves) for p in matched), note)
+    return Blocks(paths, len(paths), max(_bytes(p, leaves) for p in matched), note, left_whole)
 
 
 def _subtree(params: PyTree, path: Path) -> Any:

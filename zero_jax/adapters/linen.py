@@ -106,6 +106,7 @@ from zero_jax.adapters._blocks import (
     instances_in,
     repeated_groups,
     split_arrays,
+    subtree_paths,
 )
 from zero_jax.adapters._common import (
     Adapted,
@@ -121,6 +122,7 @@ from zero_jax.adapters._common import (
     model_state_of,
     normalize_prefixes,
     params_of,
+    per_device,
     scan_stacked,
     stateful_signature,
 )
@@ -288,7 +290,7 @@ def from_linen(
     params, specs, outward = linen_layout(boxed, logical_axis_rules, prefixes, _WHERE)  # outward: for to_model
     # Only the trained collection is checked: nn.scan may broadcast other collections (variable_broadcast).
     check_stacked(params, {}, prefixes, _WHERE, _DEPTH_FIX)
-    blocks = _find_layers(module, variables, params, layers, prefetch, unwrap, prefixes)
+    blocks = _find_layers(module, variables, params, layers, prefetch, unwrap, prefixes, boxed)
     undeclared = repeated_groups(params) if blocks is None and not prefixes else []
     run = _Runner(blocks, prefetch, collections[0], prefixes, undeclared)
 
@@ -350,13 +352,14 @@ def _block_classes(module: nn.Module, variables: Mapping[str, Any], params: PyTr
     wanted = layers if isinstance(layers, tuple) else (layers,)
     if not all(isinstance(c, type) for c in wanted):
         return {}
+    holding = set(subtree_paths(params))  # a submodule elsewhere holds no block (a shared embedding passed in)
     found: dict[str, type] = {}
     pending = [module.bind(variables)]
     while pending:
         parent = pending.pop()
         getattr(parent, "__zero_jax_setup__", None)  # runs a Linen module's lazy setup()
         for child in instances_in(vars(parent).values(), nn.Module):
-            if child.scope is not None and child.path[:-1] == parent.path:
+            if child.scope is not None and child.path[:-1] == parent.path and "/".join(child.path) in holding:
                 found["/".join(child.path)] = type(child)
                 pending.append(child)
     return {**classes_by_auto_name(params, wanted), **found}
@@ -364,15 +367,16 @@ def _block_classes(module: nn.Module, variables: Mapping[str, Any], params: PyTr
 
 def _find_layers(
     module: nn.Module, variables: Mapping[str, Any], params: PyTree, layers: Any, prefetch: Any, unwrap: bool,
-    prefixes: tuple[str, ...],
+    prefixes: tuple[str, ...], created: PyTree,
 ) -> Blocks | None:  # fmt: skip
-    """``layers=`` resolved to the blocks of ``params`` (None without it), every problem named."""
+    """``layers=`` resolved to the blocks of ``params`` (None without it), every problem named; in call order,
+    read from ``created`` (the collection as ``init`` made it: submodules in the order they were called)."""
     if layers is None:
         return None
     if not unwrap:
         raise ValueError(_LAYERS_COLLECTIONS.format(where=_WHERE, collections=sorted(params)))
     classes = _block_classes(module, variables, params, layers)
-    blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
+    blocks = find_blocks(params, layers, where=_WHERE, classes=classes, order=created)
     check_layer_options(blocks, prefixes, prefetch, _WHERE)
     return blocks
 
@@ -437,7 +441,7 @@ class _Interceptor:
                                   **call_kwargs)  # fmt: skip
             finally:
                 self.running = False
-            return out if mutable else (out, {})
+            return per_device(out) if mutable else (per_device(out), {})
 
         out, updates = self.chain.call(i, layer_fn, arrays, state, keys)
         for collection, tree in updates.items():
