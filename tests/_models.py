@@ -298,8 +298,8 @@ def t5_loss(model: T5):
     return loss
 
 
-def t5(depth: int = 4, **kw: Any) -> tuple[T5, dict]:
+def t5(depth: int = 4, seed: int = 0, **kw: Any) -> tuple[T5, dict]:
     """A T5-shaped model and its variables."""
     model = T5(depth, **kw)
     ids = jnp.zeros((2, 8), jnp.int32)
-    return model, model.init(jax.random.key(0), ids, ids)
+    return model, model.init(jax.random.key(seed), ids, ids)
