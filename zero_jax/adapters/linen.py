@@ -257,11 +257,18 @@ def from_linen(
         ``model_state=`` / ``stateful=True`` yourself).
       layers: the model's unscanned blocks, to gather one at a time (ZeRO-3
         that never holds the whole model, for the model as written: a Python
-        loop over ``self.h[i]`` or ``h_0 … h_N``): ``"auto"`` (sibling
-        submodules named ``<name><number>`` with identical parameters,
-        repeated at least twice), a key-path pattern with ``*``
-        (``"transformer/h/*"``, ``"layers_*"``) or a module class (tuple of
-        classes). Inside a ``gather="manual"`` step (the default of
+        loop over ``self.h[i]`` or ``h_0 … h_N``): ``"auto"`` (every group
+        of sibling submodules named ``<name><number>``, at least two, sharing
+        one structure, a member with extra leaves such as T5's first block
+        with its position bias included: each stack of an encoder–decoder;
+        numbered siblings that differ otherwise are left whole, with a
+        warning), a key-path pattern with ``*`` (``"transformer/h/*"``,
+        ``"layers_*"``), a list of patterns (``["encoder/block/*",
+        "decoder/block/*"]``) or a module class (tuple of classes). Blocks
+        inside ``nn.remat`` / ``nn.jit`` (or ``@nn.remat`` on ``__call__``)
+        and blocks calling a module they are given (shared by several
+        blocks) train too; ``nn.vmap`` around a block is refused with what
+        to do. Inside a ``gather="manual"`` step (the default of
         ``adapted.make_train_step`` then) each call of a matched block is
         intercepted (``nn.intercept_methods``) and run by
         ``zj.apply_layer``'s per-block primitive; everything else (embeddings,
