@@ -43,8 +43,6 @@ An encoder–decoder: both stacks, block 0 of each with an extra bias.
 
 from __future__ import annotations
 
-import collections
-import math
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -54,9 +52,28 @@ import jax
 import numpy as np
 
 from zero_jax import _layers
-from zero_jax._layers import Sharded
 from zero_jax._tree import PyTree, key_name
 from zero_jax._units import fmt_bytes
+from zero_jax.adapters._groups import (
+    Groups,
+    Path,
+    block_groups,
+    block_runs,
+    call_order,
+    children,
+    describe_group,
+    difference,
+    group_pattern,
+    index_tree,
+    is_leaf,
+    join_path,
+    repeated_groups,
+    sibling_key,
+    signature,
+    split_path,
+    subtree_bytes,
+    subtree_paths,
+)
 
 __all__ = [
     "Blocks",
@@ -75,9 +92,6 @@ __all__ = [
     "split_arrays",
     "subtree_paths",
 ]
-
-Path = tuple[str, ...]
-Signature = tuple[tuple[Path, tuple[int, ...], str], ...]
 
 
 class Blocks(NamedTuple):
@@ -108,8 +122,8 @@ class Blocks(NamedTuple):
         ``"8 blocks at encoder/block/0 … encoder/block/3, decoder/block/0 … decoder/block/3, up to 8.2 KiB each"``."""
         if not self.paths:
             return "no blocks"
-        runs = _runs([_split(p) for p in self.paths])
-        where = ", ".join(_join(r[0]) if len(r) == 1 else f"{_join(r[0])} … {_join(r[-1])}" for r in runs)
+        runs = block_runs([split_path(p) for p in self.paths])
+        where = ", ".join(join_path(r[0]) if len(r) == 1 else f"{join_path(r[0])} … {join_path(r[-1])}" for r in runs)
         noun = "block" if self.count == 1 else "blocks"
         size = f"{'' if len(runs) == 1 else 'up to '}{fmt_bytes(self.bytes_per_layer)} each"
         text = f"{self.count} {noun} at {where}, {size}"
@@ -149,104 +163,8 @@ NO_CLASSES = (
 )
 
 
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, Sharded)
-
-
-def _children(node: Any) -> list[tuple[str, Any]] | None:
-    """One level of a pytree node as ``(name, child)``; None for a leaf."""
-    if _is_leaf(node):
-        return None
-    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if len(flat) == 1 and not flat[0][0] and flat[0][1] is node:
-        return None
-    return [(key_name(path[0]), child) for path, child in flat]
-
-
-def _walk(tree: Any, prefix: Path, nodes: dict[Path, Any], leaves: dict[Path, Any]) -> None:
-    kids = _children(tree)
-    if kids is None:
-        if tree is not None:
-            leaves[prefix] = tree
-        return
-    nodes[prefix] = tree
-    for name, child in kids:
-        _walk(child, (*prefix, name), nodes, leaves)
-
-
-def _index(params: PyTree) -> tuple[dict[Path, Any], dict[Path, Any]]:
-    """Every internal node and every leaf of ``params``, by key path."""
-    nodes: dict[Path, Any] = {}
-    leaves: dict[Path, Any] = {}
-    _walk(params, (), nodes, leaves)
-    return nodes, leaves
-
-
-def _split(path: str) -> Path:
-    return tuple(p for p in path.split("/") if p)
-
-
-def _join(path: Path) -> str:
-    return "/".join(path) or "<root>"
-
-
-def _natural(path: Path) -> tuple[tuple[tuple[int, Any], ...], ...]:
-    return tuple(tuple((0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", s) if t) for s in path)
-
-
-def _leaf_bytes(leaf: Any) -> int:
-    shape = tuple(getattr(leaf, "shape", ()))
-    dtype = getattr(leaf, "dtype", None)
-    return math.prod(shape) * (np.dtype(dtype).itemsize if dtype is not None else 0)
-
-
-def _signature(path: Path, leaves: Mapping[Path, Any]) -> Signature:
-    n = len(path)
-    return tuple(
-        (p[n:], tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
-        for p, x in sorted(leaves.items())
-        if p[:n] == path and len(p) > n
-    )
-
-
-def _bytes(path: Path, leaves: Mapping[Path, Any]) -> int:
-    n = len(path)
-    return sum(_leaf_bytes(x) for p, x in leaves.items() if p[:n] == path and len(p) > n)
-
-
-def _stem(name: str) -> str | None:
-    m = re.fullmatch(r"(.*?)(\d+)", name)
-    return m.group(1) if m else None
-
-
-def repeated_groups(params: PyTree) -> list[tuple[Path, ...]]:
-    """Every group of sibling subtrees named ``<stem><number>`` with identical
-    parameter structure, at least two strong, most parameter bytes first."""
-    nodes, leaves = _index(params)
-    groups: dict[tuple[Path, str, Signature], list[Path]] = {}
-    for path in nodes:
-        stem = _stem(path[-1]) if path else None
-        sig = _signature(path, leaves) if stem is not None else ()
-        if sig:
-            groups.setdefault((path[:-1], stem, sig), []).append(path)
-    found = [tuple(sorted(g, key=_natural)) for g in groups.values() if len(g) >= 2]
-    return sorted(found, key=lambda g: (-len(g) * _bytes(g[0], leaves), _natural(g[0])))
-
-
-def describe_group(group: tuple[Path, ...]) -> str:
-    """``"'h/*' (12 blocks: h/0 … h/11)"``: a group of :func:`repeated_groups` as messages name it."""
-    parent, stem = _join(group[0][:-1]) if len(group[0]) > 1 else "", _stem(group[0][-1])
-    pattern = f"{parent}/{stem}*" if parent else f"{stem}*"
-    return f"{pattern!r} ({len(group)} blocks: {_join(group[0])} … {_join(group[-1])})"
-
-
-def group_pattern(group: tuple[Path, ...]) -> str:
-    """The ``layers=`` pattern that matches a group of :func:`repeated_groups` (``"h/*"``)."""
-    return _join((*group[0][:-1], f"{_stem(group[0][-1])}*"))
-
-
 def _match_pattern(pattern: str, nodes: Mapping[Path, Any]) -> list[Path]:
-    parts = [re.compile(".*".join(re.escape(s) for s in seg.split("*"))) for seg in _split(pattern)]
+    parts = [re.compile(".*".join(re.escape(s) for s in seg.split("*"))) for seg in split_path(pattern)]
     return [p for p in nodes if len(p) == len(parts) and all(r.fullmatch(s) for r, s in zip(parts, p, strict=True))]
 
 
@@ -259,73 +177,32 @@ def _match_classes(
         example = group_pattern(groups[0]) if groups else "h/*"
         raise ValueError(NO_CLASSES.format(where=where, layers=layers, example=example))
     return [
-        _split(path)
+        split_path(path)
         for path, cls in classes.items()
-        if isinstance(cls, type) and issubclass(cls, wanted) and _split(path) in nodes
+        if isinstance(cls, type) and issubclass(cls, wanted) and split_path(path) in nodes
     ]
-
-
-def _difference(a: Signature, b: Signature) -> str:
-    sa, sb = {p: (s, d) for p, s, d in a}, {p: (s, d) for p, s, d in b}
-    parts = [f"only the first has '{_join(p)}'" for p in sorted(set(sa) - set(sb))]
-    parts += [f"only the second has '{_join(p)}'" for p in sorted(set(sb) - set(sa))]
-    parts += [
-        f"'{_join(p)}' is {sa[p][0]} {sa[p][1]} vs {sb[p][0]} {sb[p][1]}"
-        for p in sorted(set(sa) & set(sb))
-        if sa[p] != sb[p]
-    ]
-    return "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
-
-
-def _sibling_key(path: Path) -> tuple[Path, str] | None:
-    """``(parent, stem)`` of a numbered subtree (``h/3`` -> ``(('h',), '')``), else None."""
-    stem = _stem(path[-1]) if path else None
-    return None if stem is None else (path[:-1], stem)
-
-
-def _runs(paths: list[Path]) -> list[list[Path]]:
-    """Consecutive blocks that differ in one numbered name, as runs (for messages)."""
-    out: list[list[Path]] = []
-    for p in paths:
-        if out and _next_sibling(out[-1][-1], p):
-            out[-1].append(p)
-        else:
-            out.append([p])
-    return out
-
-
-def _next_sibling(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` differ in one numbered name of one stem (``h/0/mlp`` and ``h/1/mlp``)."""
-    diff = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y] if len(a) == len(b) else []
-    return len(diff) == 1 and _sibling_key(a[: diff[0] + 1]) is not None and (_stem(a[diff[0]]) == _stem(b[diff[0]]))
 
 
 def _check_nested(matched: list[Path], layers: Any, where: str) -> None:
     nested = [(o, i) for o in matched for i in matched if o != i and i[: len(o)] == o]
     if nested:
-        pairs = ", ".join(f"'{_join(i)}' inside '{_join(o)}'" for o, i in nested[:4])
+        pairs = ", ".join(f"'{join_path(i)}' inside '{join_path(o)}'" for o, i in nested[:4])
         raise ValueError(NESTED.format(where=where, layers=layers, pairs=pairs))
 
 
 def _pattern_problem(pattern: str, matched: list[Path], leaves: Mapping[Path, Any], where: str) -> str | None:
     """Blocks of one pattern must be numbered siblings of one stem (whatever their structure: each runs on
     its own) or share one structure: a pattern over unrelated subtrees is a mistake worth naming."""
-    stems = {None if k is None else k[1] for k in map(_sibling_key, matched)}
+    stems = {None if k is None else k[1] for k in map(sibling_key, matched)}
     if len(stems) == 1 and None not in stems:
         return None
-    first = _signature(matched[0], leaves)
+    first = signature(matched[0], leaves)
     for other in matched[1:]:
-        sig = _signature(other, leaves)
+        sig = signature(other, leaves)
         if sig != first:
-            diff = _difference(first, sig)
-            return DIFFERENT.format(where=where, layers=pattern, a=_join(matched[0]), b=_join(other), diff=diff)
+            diff = difference(first, sig)
+            return DIFFERENT.format(where=where, layers=pattern, a=join_path(matched[0]), b=join_path(other), diff=diff)
     return None
-
-
-def subtree_paths(params: PyTree) -> list[str]:
-    """The key path of every subtree (internal node) of ``params`` that holds a leaf."""
-    nodes, leaves = _index(params)
-    return [_join(p) for p in nodes if p and _signature(p, leaves)]
 
 
 def _no_match(params: PyTree, layers: Any, where: str, empty: Sequence[str] = ()) -> ValueError:
@@ -345,58 +222,9 @@ def _is_classes(layers: Any) -> bool:
 
 
 def _is_patterns(layers: Any) -> bool:
-    return isinstance(layers, (list, tuple)) and bool(layers) and all(isinstance(p, str) and _split(p) for p in layers)
-
-
-class Groups(NamedTuple):
-    """What :func:`block_groups` found: the groups of blocks, and the numbered
-    siblings of a group left whole (``(path, why)``)."""
-
-    groups: tuple[tuple[Path, ...], ...]
-    left_whole: tuple[tuple[Path, str], ...]
-
-
-def block_groups(params: PyTree) -> Groups:
-    """Every group of blocks ``layers="auto"`` takes (see the module docstring),
-    outermost first: numbered siblings sharing a core structure, members with
-    extra leaves besides it included; members that differ otherwise left whole.
-
-    >>> import jax.numpy as jnp
-    >>> params = {"h": [{"w": jnp.zeros(4)}, {"w": jnp.zeros(4)}, {"w": jnp.zeros(4), "pos": jnp.zeros(2)},
-    ...                 {"w": jnp.zeros(5)}]}
-    >>> found = block_groups(params)
-    >>> found.groups
-    ((('h', '0'), ('h', '1'), ('h', '2')),)
-    >>> found.left_whole
-    ((('h', '3'), "its parameters differ from 'h/0' ('w' is (4,) float32 vs (5,) float32)"),)
-    """
-    nodes, leaves = _index(params)
-    sets: dict[tuple[Path, str], list[Path]] = {}
-    for path in nodes:
-        key = _sibling_key(path)
-        if key is not None and _signature(path, leaves):
-            sets.setdefault(key, []).append(path)
-    groups: list[tuple[Path, ...]] = []
-    left: list[tuple[Path, str]] = []
-    for key in sorted(sets, key=lambda k: (len(k[0]), _natural(k[0]), k[1])):
-        members = [p for p in sets[key] if not any(p[: len(b)] == b for g in groups for b in g)]
-        sigs = {p: _signature(p, leaves) for p in members}
-        counts = collections.Counter(sigs.values())
-        if len(members) < 2:
-            continue
-        common, n = counts.most_common(1)[0]
-        core = common if n >= 2 else min(counts, key=lambda g: (len(g), sum(math.prod(s) for _, s, _ in g)))
-        blocks = sorted((p for p in members if set(core) <= set(sigs[p])), key=_natural)
-        if len(blocks) < 2:
-            continue
-        like = next(p for p in blocks if sigs[p] == core)
-        groups.append(tuple(blocks))
-        left += [
-            (p, f"its parameters differ from '{_join(like)}' ({_difference(core, sigs[p])})")
-            for p in sorted(set(members) - set(blocks), key=_natural)
-        ]
-    left = [(p, why) for p, why in left if not any(p[: len(b)] == b for g in groups for b in g)]
-    return Groups(tuple(groups), tuple(left))
+    return (
+        isinstance(layers, (list, tuple)) and bool(layers) and all(isinstance(p, str) and split_path(p) for p in layers)
+    )
 
 
 LEFT_WHOLE = (
@@ -404,44 +232,6 @@ LEFT_WHOLE = (
     "whole once for the step (no block-by-block saving for them). If they are blocks too, name them: "
     "layers=[{patterns}] runs every match of each pattern as its own block, whatever its structure."
 )
-
-
-def _creation_rank(tree: Any) -> dict[Path, int]:
-    """Preorder rank of every subtree of ``tree``, children in the order the
-    containers hold them (a dict: insertion order, which for a model's
-    variables is the order ``init`` created, i.e. called, its submodules)."""
-    rank: dict[Path, int] = {}
-
-    def walk(node: Any, path: Path) -> None:
-        rank.setdefault(path, len(rank))
-        if isinstance(node, Mapping):
-            kids = [(str(k), v) for k, v in node.items()]
-        elif isinstance(node, (list, tuple)):
-            kids = [(str(i), v) for i, v in enumerate(node)]
-        else:
-            kids = _children(node) or []
-        for name, child in kids:
-            walk(child, (*path, name))
-
-    walk(tree, ())
-    return rank
-
-
-def _call_order(matched: list[Path], order: Any) -> list[Path]:
-    """``matched`` in the order the model calls its blocks, as far as the creation order of ``order`` tells:
-    creation order where it agrees with the numbers within each group of siblings; else groups by their
-    first creation, numeric order within each; without ``order`` (or a path it lacks), numeric-aware order."""
-    natural = sorted(set(matched), key=_natural)
-    rank = _creation_rank(order) if order is not None else {}
-    if not all(p in rank for p in natural):
-        return natural
-    sets: dict[Any, list[Path]] = {}
-    for p in natural:
-        sets.setdefault(_sibling_key(p) or p, []).append(p)
-    if all(sorted(g, key=rank.__getitem__) == g for g in sets.values()):
-        return sorted(natural, key=rank.__getitem__)
-    first = {k: min(rank[p] for p in g) for k, g in sets.items()}
-    return sorted(natural, key=lambda p: (first[_sibling_key(p) or p], _natural(p)))
 
 
 def find_blocks(
@@ -464,14 +254,14 @@ def find_blocks(
     >>> find_blocks(params, ["layers_*", "head"], where="example").paths
     ('head', 'layers_0', 'layers_1')
     """
-    nodes, leaves = _index(params)
+    nodes, leaves = index_tree(params)
     note, left_whole = "", ()
     if isinstance(layers, str) and layers == "auto":
         found = block_groups(params)
         if not found.groups:
             raise _no_match(params, layers, where)
         matched = [p for g in found.groups for p in g]
-        shown = [f"'{_join(p)}' ({fmt_bytes(_bytes(p, leaves))}): {why}" for p, why in found.left_whole]
+        shown = [f"'{join_path(p)}' ({fmt_bytes(subtree_bytes(p, leaves))}): {why}" for p, why in found.left_whole]
         left_whole = tuple(shown)
         note = f"auto left whole: {'; '.join(shown)}" if shown else ""
         if shown:
@@ -480,9 +270,9 @@ def find_blocks(
                 LEFT_WHOLE.format(where=where, count=len(shown), items="; ".join(shown), patterns=patterns),
                 stacklevel=3,
             )
-    elif isinstance(layers, str) and _split(layers) or _is_patterns(layers):
+    elif isinstance(layers, str) and split_path(layers) or _is_patterns(layers):
         patterns = [layers] if isinstance(layers, str) else list(layers)
-        per = {pat: [p for p in _match_pattern(pat, nodes) if _signature(p, leaves)] for pat in patterns}
+        per = {pat: [p for p in _match_pattern(pat, nodes) if signature(p, leaves)] for pat in patterns}
         empty = [pat for pat, m in per.items() if not m]
         if empty and len(patterns) > 1:
             raise _no_match(params, layers, where, empty)
@@ -494,21 +284,21 @@ def find_blocks(
         matched = _match_classes(layers, classes, nodes, where)
     else:
         raise TypeError(BAD_LAYERS.format(where=where, got=f"{type(layers).__name__} {layers!r}"[:120]))
-    matched = [p for p in matched if _signature(p, leaves)]
+    matched = [p for p in matched if signature(p, leaves)]
     if not matched:
         raise _no_match(params, layers, where)
-    matched = _call_order(matched, order)
+    matched = call_order(matched, order)
     _check_nested(matched, layers, where)
-    paths = tuple(_join(p) for p in matched)
-    return Blocks(paths, len(paths), max(_bytes(p, leaves) for p in matched), note, left_whole)
+    paths = tuple(join_path(p) for p in matched)
+    return Blocks(paths, len(paths), max(subtree_bytes(p, leaves) for p in matched), note, left_whole)
 
 
 def _subtree(params: PyTree, path: Path) -> Any:
     node = params
     for name in path:
-        kids = dict(_children(node) or ())
+        kids = dict(children(node) or ())
         if name not in kids:
-            raise KeyError(f"no subtree '{_join(path)}' in the parameters (stopped at '{name}')")
+            raise KeyError(f"no subtree '{join_path(path)}' in the parameters (stopped at '{name}')")
         node = kids[name]
     return node
 
@@ -516,13 +306,13 @@ def _subtree(params: PyTree, path: Path) -> Any:
 def block_params(params: PyTree, blocks: Blocks) -> list[PyTree]:
     """The parameter subtrees at ``blocks.paths``, in order (as ``params`` holds
     them: ``Sharded`` pieces inside a manual step)."""
-    return [_subtree(params, _split(p)) for p in blocks.paths]
+    return [_subtree(params, split_path(p)) for p in blocks.paths]
 
 
 def inside(path: str | Path, blocks: Blocks | None) -> bool:
     """Whether the key path ``path`` lies in (or is) one of the blocks."""
-    names = _split(path) if isinstance(path, str) else tuple(path)
-    return blocks is not None and any(names[: len(b)] == b for b in map(_split, blocks.paths))
+    names = split_path(path) if isinstance(path, str) else tuple(path)
+    return blocks is not None and any(names[: len(b)] == b for b in map(split_path, blocks.paths))
 
 
 def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[str, ...] = ()) -> PyTree:
@@ -531,7 +321,7 @@ def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[st
     ``scan_layers``) gathered whole (with the step's policy); the blocks'
     leaves stay pieces for the per-block primitive. Whole parameters pass
     through."""
-    if not any(_is_leaf(x) for x in jax.tree.leaves(params, is_leaf=_is_leaf)):
+    if not any(is_leaf(x) for x in jax.tree.leaves(params, is_leaf=is_leaf)):
         return params
     policy = _layers.current_scope().policy
     if policy is None:  # pragma: no cover - Sharded nodes only exist inside a manual step
@@ -540,11 +330,11 @@ def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[st
     kept = blocks._replace(paths=blocks.paths + tuple(keep))
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if _is_leaf(x) and not inside(tuple(key_name(k) for k in path), kept):
+        if is_leaf(x) and not inside(tuple(key_name(k) for k in path), kept):
             return _layers.gather(x, policy)
         return x
 
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_leaf)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_leaf)
 
 
 LAYERS_STACKED = (
@@ -562,7 +352,7 @@ def check_layer_options(blocks: Blocks, stacked: tuple[str, ...], prefetch: Any,
     an int from 0 to the number of blocks."""
     for path in blocks.paths:
         for prefix in stacked:
-            names, pre = _split(path), _split(prefix)
+            names, pre = split_path(path), split_path(prefix)
             if names[: len(pre)] == pre or pre[: len(names)] == names:
                 raise ValueError(LAYERS_STACKED.format(where=where, block=path, prefix=prefix))
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= blocks.count:
