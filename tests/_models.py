@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 
 import zero_jax as zj
 
@@ -125,3 +126,180 @@ def compile_adapted(adapted: Any, batch: Any, **step_kw: Any) -> Any:
     policy = adapted.policy(3, make_mesh(8), min_shard_size=0)
     tx = zj.shard_optimizer(optax.adam(1e-2), policy)
     return adapted.make_train_step(tx, policy, **step_kw).lower(adapted.init_state(tx, policy), batch).compile()
+
+
+# -- a T5-shaped encoder–decoder (Linen), as Hugging Face's FlaxT5 writes it -------------------------------
+#
+# transformers is not a test dependency (and its FlaxT5 calls jnp.clip(a_max=...), which jax 0.10.2 refuses:
+# it needs a shim), so this is FlaxT5ForConditionalGeneration's shape written out: a shared embedding passed
+# to both stacks, blocks defined in setup() as a list named "0", "1", ..., block 0 of each stack holding the
+# relative-attention bias and handing the position bias to the blocks after it, a decoder with cross
+# attention, RMS norms and ReLU feed-forwards without biases, HF's initialisers, tied output embedding.
+
+
+def _t5_buckets(relative: jax.Array, bidirectional: bool, num_buckets: int, max_distance: int = 128) -> jax.Array:
+    buckets = jnp.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative > 0) * num_buckets
+        relative = jnp.abs(relative)
+    else:
+        relative = -jnp.minimum(relative, 0)
+    exact = num_buckets // 2
+    large = exact + (jnp.log(jnp.maximum(relative, 1) / exact) / np.log(max_distance / exact) * (num_buckets - exact))
+    large = jnp.minimum(large.astype(jnp.int32), num_buckets - 1)
+    return buckets + jnp.where(relative < exact, relative, large)
+
+
+class T5Norm(nn.Module):
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],))
+        return weight * x * jax.lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + self.eps)
+
+
+class T5Attention(nn.Module):
+    d: int
+    heads: int
+    d_kv: int
+    causal: bool = False
+    has_bias: bool = False
+    buckets: int = 8
+
+    @nn.compact
+    def __call__(self, x, kv=None, mask=None, position_bias=None):
+        init = nn.initializers.normal
+        inner = self.heads * self.d_kv
+        q = nn.Dense(inner, use_bias=False, kernel_init=init((self.d * self.d_kv) ** -0.5), name="q")(x)
+        src = x if kv is None else kv
+        k = nn.Dense(inner, use_bias=False, kernel_init=init(self.d**-0.5), name="k")(src)
+        v = nn.Dense(inner, use_bias=False, kernel_init=init(self.d**-0.5), name="v")(src)
+        split = lambda t: t.reshape(*t.shape[:2], self.heads, self.d_kv)  # noqa: E731
+        scores = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k))  # T5: no 1/sqrt(d_kv)
+        if position_bias is None:
+            qlen, klen = x.shape[1], src.shape[1]
+            if self.has_bias:
+                rel = jnp.arange(klen)[None, :] - jnp.arange(qlen)[:, None]
+                table = nn.Embed(self.buckets, self.heads, embedding_init=init(self.d**-0.5),
+                                 name="relative_attention_bias")  # fmt: skip
+                position_bias = table(_t5_buckets(rel, not self.causal, self.buckets)).transpose(2, 0, 1)[None]
+            else:
+                position_bias = jnp.zeros((1, self.heads, qlen, klen), x.dtype)
+            if mask is not None:
+                position_bias = position_bias + jnp.where(mask, 0.0, -1e9)
+        weights = jax.nn.softmax(scores + position_bias, axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, split(v)).reshape(*x.shape[:2], inner)
+        return nn.Dense(self.d, use_bias=False, kernel_init=init(inner**-0.5), name="o")(out), position_bias
+
+
+class T5Block(nn.Module):
+    d: int
+    heads: int
+    d_kv: int
+    d_ff: int
+    causal: bool = False
+    has_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x, position_bias=None, encoded=None, cross_bias=None):
+        init = nn.initializers.normal
+        mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))[None, None] if self.causal else None
+        attn = T5Attention(self.d, self.heads, self.d_kv, self.causal, self.has_bias, name="SelfAttention")
+        h, position_bias = attn(T5Norm(name="ln_attn")(x), mask=mask, position_bias=position_bias)
+        x = x + h
+        if encoded is not None:
+            cross = T5Attention(self.d, self.heads, self.d_kv, name="EncDecAttention")
+            h, cross_bias = cross(T5Norm(name="ln_cross")(x), kv=encoded, position_bias=cross_bias)
+            x = x + h
+        h = nn.Dense(self.d_ff, use_bias=False, kernel_init=init(self.d**-0.5), name="wi")(T5Norm(name="ln_ff")(x))
+        x = x + nn.Dense(self.d, use_bias=False, kernel_init=init(self.d_ff**-0.5), name="wo")(jax.nn.relu(h))
+        return x, position_bias, cross_bias
+
+
+class T5Blocks(nn.Module):
+    """HF's FlaxT5BlockCollection: the blocks as a setup() list named "0", "1", ..."""
+
+    depth: int
+    d: int
+    heads: int
+    d_kv: int
+    d_ff: int
+    causal: bool = False
+
+    def setup(self) -> None:
+        self.blocks = [
+            T5Block(self.d, self.heads, self.d_kv, self.d_ff, self.causal, has_bias=i == 0, name=str(i))
+            for i in range(self.depth)
+        ]
+
+    def __call__(self, x: jax.Array, encoded: jax.Array | None = None) -> jax.Array:
+        bias, cross = None, None
+        for block in self.blocks:
+            x, bias, cross = block(x, bias, encoded, cross)
+        return x
+
+
+class T5Stack(nn.Module):
+    embed: nn.Module
+    depth: int
+    d: int
+    heads: int
+    d_kv: int
+    d_ff: int
+    causal: bool = False
+
+    def setup(self) -> None:
+        self.block = T5Blocks(self.depth, self.d, self.heads, self.d_kv, self.d_ff, self.causal)
+        self.final_layer_norm = T5Norm()
+
+    def __call__(self, ids: jax.Array, encoded: jax.Array | None = None) -> jax.Array:
+        return self.final_layer_norm(self.block(self.embed(ids), encoded))
+
+
+class T5(nn.Module):
+    """``T5(depth=4)``: params ``shared``, ``encoder/block/0 … 3``, ``encoder/final_layer_norm``, the same for
+    ``decoder``; block 0 of each stack also holds ``SelfAttention/relative_attention_bias``."""
+
+    depth: int = 4
+    vocab: int = 64
+    d: int = 32
+    heads: int = 4
+    d_kv: int = 8
+    d_ff: int = 64
+
+    def setup(self) -> None:
+        self.shared = nn.Embed(self.vocab, self.d, embedding_init=nn.initializers.normal(1.0))
+        dims = (self.depth, self.d, self.heads, self.d_kv, self.d_ff)
+        self.encoder = T5Stack(self.shared, *dims)
+        self.decoder = T5Stack(self.shared, *dims, causal=True)
+
+    def __call__(self, ids: jax.Array, decoder_ids: jax.Array) -> jax.Array:
+        out = self.decoder(decoder_ids, self.encoder(ids)) * self.d**-0.5
+        return self.shared.attend(out)
+
+
+def t5_batches(n: int = 2, rows: int = 16, length: int = 8, vocab: int = 64, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {k: jnp.asarray(rng.integers(0, vocab, (rows, length)), jnp.int32) for k in ("ids", "dec", "labels")}
+        for _ in range(n)
+    ]
+
+
+def t5_loss(model: T5):
+    """``loss(variables, batch)``: mean token cross-entropy of ``model``."""
+
+    def loss(variables: Any, batch: dict) -> jax.Array:
+        logp = jax.nn.log_softmax(model.apply(variables, batch["ids"], batch["dec"]))
+        return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
+
+    return loss
+
+
+def t5(depth: int = 4, seed: int = 0, **kw: Any) -> tuple[T5, dict]:
+    """A T5-shaped model and its variables."""
+    model = T5(depth, **kw)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    return model, model.init(jax.random.key(seed), ids, ids)

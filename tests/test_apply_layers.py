@@ -442,3 +442,30 @@ def test_under_a_users_vmap_it_says_to_vmap_inside_the_block() -> None:
 
     _, metrics = zj.make_train_step(fixed, tx, policy, gather="manual")(state, _batches(1)[0])
     assert float(metrics["loss"]) == pytest.approx(_reference()[1][0], rel=1e-5)
+
+
+def test_an_unused_constant_block_output_gets_a_zero_cotangent_of_its_type() -> None:
+    """A block that hands on a value the same on every device (T5's zero cross-attention bias) that the
+    last block's caller never uses: its symbolic-zero cotangent becomes zeros of the output's own type."""
+    policy = zj.ZeroPolicy(3, make_mesh(N), min_shard_size=0)
+
+    def block(p: dict, carry: tuple) -> tuple:
+        x, _ = carry
+        return jnp.tanh(x @ p["w"]), jnp.zeros((4, 4), jnp.float32)  # the same on every device
+
+    def loss_fn(params: dict, batch: dict, policy: zj.ZeroPolicy | None = policy) -> jax.Array:
+        x, _ = zj.apply_layers(block, params["blocks"], (batch["x"], jnp.zeros((4, 4))), policy)
+        return jnp.mean(x**2)
+
+    rng = np.random.default_rng(0)
+    params = {"blocks": [{"w": jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32)} for _ in range(3)]}
+    batch = {"x": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)}
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    state, metrics = step(zj.init_state(params, tx, policy), batch)
+    expected_loss, g = jax.value_and_grad(lambda p: loss_fn(p, batch, None))(params)
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected_loss), rtol=1e-6)
+    expected = jax.tree.map(lambda w, d: w - 0.1 * d, params, g)
+    got = zj.full_params(state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)  # fp32, 8 summands

@@ -287,7 +287,7 @@ _EXPORT = textwrap.dedent(
     host_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     rss_peak = status("VmHWM") - base
-    back = zj.load_params(path, policy)
+    back = zj.load_params(path, policy, stored=True)
     pairs = list(zip(jax.tree.leaves(back), jax.tree.leaves(state.params)))
     equal = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
     same_layout = all(a.sharding == b.sharding for a, b in pairs)
@@ -335,7 +335,7 @@ def test_export_equals_full_params_and_loads_partitioned(tmp_path, stage):
     for p, x in full:
         np.testing.assert_array_equal(tensors[".".join(key_name(k) for k in p)], np.asarray(x), strict=True)
     pol3, _ = _setup(3, 4, stacked="layers")
-    back = zj.load_params(file, pol3)
+    back = zj.load_params(file, pol3, stored=True)
     fresh = zj.init_state(init_params(cfg, jax.random.key(0)), zj.shard_optimizer(optax.sgd(0.1), pol3), pol3)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(fresh.params), strict=True):
         assert a.shape == b.shape and a.sharding == b.sharding  # stage 3 pieces, padded for N = 4
@@ -554,7 +554,7 @@ def test_relative_paths_resolve_against_the_current_directory(tmp_path, monkeypa
     mgr.close()
     assert zj.checkpoint.steps(tmp_path / "runs" / "b") == [2] and not (tmp_path / "runs" / "runs").exists()
     _assert_bitwise(_logical(zj.restore("b", policy=policy, tx=tx)), want)
-    loaded = zj.load_params("../m.safetensors", policy)
+    loaded = zj.load_params("../m.safetensors", policy, stored=True)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
     _printed_nothing(capfd, caplog)  # no absl records from orbax

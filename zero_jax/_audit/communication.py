@@ -226,7 +226,7 @@ def communication(
     locally; stages 1-2 all-gather the updated parameters once. Leaves kept
     whole are all-reduced (two passes); frozen leaves are not reduced. On a
     quantized wire (``policy.wire``) a quantized pass costs its int8 blocks
-    and float32 scales (:func:`zero_jax._wire_audit.pass_bytes`).
+    and float32 scales (:func:`zero_jax._audit.communication.pass_bytes`).
     """
     n, model, wire = policy.num_shards, set(policy.model_axes), policy.wire
     local = steps > 1 and accum_mode == "local"

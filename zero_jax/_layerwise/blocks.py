@@ -129,12 +129,18 @@ def _merge(is_float: Sequence[bool], floats: Sequence[Any], fixed: Sequence[Any]
 
 
 def _instantiate(ct: Any, axis: Any) -> Any:
-    """A cotangent as an array: zeros (per device) for a symbolic zero."""
+    """A cotangent as an array: zeros for a symbolic zero, varying over the
+    axes its output varies over (an output the same on every device, such as
+    a constant a block hands on, takes unvarying zeros)."""
     if not isinstance(ct, SymbolicZero):
         return ct
     if ct.aval.dtype == jax.dtypes.float0:
         return jnp.zeros(ct.aval.shape, jax.dtypes.float0)
-    return coll.to_varying(jnp.zeros(ct.aval.shape, ct.aval.dtype), axis)
+    zeros = jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    manual = getattr(ct.aval, "manual_axis_type", None)
+    if manual is None:  # no varying-axis type to match
+        return coll.to_varying(zeros, axis)
+    return jax.lax.pcast(zeros, tuple(sorted(manual.varying)), to="varying") if manual.varying else zeros
 
 
 @dataclasses.dataclass

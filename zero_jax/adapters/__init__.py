@@ -30,8 +30,9 @@ Without any, ``adapted.stateful`` is False and the plain
 
 Unscanned models (a Python loop over blocks: ``h_0 … h_N``, a list of
 blocks) train block by block with ``layers=``: ``from_linen(module, variables,
-loss, layers="auto")`` (or a key-path pattern such as ``"transformer/h/*"``,
-or the block's class). Each matched block is gathered just before its call,
+loss, layers="auto")`` (every group of numbered blocks: both stacks of an
+encoder–decoder), a key-path pattern such as ``"transformer/h/*"``, a list of
+patterns, or the block's class. Each matched block is gathered just before its call,
 in both passes, by a ``gather="manual"`` step (``adapted.make_train_step``'s
 default then); ``adapted.layers`` says what was found.
 

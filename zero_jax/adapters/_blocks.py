@@ -1,12 +1,26 @@
 """Which subtrees of a model's parameters are its blocks: ``layers=`` of the
 adapters, resolved on the parameter pytree alone (no Flax or Equinox here).
 
-``layers`` is ``"auto"`` (sibling subtrees named ``<stem><number>`` whose
-parameters have identical structure, repeated at least twice: ``h/0 … h/11``,
-``layers_0 … layers_5``, list entries), a key-path pattern with ``*``
-(``"transformer/h/*"``, ``"layers_*"``), or a module class (or tuple of them),
+``layers`` is ``"auto"``, a key-path pattern with ``*`` (``"transformer/h/*"``,
+``"layers_*"``), a list of patterns, or a module class (or tuple of them),
 matched through the ``classes`` map the adapter provides (key path -> class of
 the submodule there).
+
+``"auto"`` takes every *group of blocks* (:func:`block_groups`): sibling
+subtrees named ``<stem><number>`` (``h/0 … h/11``, ``layers_0 … layers_5``,
+list entries), at least two of them, whose parameters share one structure,
+the *core* (the structure most of them have; with no two alike, the smallest),
+a member with extra leaves besides the core counting as a block too (T5's
+block 0, which also holds the relative-attention bias). Every stack of an
+encoder–decoder is a group; groups inside another group's blocks are part of
+those blocks. A member whose parameters differ from the core in any other way
+is left whole, and said so (``Blocks.left_whole``, a warning).
+
+A pattern (or each pattern of a list) may match blocks of differing structure
+when they are numbered siblings of one stem (``encoder/block/*``: block 0 with
+its position bias); each matched block runs on its own. Blocks run in the
+order the parameters were created (``order=``: the model's own variables, in
+the order its ``init`` made them), which is the order a model calls them.
 
 >>> import jax.numpy as jnp
 >>> params = {"embed": jnp.zeros((10, 4)), "h": [{"w": jnp.zeros((4, 4))} for _ in range(3)]}
@@ -15,15 +29,23 @@ the submodule there).
 (('h/0', 'h/1', 'h/2'), 3, 64)
 >>> print(blocks)
 3 blocks at h/0 … h/2, 64 B each
+
+An encoder–decoder: both stacks, block 0 of each with an extra bias.
+
+>>> def stack(n, extra):
+...     return [{"w": jnp.zeros((4, 4)), **({"bias": jnp.zeros(2)} if i == 0 else {})} | extra for i in range(n)]
+>>> t5 = {"encoder": stack(3, {}), "decoder": stack(3, {"x": jnp.zeros(4)})}
+>>> print(find_blocks(t5, "auto", where="example", order=t5))
+6 blocks at encoder/0 … encoder/2, decoder/0 … decoder/2, up to 88 B each
 >>> [sorted(p) for p in block_params(params, blocks)]
 [['w'], ['w'], ['w']]
 """
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,17 +53,39 @@ import numpy as np
 
 from zero_jax._base.tree import PyTree, key_name
 from zero_jax._base.units import fmt_bytes
-from zero_jax._layerwise.pieces import Sharded, gather
+from zero_jax._layerwise.pieces import gather
 from zero_jax._layerwise.scope import current_scope
+from zero_jax.adapters._groups import (
+    Groups,
+    Path,
+    block_groups,
+    block_runs,
+    call_order,
+    children,
+    describe_group,
+    difference,
+    group_pattern,
+    index_tree,
+    is_leaf,
+    join_path,
+    repeated_groups,
+    sibling_key,
+    signature,
+    split_path,
+    subtree_bytes,
+    subtree_paths,
+)
 
 __all__ = [
     "Blocks",
+    "block_groups",
     "block_params",
     "check_layer_options",
     "classes_by_auto_name",
     "describe_group",
     "find_blocks",
     "gather_outside",
+    "Groups",
     "group_pattern",
     "inside",
     "instances_in",
@@ -50,33 +94,40 @@ __all__ = [
     "subtree_paths",
 ]
 
-Path = tuple[str, ...]
-Signature = tuple[tuple[Path, tuple[int, ...], str], ...]
-
 
 class Blocks(NamedTuple):
     """The blocks ``layers=`` matched (``adapted.layers``).
 
     Attributes:
       paths: key paths of the matched blocks (``"h/0"``, ``"layers_3"``) in
-        call order (numeric-aware: ``h/2`` before ``h/10``).
+        call order: the order the parameters were created in when the adapter
+        knows it (``encoder/…`` before ``decoder/…``), else numeric-aware key
+        order (``h/2`` before ``h/10``).
       count: how many.
       bytes_per_layer: parameter bytes of one block (the largest, if they differ).
-      note: how they were found (``"auto"``: the group chosen among several).
+      note: how they were found (``"auto"``: the groups taken, what was left whole).
+      left_whole: ``"auto"``: the numbered siblings of a group that are not
+        blocks (their parameters differ from the group's), each as
+        ``"'path' (bytes): why"``; they are gathered whole with the rest of
+        the model.
     """
 
     paths: tuple[str, ...]
     count: int
     bytes_per_layer: int
     note: str = ""
+    left_whole: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        """``"12 blocks at transformer/h/0 … transformer/h/11, 7.1 MiB each"``."""
+        """``"12 blocks at transformer/h/0 … transformer/h/11, 7.1 MiB each"``; several groups:
+        ``"8 blocks at encoder/block/0 … encoder/block/3, decoder/block/0 … decoder/block/3, up to 8.2 KiB each"``."""
         if not self.paths:
             return "no blocks"
-        where = self.paths[0] if self.count == 1 else f"{self.paths[0]} … {self.paths[-1]}"
+        runs = block_runs([split_path(p) for p in self.paths])
+        where = ", ".join(join_path(r[0]) if len(r) == 1 else f"{join_path(r[0])} … {join_path(r[-1])}" for r in runs)
         noun = "block" if self.count == 1 else "blocks"
-        text = f"{self.count} {noun} at {where}, {fmt_bytes(self.bytes_per_layer)} each"
+        size = f"{'' if len(runs) == 1 else 'up to '}{fmt_bytes(self.bytes_per_layer)} each"
+        text = f"{self.count} {noun} at {where}, {size}"
         return f"{text} ({self.note})" if self.note else text
 
     def __str__(self) -> str:
@@ -84,7 +135,7 @@ class Blocks(NamedTuple):
 
 
 NO_MATCH = (
-    "{where}: layers={layers!r} matches no block of the parameters. {candidates} Pass layers='auto', a key-path "
+    "{where}: {what} no block of the parameters. {candidates} Pass layers='auto', a key-path "
     "pattern with '*' naming the repeated subtrees (e.g. {example!r}), or the block's module class."
 )
 NO_CANDIDATES = (
@@ -93,17 +144,18 @@ NO_CANDIDATES = (
 )
 CANDIDATES = "Repeated subtrees found: {groups}."
 DIFFERENT = (
-    "{where}: layers={layers!r} matches blocks of different structure: '{a}' and '{b}' differ ({diff}). One "
-    "layers= group must match blocks with identical parameters: narrow the pattern so it matches only blocks "
-    "like '{a}', or name one block class."
+    "{where}: layers={layers!r} matches subtrees of different structure that are not numbered siblings of one "
+    "name: '{a}' and '{b}' differ ({diff}). A pattern matches blocks like h/0 … h/11 (each may differ, as a first "
+    "block with a position bias) or blocks with identical parameters: narrow the pattern so it matches only "
+    "blocks like '{a}', give a list of patterns (one per kind of block), or name the block class."
 )
 NESTED = (
     "{where}: layers={layers!r} matches blocks inside other matched blocks: {pairs}. A block is gathered whole, "
     "so match only the outer blocks (or only the inner ones)."
 )
 BAD_LAYERS = (
-    "{where}: layers must be 'auto', a key-path pattern with '*' (e.g. 'transformer/h/*', 'layers_*'), a module "
-    "class or a tuple of classes; got {got}."
+    "{where}: layers must be 'auto', a key-path pattern with '*' (e.g. 'transformer/h/*', 'layers_*'), a list of "
+    "such patterns (['encoder/block/*', 'decoder/block/*']), a module class or a tuple of classes; got {got}."
 )
 NO_CLASSES = (
     "{where}: layers={layers!r} names module classes, but no submodule of that class is known before the model "
@@ -112,104 +164,8 @@ NO_CLASSES = (
 )
 
 
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, Sharded)
-
-
-def _children(node: Any) -> list[tuple[str, Any]] | None:
-    """One level of a pytree node as ``(name, child)``; None for a leaf."""
-    if _is_leaf(node):
-        return None
-    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if len(flat) == 1 and not flat[0][0] and flat[0][1] is node:
-        return None
-    return [(key_name(path[0]), child) for path, child in flat]
-
-
-def _walk(tree: Any, prefix: Path, nodes: dict[Path, Any], leaves: dict[Path, Any]) -> None:
-    kids = _children(tree)
-    if kids is None:
-        if tree is not None:
-            leaves[prefix] = tree
-        return
-    nodes[prefix] = tree
-    for name, child in kids:
-        _walk(child, (*prefix, name), nodes, leaves)
-
-
-def _index(params: PyTree) -> tuple[dict[Path, Any], dict[Path, Any]]:
-    """Every internal node and every leaf of ``params``, by key path."""
-    nodes: dict[Path, Any] = {}
-    leaves: dict[Path, Any] = {}
-    _walk(params, (), nodes, leaves)
-    return nodes, leaves
-
-
-def _split(path: str) -> Path:
-    return tuple(p for p in path.split("/") if p)
-
-
-def _join(path: Path) -> str:
-    return "/".join(path) or "<root>"
-
-
-def _natural(path: Path) -> tuple[tuple[tuple[int, Any], ...], ...]:
-    return tuple(tuple((0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", s) if t) for s in path)
-
-
-def _leaf_bytes(leaf: Any) -> int:
-    shape = tuple(getattr(leaf, "shape", ()))
-    dtype = getattr(leaf, "dtype", None)
-    return math.prod(shape) * (np.dtype(dtype).itemsize if dtype is not None else 0)
-
-
-def _signature(path: Path, leaves: Mapping[Path, Any]) -> Signature:
-    n = len(path)
-    return tuple(
-        (p[n:], tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
-        for p, x in sorted(leaves.items())
-        if p[:n] == path and len(p) > n
-    )
-
-
-def _bytes(path: Path, leaves: Mapping[Path, Any]) -> int:
-    n = len(path)
-    return sum(_leaf_bytes(x) for p, x in leaves.items() if p[:n] == path and len(p) > n)
-
-
-def _stem(name: str) -> str | None:
-    m = re.fullmatch(r"(.*?)(\d+)", name)
-    return m.group(1) if m else None
-
-
-def repeated_groups(params: PyTree) -> list[tuple[Path, ...]]:
-    """Every group of sibling subtrees named ``<stem><number>`` with identical
-    parameter structure, at least two strong, most parameter bytes first."""
-    nodes, leaves = _index(params)
-    groups: dict[tuple[Path, str, Signature], list[Path]] = {}
-    for path in nodes:
-        stem = _stem(path[-1]) if path else None
-        sig = _signature(path, leaves) if stem is not None else ()
-        if sig:
-            groups.setdefault((path[:-1], stem, sig), []).append(path)
-    found = [tuple(sorted(g, key=_natural)) for g in groups.values() if len(g) >= 2]
-    return sorted(found, key=lambda g: (-len(g) * _bytes(g[0], leaves), _natural(g[0])))
-
-
-def describe_group(group: tuple[Path, ...]) -> str:
-    """``"'h/*' (12 blocks: h/0 … h/11)"``: a group of :func:`repeated_groups` as messages name it."""
-    parent, stem = _join(group[0][:-1]) if len(group[0]) > 1 else "", _stem(group[0][-1])
-    pattern = f"{parent}/{stem}*" if parent else f"{stem}*"
-    return f"{pattern!r} ({len(group)} blocks: {_join(group[0])} … {_join(group[-1])})"
-
-
-def group_pattern(group: tuple[Path, ...]) -> str:
-    """The ``layers=`` pattern that matches a group of :func:`repeated_groups` (``"h/*"``)."""
-    return _join((*group[0][:-1], f"{_stem(group[0][-1])}*"))
-
-
 def _match_pattern(pattern: str, nodes: Mapping[Path, Any]) -> list[Path]:
-    parts = [re.compile(".*".join(re.escape(s) for s in seg.split("*"))) for seg in _split(pattern)]
+    parts = [re.compile(".*".join(re.escape(s) for s in seg.split("*"))) for seg in split_path(pattern)]
     return [p for p in nodes if len(p) == len(parts) and all(r.fullmatch(s) for r, s in zip(parts, p, strict=True))]
 
 
@@ -222,50 +178,42 @@ def _match_classes(
         example = group_pattern(groups[0]) if groups else "h/*"
         raise ValueError(NO_CLASSES.format(where=where, layers=layers, example=example))
     return [
-        _split(path)
+        split_path(path)
         for path, cls in classes.items()
-        if isinstance(cls, type) and issubclass(cls, wanted) and _split(path) in nodes
+        if isinstance(cls, type) and issubclass(cls, wanted) and split_path(path) in nodes
     ]
 
 
-def _difference(a: Signature, b: Signature) -> str:
-    sa, sb = {p: (s, d) for p, s, d in a}, {p: (s, d) for p, s, d in b}
-    parts = [f"only the first has '{_join(p)}'" for p in sorted(set(sa) - set(sb))]
-    parts += [f"only the second has '{_join(p)}'" for p in sorted(set(sb) - set(sa))]
-    parts += [
-        f"'{_join(p)}' is {sa[p][0]} {sa[p][1]} vs {sb[p][0]} {sb[p][1]}"
-        for p in sorted(set(sa) & set(sb))
-        if sa[p] != sb[p]
-    ]
-    return "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else "")
-
-
-def _check_matches(matched: list[Path], layers: Any, leaves: Mapping[Path, Any], where: str) -> None:
+def _check_nested(matched: list[Path], layers: Any, where: str) -> None:
     nested = [(o, i) for o in matched for i in matched if o != i and i[: len(o)] == o]
     if nested:
-        pairs = ", ".join(f"'{_join(i)}' inside '{_join(o)}'" for o, i in nested[:4])
+        pairs = ", ".join(f"'{join_path(i)}' inside '{join_path(o)}'" for o, i in nested[:4])
         raise ValueError(NESTED.format(where=where, layers=layers, pairs=pairs))
-    first = _signature(matched[0], leaves)
+
+
+def _pattern_problem(pattern: str, matched: list[Path], leaves: Mapping[Path, Any], where: str) -> str | None:
+    """Blocks of one pattern must be numbered siblings of one stem (whatever their structure: each runs on
+    its own) or share one structure: a pattern over unrelated subtrees is a mistake worth naming."""
+    stems = {None if k is None else k[1] for k in map(sibling_key, matched)}
+    if len(stems) == 1 and None not in stems:
+        return None
+    first = signature(matched[0], leaves)
     for other in matched[1:]:
-        sig = _signature(other, leaves)
+        sig = signature(other, leaves)
         if sig != first:
-            diff = _difference(first, sig)
-            raise ValueError(
-                DIFFERENT.format(where=where, layers=layers, a=_join(matched[0]), b=_join(other), diff=diff)
-            )
+            diff = difference(first, sig)
+            return DIFFERENT.format(where=where, layers=pattern, a=join_path(matched[0]), b=join_path(other), diff=diff)
+    return None
 
 
-def subtree_paths(params: PyTree) -> list[str]:
-    """The key path of every subtree (internal node) of ``params`` that holds a leaf."""
-    nodes, leaves = _index(params)
-    return [_join(p) for p in nodes if p and _signature(p, leaves)]
-
-
-def _no_match(params: PyTree, layers: Any, where: str) -> ValueError:
+def _no_match(params: PyTree, layers: Any, where: str, empty: Sequence[str] = ()) -> ValueError:
     groups = repeated_groups(params)
     text = CANDIDATES.format(groups=", ".join(describe_group(g) for g in groups)) if groups else NO_CANDIDATES
     example = group_pattern(groups[0]) if groups else "h/*"
-    return ValueError(NO_MATCH.format(where=where, layers=layers, candidates=text, example=example))
+    what = f"layers={layers!r} matches"
+    if empty:
+        what = f"layers={layers!r}: the pattern(s) {', '.join(repr(p) for p in empty)} match"
+    return ValueError(NO_MATCH.format(where=where, what=what, candidates=text, example=example))
 
 
 def _is_classes(layers: Any) -> bool:
@@ -274,50 +222,84 @@ def _is_classes(layers: Any) -> bool:
     return isinstance(layers, tuple) and bool(layers) and all(isinstance(c, type) for c in layers)
 
 
-def find_blocks(params: PyTree, layers: Any, *, where: str, classes: Mapping[str, type] | None = None) -> Blocks:
-    """The blocks ``layers`` names in ``params`` (see the module docstring).
+def _is_patterns(layers: Any) -> bool:
+    return (
+        isinstance(layers, (list, tuple)) and bool(layers) and all(isinstance(p, str) and split_path(p) for p in layers)
+    )
 
-    Raises ``ValueError`` when ``layers`` matches nothing (naming the repeated
-    subtrees there are), matches blocks of different structure (naming both
-    and what differs) or blocks inside other blocks; ``TypeError`` for a
-    ``layers`` of another kind.
+
+LEFT_WHOLE = (
+    "{where}: layers='auto' left {count} numbered subtree(s) beside its blocks whole: {items}. They are gathered "
+    "whole once for the step (no block-by-block saving for them). If they are blocks too, name them: "
+    "layers=[{patterns}] runs every match of each pattern as its own block, whatever its structure."
+)
+
+
+def find_blocks(
+    params: PyTree, layers: Any, *, where: str, classes: Mapping[str, type] | None = None, order: Any = None
+) -> Blocks:
+    """The blocks ``layers`` names in ``params`` (see the module docstring), in
+    call order (``order``: the model's parameters as it created them, when
+    ``params`` may have lost that order; default numeric-aware key order).
+
+    Raises ``ValueError`` when ``layers`` (or a pattern of a list) matches
+    nothing (naming the repeated subtrees there are), a pattern matches
+    unrelated blocks of different structure (naming both and what differs)
+    or blocks inside other blocks; ``TypeError`` for a ``layers`` of another
+    kind. ``"auto"`` warns about numbered siblings it left whole.
 
     >>> import jax.numpy as jnp
     >>> params = {"layers_0": {"w": jnp.zeros(4)}, "layers_1": {"w": jnp.zeros(4)}, "head": {"w": jnp.zeros(2)}}
     >>> find_blocks(params, "layers_*", where="example").paths
     ('layers_0', 'layers_1')
+    >>> find_blocks(params, ["layers_*", "head"], where="example").paths
+    ('head', 'layers_0', 'layers_1')
     """
-    nodes, leaves = _index(params)
-    note = ""
+    nodes, leaves = index_tree(params)
+    note, left_whole = "", ()
     if isinstance(layers, str) and layers == "auto":
-        groups = repeated_groups(params)
-        if not groups:
+        found = block_groups(params)
+        if not found.groups:
             raise _no_match(params, layers, where)
-        matched = list(groups[0])
-        if len(groups) > 1:
-            others = ", ".join(describe_group(g) for g in groups[1:4])
-            note = f"auto: the repeated group with the most parameter bytes; also found {others}"
-    elif isinstance(layers, str) and _split(layers):
-        matched = _match_pattern(layers, nodes)
+        matched = [p for g in found.groups for p in g]
+        shown = [f"'{join_path(p)}' ({fmt_bytes(subtree_bytes(p, leaves))}): {why}" for p, why in found.left_whole]
+        left_whole = tuple(shown)
+        note = f"auto left whole: {'; '.join(shown)}" if shown else ""
+        if shown:
+            patterns = ", ".join(repr(group_pattern(g)) for g in found.groups)
+            warnings.warn(
+                LEFT_WHOLE.format(where=where, count=len(shown), items="; ".join(shown), patterns=patterns),
+                stacklevel=3,
+            )
+    elif isinstance(layers, str) and split_path(layers) or _is_patterns(layers):
+        patterns = [layers] if isinstance(layers, str) else list(layers)
+        per = {pat: [p for p in _match_pattern(pat, nodes) if signature(p, leaves)] for pat in patterns}
+        empty = [pat for pat, m in per.items() if not m]
+        if empty and len(patterns) > 1:
+            raise _no_match(params, layers, where, empty)
+        problems = [q for pat, m in per.items() if m for q in [_pattern_problem(pat, m, leaves, where)] if q]
+        if problems:
+            raise ValueError(" ".join(problems))
+        matched = [p for m in per.values() for p in m]
     elif _is_classes(layers):
         matched = _match_classes(layers, classes, nodes, where)
     else:
         raise TypeError(BAD_LAYERS.format(where=where, got=f"{type(layers).__name__} {layers!r}"[:120]))
-    matched = [p for p in matched if _signature(p, leaves)]
+    matched = [p for p in matched if signature(p, leaves)]
     if not matched:
         raise _no_match(params, layers, where)
-    matched = sorted(set(matched), key=_natural)
-    _check_matches(matched, layers, leaves, where)
-    paths = tuple(_join(p) for p in matched)
-    return Blocks(paths, len(paths), max(_bytes(p, leaves) for p in matched), note)
+    matched = call_order(matched, order)
+    _check_nested(matched, layers, where)
+    paths = tuple(join_path(p) for p in matched)
+    return Blocks(paths, len(paths), max(subtree_bytes(p, leaves) for p in matched), note, left_whole)
 
 
 def _subtree(params: PyTree, path: Path) -> Any:
     node = params
     for name in path:
-        kids = dict(_children(node) or ())
+        kids = dict(children(node) or ())
         if name not in kids:
-            raise KeyError(f"no subtree '{_join(path)}' in the parameters (stopped at '{name}')")
+            raise KeyError(f"no subtree '{join_path(path)}' in the parameters (stopped at '{name}')")
         node = kids[name]
     return node
 
@@ -325,13 +307,13 @@ def _subtree(params: PyTree, path: Path) -> Any:
 def block_params(params: PyTree, blocks: Blocks) -> list[PyTree]:
     """The parameter subtrees at ``blocks.paths``, in order (as ``params`` holds
     them: ``Sharded`` pieces inside a manual step)."""
-    return [_subtree(params, _split(p)) for p in blocks.paths]
+    return [_subtree(params, split_path(p)) for p in blocks.paths]
 
 
 def inside(path: str | Path, blocks: Blocks | None) -> bool:
     """Whether the key path ``path`` lies in (or is) one of the blocks."""
-    names = _split(path) if isinstance(path, str) else tuple(path)
-    return blocks is not None and any(names[: len(b)] == b for b in map(_split, blocks.paths))
+    names = split_path(path) if isinstance(path, str) else tuple(path)
+    return blocks is not None and any(names[: len(b)] == b for b in map(split_path, blocks.paths))
 
 
 def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[str, ...] = ()) -> PyTree:
@@ -340,7 +322,7 @@ def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[st
     ``scan_layers``) gathered whole (with the step's policy); the blocks'
     leaves stay pieces for the per-block primitive. Whole parameters pass
     through."""
-    if not any(_is_leaf(x) for x in jax.tree.leaves(params, is_leaf=_is_leaf)):
+    if not any(is_leaf(x) for x in jax.tree.leaves(params, is_leaf=is_leaf)):
         return params
     policy = current_scope().policy
     if policy is None:  # pragma: no cover - Sharded nodes only exist inside a manual step
@@ -349,11 +331,11 @@ def gather_outside(params: PyTree, blocks: Blocks, where: str, *, keep: tuple[st
     kept = blocks._replace(paths=blocks.paths + tuple(keep))
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if _is_leaf(x) and not inside(tuple(key_name(k) for k in path), kept):
+        if is_leaf(x) and not inside(tuple(key_name(k) for k in path), kept):
             return gather(x, policy)
         return x
 
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_leaf)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_leaf)
 
 
 LAYERS_STACKED = (
@@ -371,7 +353,7 @@ def check_layer_options(blocks: Blocks, stacked: tuple[str, ...], prefetch: Any,
     an int from 0 to the number of blocks."""
     for path in blocks.paths:
         for prefix in stacked:
-            names, pre = _split(path), _split(prefix)
+            names, pre = split_path(path), split_path(prefix)
             if names[: len(pre)] == pre or pre[: len(names)] == names:
                 raise ValueError(LAYERS_STACKED.format(where=where, block=path, prefix=prefix))
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= blocks.count:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax._base.tree import PyTree, key_names, path_str, split_prefix, under, under_any
+from zero_jax._comm.collectives import to_varying
 from zero_jax._layerwise.pieces import Sharded, gather
 from zero_jax._layerwise.scan import scan_layers
 from zero_jax._layerwise.scope import current_scope
@@ -255,6 +256,24 @@ def active_policy() -> ZeroPolicy | None:
     """The policy of the manual-gather step being traced, or None (outside a
     step, or a step that hands ``loss_fn`` whole parameters)."""
     return current_scope().policy
+
+
+def per_device(tree: PyTree) -> PyTree:
+    """A block's outputs as per-device values (varying over the step's axes) inside a manual step; as given
+    outside one. A block may return a value that is the same on every device (T5's block 0 hands a constant
+    zero cross-attention bias to the blocks after it); its cotangent comes back per device, and one given to
+    the per-block primitive for an unused output is per-device zeros, which must match the output's type.
+    The cast's transpose sums the per-device cotangents, as autodiff would for that value."""
+    policy = active_policy()
+    if policy is None:
+        return tree
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
+            return to_varying(x, policy.comm)
+        return x
+
+    return jax.tree.map(one, tree)
 
 
 UNDECLARED_BLOCKS = (

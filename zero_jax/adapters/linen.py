@@ -105,7 +105,7 @@ from zero_jax.adapters._blocks import (
     gather_outside,
     instances_in,
     repeated_groups,
-    split_arrays,
+    subtree_paths,
 )
 from zero_jax.adapters._common import (
     Adapted,
@@ -124,6 +124,7 @@ from zero_jax.adapters._common import (
     scan_stacked,
     stateful_signature,
 )
+from zero_jax.adapters._linen_intercept import Interceptor
 from zero_jax.adapters._specs import linen_layout
 
 __all__ = ["ScanLayers", "from_linen"]
@@ -255,11 +256,18 @@ def from_linen(
         ``model_state=`` / ``stateful=True`` yourself).
       layers: the model's unscanned blocks, to gather one at a time (ZeRO-3
         that never holds the whole model, for the model as written: a Python
-        loop over ``self.h[i]`` or ``h_0 … h_N``): ``"auto"`` (sibling
-        submodules named ``<name><number>`` with identical parameters,
-        repeated at least twice), a key-path pattern with ``*``
-        (``"transformer/h/*"``, ``"layers_*"``) or a module class (tuple of
-        classes). Inside a ``gather="manual"`` step (the default of
+        loop over ``self.h[i]`` or ``h_0 … h_N``): ``"auto"`` (every group
+        of sibling submodules named ``<name><number>``, at least two, sharing
+        one structure, a member with extra leaves such as T5's first block
+        with its position bias included: each stack of an encoder–decoder;
+        numbered siblings that differ otherwise are left whole, with a
+        warning), a key-path pattern with ``*`` (``"transformer/h/*"``,
+        ``"layers_*"``), a list of patterns (``["encoder/block/*",
+        "decoder/block/*"]``) or a module class (tuple of classes). Blocks
+        inside ``nn.remat`` / ``nn.jit`` (or ``@nn.remat`` on ``__call__``)
+        and blocks calling a module they are given (shared by several
+        blocks) train too; ``nn.vmap`` around a block is refused with what
+        to do. Inside a ``gather="manual"`` step (the default of
         ``adapted.make_train_step`` then) each call of a matched block is
         intercepted (``nn.intercept_methods``) and run by
         ``zj.apply_layer``'s per-block primitive; everything else (embeddings,
@@ -288,7 +296,7 @@ def from_linen(
     params, specs, outward = linen_layout(boxed, logical_axis_rules, prefixes, _WHERE)  # outward: for to_model
     # Only the trained collection is checked: nn.scan may broadcast other collections (variable_broadcast).
     check_stacked(params, {}, prefixes, _WHERE, _DEPTH_FIX)
-    blocks = _find_layers(module, variables, params, layers, prefetch, unwrap, prefixes)
+    blocks = _find_layers(module, variables, params, layers, prefetch, unwrap, prefixes, boxed)
     undeclared = repeated_groups(params) if blocks is None and not prefixes else []
     run = _Runner(blocks, prefetch, collections[0], prefixes, undeclared)
 
@@ -305,6 +313,14 @@ def from_linen(
 
         return Adapted(params, loss_fn, prefixes, rest, to_model, layers=blocks, param_specs=specs)
 
+    return _stateful(params, run, loss, as_variables, outward, mutables, variables, prefixes, rest, blocks, specs)
+
+
+def _stateful(
+    params: PyTree, run: Any, loss: Any, as_variables: Any, outward: Any, mutables: tuple[str, ...],
+    variables: Mapping[str, Any], prefixes: tuple[str, ...], rest: Any, blocks: Blocks | None, specs: PyTree,
+) -> Adapted:  # fmt: skip
+    """``from_linen``'s result with ``mutable=`` collections: the stateful loss and ``to_model``."""
     initial = {c: unfreeze(variables[c]) for c in mutables}
 
     def stateful_loss_fn(params: PyTree, model_state: PyTree, batch: PyTree) -> Any:
@@ -350,13 +366,14 @@ def _block_classes(module: nn.Module, variables: Mapping[str, Any], params: PyTr
     wanted = layers if isinstance(layers, tuple) else (layers,)
     if not all(isinstance(c, type) for c in wanted):
         return {}
+    holding = set(subtree_paths(params))  # a submodule elsewhere holds no block (a shared embedding passed in)
     found: dict[str, type] = {}
     pending = [module.bind(variables)]
     while pending:
         parent = pending.pop()
         getattr(parent, "__zero_jax_setup__", None)  # runs a Linen module's lazy setup()
         for child in instances_in(vars(parent).values(), nn.Module):
-            if child.scope is not None and child.path[:-1] == parent.path:
+            if child.scope is not None and child.path[:-1] == parent.path and "/".join(child.path) in holding:
                 found["/".join(child.path)] = type(child)
                 pending.append(child)
     return {**classes_by_auto_name(params, wanted), **found}
@@ -364,15 +381,16 @@ def _block_classes(module: nn.Module, variables: Mapping[str, Any], params: PyTr
 
 def _find_layers(
     module: nn.Module, variables: Mapping[str, Any], params: PyTree, layers: Any, prefetch: Any, unwrap: bool,
-    prefixes: tuple[str, ...],
+    prefixes: tuple[str, ...], created: PyTree,
 ) -> Blocks | None:  # fmt: skip
-    """``layers=`` resolved to the blocks of ``params`` (None without it), every problem named."""
+    """``layers=`` resolved to the blocks of ``params`` (None without it), every problem named; in call order,
+    read from ``created`` (the collection as ``init`` made it: submodules in the order they were called)."""
     if layers is None:
         return None
     if not unwrap:
         raise ValueError(_LAYERS_COLLECTIONS.format(where=_WHERE, collections=sorted(params)))
     classes = _block_classes(module, variables, params, layers)
-    blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
+    blocks = find_blocks(params, layers, where=_WHERE, classes=classes, order=created)
     check_layer_options(blocks, prefixes, prefetch, _WHERE)
     return blocks
 
@@ -401,49 +419,11 @@ class _Runner:
         chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
         index = {tuple(split_prefix(p)): i for i, p in enumerate(self.blocks.paths)}
         with (
-            nn.intercept_methods(_Interceptor(chain, index, self.collection)),
+            nn.intercept_methods(Interceptor(chain, index, self.collection, _WHERE)),
             explain_unscanned_pieces(params, self.prefixes, _WHERE, "zj.adapters.linen.ScanLayers"),
         ):
-            return run(_box(params, self.prefixes + self.blocks.paths))
-
-
-class _Interceptor:
-    """``nn.intercept_methods`` hook: a matched block's ``__call__`` becomes
-    ``chain.call(i, ...)``, the block run functionally on its whole
-    parameters (an unbound clone's ``apply``) with its other collections, RNG
-    keys and the call's array arguments passed through the chain, static
-    arguments closed over, and updated mutable collections written back."""
-
-    def __init__(self, chain: LayerChain, index: Mapping[tuple[str, ...], int], collection: str) -> None:
-        self.chain, self.index, self.collection = chain, index, collection
-        self.running = False  # inside a block's functional apply: its submodules run as written
-
-    def __call__(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-        module = context.module
-        i = None if self.running or context.method_name != "__call__" else self.index.get(tuple(module.path))
-        if i is None or module.is_initializing():
-            return next_fun(*args, **kwargs)
-        arrays, rebuild = split_arrays(args, kwargs)
-        state = {c: v for c, v in module.variables.items() if c != self.collection}
-        mutable = [c for c in state if module.is_mutable_collection(c)]
-        keys = {n: module.make_rng(n) for n in sorted(getattr(module.scope, "rngs", {})) if n != "params"}
-        clone = module.clone(parent=None)
-
-        def layer_fn(p: PyTree, arrays: list[Any], state: PyTree, keys: PyTree) -> Any:
-            call_args, call_kwargs = rebuild(arrays)
-            self.running = True
-            try:
-                out = clone.apply({self.collection: p, **state}, *call_args, rngs=keys, mutable=mutable or False,
-                                  **call_kwargs)  # fmt: skip
-            finally:
-                self.running = False
-            return out if mutable else (out, {})
-
-        out, updates = self.chain.call(i, layer_fn, arrays, state, keys)
-        for collection, tree in updates.items():
-            for name, value in tree.items():
-                module.put_variable(collection, name, value)
-        return out
+            # Block leaves stay Sharded pytrees (JAX values), so a lifted transform around a block passes them.
+            return run(_box(params, self.prefixes))
 
 
 class ScanLayers(nn.Module):

@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from zero_jax._base.tree import PyTree, check_live
 from zero_jax._policy.policy import ZeroPolicy
@@ -47,6 +48,10 @@ PRNG_KEY_LEAVES = (
 )
 LEAVES_NOT_LAYOUTS = "{where}: the state's leaves do not match its layouts; is this a zero_jax state?"
 BAD_MAX_TO_KEEP = "CheckpointManager: max_to_keep must be >= 1 or None, got {got!r}."
+BAD_STEP = (
+    "{where}: step must be a non-negative int (the training step the checkpoint is named by), got {got}. Pass "
+    "step=int(state.step), or leave step out to use state.step."
+)
 STEP_EXISTS = "{where}: step {step} already exists in {directory}. Save under another step, or delete {path} first."
 SAVE_FAILED = (
     "{where}: checkpoint step {step} could not be written to {directory} ({error}). Nothing of it was kept: the "
@@ -59,7 +64,7 @@ def _prepare(state: Any, step: int | None, where: str) -> tuple[int, dict[str, j
     if not isinstance(state, TrainState):
         raise TypeError(NOT_A_TRAIN_STATE.format(where=where, got=type(state).__name__))
     check_live(state, where=where)
-    step = int(jax.device_get(state.step)) if step is None else int(step)
+    step = int(jax.device_get(state.step)) if step is None else _checked_step(step, where)
     entries = state_entries(state)
     arrays = jax.tree.leaves(state)
     if len(arrays) != len(entries):
@@ -71,9 +76,24 @@ def _prepare(state: Any, step: int | None, where: str) -> tuple[int, dict[str, j
     return step, {e.name: x for e, x in zip(entries, arrays, strict=True)}, meta
 
 
+def _checked_step(step: Any, where: str) -> int:
+    """``step`` as an int: an integer >= 0 (numpy integers and 0-d int arrays too), not a bool."""
+    value = step
+    if isinstance(step, (jax.Array, np.ndarray)) and step.shape == () and np.issubdtype(step.dtype, np.integer):
+        value = int(step)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(BAD_STEP.format(where=where, got=f"{type(step).__name__} {step!r}"))
+    return int(value)
+
+
 class _Writer:
     """One directory's orbax writer: one save in flight at a time, and a failed
-    save cleaned up and raised as one error (see the module docstring)."""
+    save cleaned up and raised as one error (see the module docstring).
+
+    ``max_to_keep`` is applied here, after each save commits, to the steps the
+    directory holds (not orbax's own in-memory list of the steps this writer
+    saved): two managers saving into one directory in turn keep the newest
+    ``max_to_keep`` steps of the directory, whoever wrote them."""
 
     def __init__(self, directory: Any, *, max_to_keep: int | None, async_save: bool) -> None:
         self.directory = directory
@@ -94,7 +114,7 @@ class _Writer:
         try:
             if self.manager is None:
                 self.created = missing_root(self.directory)
-                self.manager = open_writer(self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save)
+                self.manager = open_writer(self.directory, max_to_keep=None, async_save=self.async_save)
             write(self.manager, step, flat, meta)
         except Exception as e:
             self._failed(e, where)
@@ -112,6 +132,15 @@ class _Writer:
             self._failed(e, where)
         self.pending = None
         release_quiet()
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete the oldest committed steps of the directory beyond ``max_to_keep`` (process 0 deletes)."""
+        if self.max_to_keep is None or jax.process_index() != 0:
+            return
+        present = committed_steps(self.directory)
+        for step in present[: max(len(present) - self.max_to_keep, 0)]:
+            (self.directory / str(step)).rmtree()
 
     def close(self, where: str) -> None:
         """Finish, then release orbax's threads (also when finishing raised)."""

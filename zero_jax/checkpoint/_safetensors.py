@@ -226,7 +226,9 @@ def export_params(
     >>> file = zj.export_params(os.path.join(tempfile.mkdtemp(), "model.safetensors"), state)
     >>> {k: v.shape for k, v in load_file(file).items()}
     {'dense.w': (100, 30)}
-    >>> zj.load_params(file, policy)["dense"]["w"].shape  # stage 3: pieces of the padded (104, 30)
+    >>> zj.load_params(file, policy)["dense"]["w"].shape  # logical, for zj.init_state
+    (100, 30)
+    >>> zj.load_params(file, policy, stored=True)["dense"]["w"].shape  # as state.params: the padded (104, 30)
     (104, 30)
     """
     if format != "safetensors":
@@ -318,12 +320,20 @@ def load_params(
     *,
     like: PyTree | None = None,
     dtype: Any = None,
+    stored: bool = False,
 ) -> PyTree:
     """Read a safetensors file (as :func:`export_params` writes) laid out for ``policy``.
 
-    Returns the parameters as ``state.params`` holds them under ``policy``:
-    in stage 3 each partitioned leaf is cut and padded per the policy, in
-    stages 0–2 whole on every device. Each device's piece is read from the
+    Returns the parameters in their logical shapes, ready for
+    ``zj.init_state(params, tx, policy)``: in stage 3 each partitioned leaf is
+    cut per the policy; a leaf the policy stores padded (a ``(256,)`` bias on
+    3 devices is stored ``(258,)``) cannot be cut unpadded (JAX refuses a
+    dimension that does not divide), so it comes back whole on every device
+    (over the ZeRO axes; model axes as the policy says) in its logical shape.
+    In stages 0–2 every leaf is whole on every device. ``stored=True``
+    returns the form ``state.params`` holds instead (padded pieces), to put
+    into an existing state; it is not for ``init_state``, which takes logical
+    parameters. Each device's piece is read from the
     (memory-mapped) file directly; no leaf is assembled whole on the host
     in stage 3. ``dtype`` casts float leaves (default: as in the file).
     ``like`` (the parameters, arrays or ``jax.ShapeDtypeStruct``) gives the
@@ -358,6 +368,7 @@ def load_params(
         out = []
         for name, spec, lay in zip(order, abstract, layouts, strict=True):
             part = policy.partitions_params and lay.dim is not None
+            part = part and (stored or tuple(lay.stored_shape) == tuple(lay.shape))
             shape = lay.stored_shape if part else lay.shape
             reader = _piece_reader(f, name, shape, lay, spec.dtype)
             try:
