@@ -43,16 +43,16 @@ NO_LIBTPU = (
 )
 #: The forms a topology name may take (named by every topology error).
 TOPOLOGY_FORMS = (
-    "write libtpu's TYPE:SHAPE, e.g. 'v5p:2x2x2', 'v5p:4x4x8', 'v4:2x2x1', 'v5e:4x4', 'TPU v5 lite:4x4', "
+    "Write libtpu's TYPE:SHAPE, e.g. 'v5p:2x2x2', 'v5p:4x4x8', 'v4:2x2x1', 'v5e:4x4', 'TPU v5 lite:4x4', "
     "'v6e:16x16' (the shape counts chips), or a Cloud TPU accelerator type: 'v5p-N' / 'v4-N' (N TensorCores, "
     "2 per chip: {cores}) or 'v5litepod-N' / 'v5e-N' / 'v6e-N' (N chips: {chips})"
 )
-BAD_TOPOLOGY = "topology {name!r}: not a TPU slice name; " + TOPOLOGY_FORMS + "."
+BAD_TOPOLOGY = "topology {name!r} is not a TPU slice name. " + TOPOLOGY_FORMS + "."
 UNKNOWN_SIZE = (
-    "topology {name!r}: {kind}-{n} has no standard shape; write the shape itself, e.g. '{kind}:2x2x4', or one of "
-    "the sizes {sizes}."
+    "topology {name!r}: no Cloud TPU {kind} slice of that size has a documented shape; write the shape itself, e.g. "
+    "'{example}', or one of the sizes {sizes}."
 )
-TOPOLOGY_REJECTED = "topology {name!r} ({topology}): libtpu rejects it: {reason}. " + TOPOLOGY_FORMS + "."
+TOPOLOGY_REJECTED = "topology {name!r}{alias}: libtpu rejects it: {reason}. " + TOPOLOGY_FORMS + "."
 MESH_SHAPE = (
     "topology_mesh: shape {shape} holds {size} devices, but {name} has {n}; pass a shape whose product is {n}, "
     "e.g. {example}."
@@ -105,7 +105,8 @@ def topology_name(name: str) -> str:
         kind, n = m["kind"].lower(), int(m["n"])
         table = _CORES_SHAPES if kind in ("v4", "v5p") else _CHIP_SHAPES
         if n not in table:
-            raise ValueError(UNKNOWN_SIZE.format(name=name, kind=kind, n=n, sizes=_sizes(table)))
+            example = f"{_KIND_ALIASES.get(kind, kind)}:{next(iter(table.values()))}"
+            raise ValueError(UNKNOWN_SIZE.format(name=name, kind=kind, example=example, sizes=_sizes(table)))
         return f"{_KIND_ALIASES.get(kind, kind)}:{table[n]}"
     m = _LIBTPU_NAME.match(name.strip())
     if not m:
@@ -153,7 +154,8 @@ class TpuSlice:
     def __str__(self) -> str:
         alias = f"{self.name} = " if self.name != self.topology else ""
         per_chip = f", {self.devices_per_chip} per chip" if self.devices_per_chip > 1 else ""
-        hbm = "HBM unknown" if self.hbm_per_device is None else f"{fmt_bytes(self.hbm_per_device)} HBM per device"
+        b = self.hbm_per_device
+        hbm = "HBM unknown" if b is None else f"{fmt_bytes(b)} ({fmt_bytes(b, decimal=True)}) HBM per device"
         return (
             f"{alias}{self.topology}: {self.num_chips} chips, {self.num_devices} devices "
             f"({self.device_kind}{per_chip}), {hbm}"
@@ -210,8 +212,9 @@ def topology_devices(name: str) -> tuple[Any, ...]:
         reason = str(e).splitlines()[0].removeprefix("INVALID_ARGUMENT: ").rstrip(".")
         raise ValueError(
             TOPOLOGY_REJECTED.format(
-                name=name, topology=topology, reason=reason, cores=_sizes(_CORES_SHAPES), chips=_sizes(_CHIP_SHAPES)
-            )
+                name=name, alias="" if topology == name else f" ({topology})", reason=reason,
+                cores=_sizes(_CORES_SHAPES), chips=_sizes(_CHIP_SHAPES),
+            )  # fmt: skip
         ) from None
 
 
@@ -221,7 +224,7 @@ def tpu_slice(name: str) -> TpuSlice:
     Example (loads libtpu; no TPU needed):
 
     >>> print(tpu_slice("v5p-8"))
-    v5p-8 = v5p:2x2x1: 4 chips, 4 devices (TPU v5), 95.00 GiB HBM per device
+    v5p-8 = v5p:2x2x1: 4 chips, 4 devices (TPU v5), 95.00 GiB (102.0 GB) HBM per device
     """
     devices = topology_devices(name)
     kind = devices[0].device_kind
