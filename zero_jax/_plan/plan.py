@@ -171,7 +171,8 @@ class Plan:
             return "no device memory given: nothing judged"
         rec, budget = self.recommended, fmt_bytes(self.device_bytes)
         if rec is not None:
-            return f"stage {rec} is the lowest planned stage that fits ({fmt_bytes(self.needs[rec])} of {budget} per device)"
+            need = fmt_bytes(self.needs[rec])
+            return f"stage {rec} is the lowest planned stage that fits ({need} of {budget} per device)"
         best = min(self.needs, key=self.needs.__getitem__)
         where = f" of {self.topology.topology}" if self.topology is not None else ""
         need = self.needs[best]
