@@ -31,7 +31,7 @@ from zero_jax._audit.audit import audit
 from zero_jax._base.units import fmt_bytes, parse_bandwidth, parse_count, parse_size_argument
 from zero_jax._cli import demo as _demo
 from zero_jax._plan.plan import Plan, plan, sized_config
-from zero_jax._plan.topology import TpuSlice, tpu_slice
+from zero_jax._plan.topology import TpuSlice, deviceless_environment, tpu_slice
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import Precision
 from zero_jax._step.optimizer import shard_optimizer
@@ -564,6 +564,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit status (argparse exits 2 itself on bad flags)."""
+    deviceless_environment()  # with libtpu installed, JAX loads it on a machine without a TPU: quietly, then
     args = parser().parse_args(argv)
     if args.command == "demo":
         return _demo.run_demo_command(args)
