@@ -251,7 +251,7 @@ def test_a_plan_that_does_not_fit_says_by_how_much_and_what_would(tpu_plan: zj.P
     tight = dataclasses.replace(tpu_plan, device_bytes=hbm - 2**20)  # 1 MiB short
     with pytest.raises(ValueError) as e:
         tight.check()
-    line = _one_line(str(e.value), "no planned stage fits", "of v5p:2x2x2", "stage 3", f"({fmt_bytes(2**20)} over)")
+    line = _one_line(str(e.value), "no planned stage fits", "on v5p:2x2x2", "stage 3", f"({fmt_bytes(2**20)} over)")
     assert "offload_optimizer=True" in line  # 1 MiB is less than its optimizer state: offloading would fit
     assert tight.fit_note(3) == f"no ({fmt_bytes(2**20)} over)"
     far = dataclasses.replace(tpu_plan, device_bytes=hbm // 4)
@@ -284,3 +284,21 @@ def test_a_step_built_on_topology_mesh_plans_here_with_its_hbm() -> None:
     assert 0 < p.hbm[2] <= p.peaks[2]
     # Adam's mu and nu: w cut 8 ways, b (256 < min_shard_size) whole, and the int32 count
     assert p.reports[0].state_bytes["optimizer"] == 2 * 512 * 256 * 4 // 8 + 2 * 256 * 4 + 4
+
+
+@pytest.mark.slow
+def test_a_step_the_tpu_compiler_refuses_for_want_of_hbm_is_a_plan_that_does_not_fit() -> None:
+    mesh = zj.topology_mesh("v5e:2x4")  # 16 GiB per chip
+    policy = zj.ZeroPolicy(0, mesh)  # data parallelism: every device holds the whole 4 GiB weight, its grads, Adam's
+    tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+    state = zj.init_state({"w": jax.ShapeDtypeStruct((32768, 32768), jnp.float32)}, tx, policy)
+    step = zj.make_train_step(lambda p, x: jnp.mean((x @ p["w"]) ** 2), tx, policy)
+    batch = jax.ShapeDtypeStruct((64, 32768), jnp.float32, sharding=policy.batch_sharding())
+    p = zj.plan(step, state, batch, topology="v5e:2x4", grads=False)
+    assert p.reports == () and p.fits == {0: False} and p.recommended is None
+    assert p.out_of_memory[0].startswith("Ran out of memory"), p.out_of_memory
+    assert p.fit_note(0) == "no (the TPU compiler: out of HBM)"
+    with pytest.raises(ValueError) as e:
+        p.check()
+    _one_line(str(e.value), "no planned stage fits 16.00 GiB per device on v5e:2x4", "the TPU compiler refused",
+              "stage 0: Ran out of memory", "offload_optimizer=True")  # fmt: skip

@@ -399,6 +399,8 @@ def _compiled_table(
         num_devices=n, device_bytes=mem, stages=stages, factory_kwargs=model, topology=topology, timeout=timeout
     )
     out.print(_result_table(result, model))
+    for stage, said in result.out_of_memory.items():
+        out.print(f"stage {stage}: the TPU compiler refused the step: {said}")
     for line in result.layer_notes():
         out.print(line)
     if result.recommended is None:
@@ -411,10 +413,10 @@ def _compiled_table(
 
 def _result_table(result: Plan, model: dict[str, Any]) -> Table:
     """The compiled plan per stage: state bytes, temp, peak (and TPU HBM), fit, communication, the audit."""
-    phi = result.reports[0].num_params
+    phi = f"{result.reports[0].num_params:,}" if result.reports else "?"
     hbm = bool(result.hbm)
     table = Table(
-        title=f"Compiled step (reference transformer, Φ = {phi:,}, AdamW, "
+        title=f"Compiled step (reference transformer, Φ = {phi}, AdamW, "
         f"{'bf16 compute / fp32 master' if model['compute_dtype'] else FP32_NOTE})",
         caption=f"compiled in {result.seconds:.1f} s; peak resident memory of the compiling process "
         f"{fmt_bytes(result.max_rss_bytes)}; peak = argument + output + temp - alias (memory_analysis)"
@@ -424,14 +426,21 @@ def _result_table(result: Plan, model: dict[str, Any]) -> Table:
     cols = ("stage", "params", "grads", "optimizer", "temp", "peak", *(("HBM",) if hbm else ()), "fits")
     for col in (*cols, "comm/step", "/theory", "check"):
         table.add_column(col, justify="left" if col == "stage" else "right")
-    for r in result.reports:
-        b, fit = r.state_bytes, result.fit_note(r.stage)
+    reports = {r.stage: r for r in result.reports}
+    for stage in sorted({*reports, *result.out_of_memory}):
+        fit = result.fit_note(stage)
+        fits = f"[green]{fit}[/green]" if fit == "yes" else f"[red]{fit}[/red]"
+        if stage not in reports:  # refused by the TPU compiler: no program, no figures (its words follow the table)
+            table.add_row(f"{stage} {STAGE_NAMES[stage]}", *["-"] * (len(cols) - 2), fits, "-", "-", "-")
+            continue
+        r = reports[stage]
+        b = r.state_bytes
         table.add_row(
             f"{r.stage} {STAGE_NAMES[r.stage]}", _si(b["params"]), _si(b.get("grads", 0)),
             _si(b["optimizer"]), _si(r.memory["temp"]), _si(r.memory["peak"]),
             *((_si(result.hbm[r.stage]) if r.stage in result.hbm else "-",) if hbm else ()),
-            f"[green]{fit}[/green]" if fit == "yes" else f"[red]{fit}[/red]", _si(r.comm.measured),
-            f"{r.comm.ratio:.3f}", "[green]ok[/green]" if r.ok else f"[red]{len(r.violations)} violation(s)[/red]",
+            fits, _si(r.comm.measured), f"{r.comm.ratio:.3f}",
+            "[green]ok[/green]" if r.ok else f"[red]{len(r.violations)} violation(s)[/red]",
         )  # fmt: skip
     return table
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import resource
 import sys
 import time
@@ -70,6 +71,13 @@ DOES_NOT_FIT = (
     "plan: no planned stage fits {budget} per device{where}: the smallest, stage {stage}, needs {need} ({over} "
     "over). {advice}"
 )
+REFUSED_ALL = (
+    "plan: no planned stage fits {budget} per device{where}: the TPU compiler refused each ({refusals}). Plan a "
+    "higher stage, offload_optimizer=True or a larger slice."
+)
+#: How libtpu refuses a program that does not fit HBM (libtpu 0.0.42.1; "G" is GiB): the compile fails.
+OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: (?P<what>Ran out of memory[^\n]*)")
+_GIB_FIGURES = re.compile(r"\((?P<need>[\d.]+)G\) exceeds available HBM \((?P<have>[\d.]+)G\)")
 NOT_IMPORTABLE = (
     "plan: the factory {factory!r} cannot be imported by the planning process (it is defined in "
     "__main__ or locally). Define it at the top level of an importable module, or pass its path as "
@@ -97,6 +105,8 @@ class Plan:
       hbm: stage -> the device memory the TPU buffer assignment gives the
         step (the dump's memory-usage report; empty on CPU, where it equals
         the peak).
+      out_of_memory: stage -> the TPU compiler's refusal, for a stage whose
+        step does not fit HBM at all (libtpu fails the compile: no report).
     """
 
     reports: tuple[AuditReport, ...]
@@ -107,6 +117,7 @@ class Plan:
     model_parallel: int = 1
     topology: TpuSlice | None = None
     hbm: dict[int, int] = dataclasses.field(default_factory=dict)
+    out_of_memory: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def peaks(self) -> dict[int, int]:
@@ -115,14 +126,20 @@ class Plan:
         return {r.stage: r.memory["peak"] for r in self.reports}
 
     @property
-    def needs(self) -> dict[int, int]:
+    def needs(self) -> dict[int, float]:
         """stage -> the bytes per device fit is judged on: the TPU HBM total
-        where measured (:attr:`hbm`), else the peak."""
-        return {s: self.hbm.get(s, p) for s, p in self.peaks.items()}
+        where measured (:attr:`hbm`), else the peak; for a stage the TPU
+        compiler refused, what it said the program needs (infinite if unsaid)."""
+        needs: dict[int, float] = {s: self.hbm.get(s, p) for s, p in self.peaks.items()}
+        for s, said in self.out_of_memory.items():
+            m = _GIB_FIGURES.search(said)
+            needs[s] = float(m["need"]) * 2**30 if m else math.inf
+        return dict(sorted(needs.items()))
 
     @property
     def fits(self) -> dict[int, bool | None]:
-        return {s: None if self.device_bytes is None else p <= self.device_bytes for s, p in self.needs.items()}
+        fits = {s: None if self.device_bytes is None else p <= self.device_bytes for s, p in self.needs.items()}
+        return fits | dict.fromkeys(self.out_of_memory, False)
 
     @property
     def layer_working_sets(self) -> dict[int, int]:
@@ -160,6 +177,8 @@ class Plan:
     def fit_note(self, stage: int) -> str:
         """``"yes"``, ``"no (X over)"`` or ``"-"`` (no budget) for one stage."""
         fit = self.fits[stage]
+        if stage in self.out_of_memory:
+            return "no (the TPU compiler: out of HBM)"
         if fit is None or self.device_bytes is None:
             return "-"
         return "yes" if fit else f"no ({fmt_bytes(self.needs[stage] - self.device_bytes)} over)"
@@ -173,9 +192,13 @@ class Plan:
         if rec is not None:
             need = fmt_bytes(self.needs[rec])
             return f"stage {rec} is the lowest planned stage that fits ({need} of {budget} per device)"
-        best = min(self.needs, key=self.needs.__getitem__)
-        where = f" of {self.topology.topology}" if self.topology is not None else ""
-        need = self.needs[best]
+        compiled = {s: b for s, b in self.needs.items() if s not in self.out_of_memory}
+        where = f" on {self.topology.topology}" if self.topology is not None else ""
+        if not compiled:
+            refusals = "; ".join(f"stage {s}: {said}" for s, said in self.out_of_memory.items())
+            return REFUSED_ALL.format(budget=budget, where=where, refusals=refusals)
+        best = min(compiled, key=compiled.__getitem__)
+        need = compiled[best]
         return DOES_NOT_FIT.format(
             budget=budget, where=where, stage=best, need=fmt_bytes(need), over=fmt_bytes(need - self.device_bytes),
             advice=fit_advice(self, best),
@@ -198,7 +221,7 @@ class Plan:
         lines = [
             f"zj.plan: {where}"
             + (f", M = {self.model_parallel} tensor-parallel" if self.model_parallel > 1 else "")
-            + (f", {fmt_bytes(self.device_bytes)} per device" if self._budget_differs() else "")
+            + (f", {fmt_bytes(self.device_bytes, decimal=True)} per device" if self._budget_differs() else "")
             + f"; compiled in {self.seconds:.1f} s, peak RSS {fmt_bytes(self.max_rss_bytes)}",
             f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'temp':>11} {'peak':>11} "
             + (f"{'HBM':>11} " if hbm else "")
@@ -212,6 +235,7 @@ class Plan:
                 + (f"{fmt_bytes(self.hbm[r.stage]) if r.stage in self.hbm else '-':>11} " if hbm else "")
                 + f"{self.fit_note(r.stage):>5} {fmt_bytes(r.comm.measured):>11} {r.comm.ratio:>7.3f}"
             )
+        lines.extend(f"{s:>5} refused by the TPU compiler: {said}" for s, said in self.out_of_memory.items())
         lines.extend(self.layer_notes())
         if self.device_bytes is not None:
             rec = self.recommended
@@ -357,23 +381,35 @@ def compile_stages(
     TPU slice ``topology``'s; the reports, the TPU HBM totals and the peak RSS."""
     build = resolve(factory)
     mesh = jax.make_mesh((jax.device_count(),), ("data",)) if topology is None else topology_mesh(topology)
-    reports, hbm = [], {}
+    reports, hbm, refused = [], {}, {}
     for stage in stages:
         step, state, batch = build(stage, mesh, **kwargs)
-        report, hbm[stage] = audit_stage(step, state, batch, grads)
-        reports.append(report)
+        report, hbm[stage], said = audit_stage(step, state, batch, grads)
         del step, state, batch
-    return {"reports": reports, "hbm": {s: b for s, b in hbm.items() if b is not None}, "max_rss": max_rss()}
+        if report is None:
+            refused[stage] = said
+        else:
+            reports.append(report)
+    hbm = {s: b for s, b in hbm.items() if b is not None}
+    return {"reports": reports, "hbm": hbm, "out_of_memory": refused, "max_rss": max_rss()}
 
 
-def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditReport, int | None]:
+def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditReport | None, int | None, str]:
     """:func:`zero_jax.audit` of one step and, for a step on TPU devices, the
-    HBM its buffer assignment gives it, read from the dump of the same compile."""
-    with dump_reports() as found:
-        report = audit(step, state, batch, grads=None if grads else False)
+    HBM its buffer assignment gives it, read from the dump of the same
+    compile; or, when the TPU compiler refuses a step that cannot fit HBM,
+    no report and its words."""
+    try:
+        with dump_reports() as found:
+            report = audit(step, state, batch, grads=None if grads else False)
+    except jax.errors.JaxRuntimeError as e:  # libtpu fails the compile of a program that cannot fit HBM
+        said = OUT_OF_HBM.search(str(e))
+        if said is None:
+            raise
+        return None, None, said["what"].rstrip(".")
     mesh = getattr(getattr(step, "policy", None), "mesh", None)
     on_tpu = mesh is not None and mesh.devices.flat[0].platform == "tpu"
-    return report, (found[0] if on_tpu and found else None)
+    return report, (found[0] if on_tpu and found else None), ""
 
 
 def plan(
@@ -455,8 +491,12 @@ def plan(
     if hasattr(target, "lower"):  # a built step: compile here
         m = _built_step_model_parallel(target, tensor_parallel)
         _check_step_on(target, tpu)
-        report, hbm = _plan_built_step(target, abstract_state, abstract_batch, num_devices, grads)
+        report, hbm, said = _plan_built_step(target, abstract_state, abstract_batch, num_devices, grads)
         seconds = time.perf_counter() - started
+        if report is None:
+            policy = getattr(target, "policy", None)
+            n, stage = getattr(policy, "num_shards", 0), getattr(policy, "stage", 0)
+            return Plan((), n, mem, max_rss(), seconds, m, tpu, {}, {stage: said})
         hbms = {} if hbm is None else {report.stage: hbm}
         return Plan((report,), report.num_devices, mem, max_rss(), seconds, m, tpu, hbms)
     if abstract_state is not None or abstract_batch is not None:
@@ -487,7 +527,7 @@ def plan(
     except TimeoutError as e:
         raise TimeoutError(f"plan: compiling for {where} took longer than timeout={timeout} s.") from e
     seconds = time.perf_counter() - started
-    return Plan(tuple(out["reports"]), n, mem, out["max_rss"], seconds, 1, tpu, out["hbm"])
+    return Plan(tuple(out["reports"]), n, mem, out["max_rss"], seconds, 1, tpu, out["hbm"], out["out_of_memory"])
 
 
 def _check_step_on(step: Any, tpu: TpuSlice | None) -> None:
@@ -511,9 +551,9 @@ def _built_step_model_parallel(step: Any, tensor_parallel: Any) -> int:
 
 def _plan_built_step(
     step: Any, abstract_state: Any, abstract_batch: Any, num_devices: Any, grads: bool
-) -> tuple[AuditReport, int | None]:
-    """:func:`plan` of a built step: compiled here, on its mesh's devices (the
-    report, and the HBM total on TPU)."""
+) -> tuple[AuditReport | None, int | None, str]:
+    """:func:`plan` of a built step: compiled here, on its mesh's devices
+    (:func:`audit_stage`'s report, HBM total on TPU, or the compiler's refusal)."""
     if abstract_state is None or abstract_batch is None:
         raise TypeError("plan: with a built step, pass abstract_state and abstract_batch too.")
     n = step.policy.num_shards if hasattr(step, "policy") else None
