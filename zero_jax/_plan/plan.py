@@ -245,7 +245,9 @@ class Plan:
 
 def fit_advice(p: Plan, stage: int) -> str:
     """What would make ``stage`` of a plan that does not fit fit: offloading
-    its optimizer state, or (stage 3) more devices, estimated from its bytes."""
+    its optimizer state, a higher stage, or (stage 3) more devices, estimated
+    from its bytes (state held between steps is cut N ways at stage 3; the
+    rest, temporaries and activations, is not)."""
     assert p.device_bytes is not None
     r = next(r for r in p.reports if r.stage == stage)
     need, budget, optimizer = p.needs[stage], p.device_bytes, r.state_bytes.get("optimizer", 0)
@@ -257,7 +259,9 @@ def fit_advice(p: Plan, stage: int) -> str:
             "per device to host memory, which would cover it (an estimate: plan it to check)"
         )
     rest = need - held  # what does not shrink with N: temporaries, activations
-    if rest < budget and held:
+    if stage < 3:
+        advice.append(f"a higher stage than {stage} (plan it: it partitions more of the state)")
+    elif rest < budget and held:
         n = math.ceil(p.num_devices * held / (budget - rest))
         advice.append(f"stage 3 on about {n} devices instead of {p.num_devices} (its state is cut N ways)")
     elif not advice:
