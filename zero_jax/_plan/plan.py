@@ -77,7 +77,10 @@ REFUSED_ALL = (
 )
 #: How libtpu refuses a program that does not fit HBM (libtpu 0.0.42.1; "G" is GiB): the compile fails.
 OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: (?P<what>Ran out of memory[^\n]*)")
-_GIB_FIGURES = re.compile(r"\((?P<need>[\d.]+)G\) exceeds available HBM \((?P<have>[\d.]+)G\)")
+_GIB_FIGURES = (  # the exception's wording, and the compiler log's
+    re.compile(r"\((?P<need>[\d.]+)G\) exceeds available HBM \((?P<have>[\d.]+)G\)"),
+    re.compile(r"Used (?P<need>[\d.]+)G of (?P<have>[\d.]+)G hbm"),
+)
 NOT_IMPORTABLE = (
     "plan: the factory {factory!r} cannot be imported by the planning process (it is defined in "
     "__main__ or locally). Define it at the top level of an importable module, or pass its path as "
@@ -132,7 +135,7 @@ class Plan:
         compiler refused, what it said the program needs (infinite if unsaid)."""
         needs: dict[int, float] = {s: self.hbm.get(s, p) for s, p in self.peaks.items()}
         for s, said in self.out_of_memory.items():
-            m = _GIB_FIGURES.search(said)
+            m = next((m for m in (r.search(said) for r in _GIB_FIGURES) if m), None)
             needs[s] = float(m["need"]) * 2**30 if m else math.inf
         return dict(sorted(needs.items()))
 
