@@ -81,7 +81,10 @@ TOPOLOGY_DEVICES = (
 )
 NO_DEVICE_MEMORY = "pass --device-memory (e.g. 80GB or 16GiB), or --topology NAME to judge against a TPU chip's HBM."
 NO_HBM = "--topology {topology}: the HBM of a {kind} chip is not in zero_jax's table; pass --device-memory."
-REPLICAS_SPLIT = "--replicas {r} must divide the {n} devices of --topology {topology}."
+REPLICAS_SPLIT = (
+    "--replicas {r} x --tensor-parallel {m} must divide the {n} devices of --topology {topology} (N = devices / "
+    "(R x M)); pick sizes whose product divides {n}."
+)
 TOPOLOGY_REPLICAS = (
     "--compile --topology compiles a 1-D data mesh of the whole slice; leave out --replicas {r} (the hybrid table "
     "is formulas only), or build the (replica, data) step on zj.topology_mesh(...) and pass it to zj.plan."
@@ -203,12 +206,12 @@ def plan_target(args: argparse.Namespace) -> tuple[int, float, TpuSlice | None]:
         if args.device_memory is None:
             raise ValueError(NO_DEVICE_MEMORY)
         return args.devices or 8, parse_size_argument(args.device_memory, "--device-memory"), None
-    r = args.replicas
-    if tpu.num_devices % r:
-        raise ValueError(REPLICAS_SPLIT.format(r=r, n=tpu.num_devices, topology=tpu.topology))
-    n = tpu.num_devices // r
+    r, m = args.replicas, args.tensor_parallel
+    if tpu.num_devices % (r * m):
+        raise ValueError(REPLICAS_SPLIT.format(r=r, m=m, n=tpu.num_devices, topology=tpu.topology))
+    n = tpu.num_devices // (r * m)
     if args.devices is not None and args.devices != n:
-        per = f" ({r} replicas of N = {n})" if r > 1 else ""
+        per = f" (R = {r} x N = {n} x M = {m})" if r * m > 1 else ""
         raise ValueError(
             TOPOLOGY_DEVICES.format(topology=tpu.topology, n=tpu.num_devices, per=per, devices=args.devices, want=n)
         )
