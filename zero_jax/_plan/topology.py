@@ -64,7 +64,7 @@ MESH_AXES = "topology_mesh: {k} axes {axes} need a shape of {k} sizes (product {
 # v5p-8 is 4 chips, 2x2x1), v5e and v6e count chips (1 TensorCore per chip).
 _CORES_SHAPES = {
     8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8", 512: "4x8x8",
-    1024: "8x8x8", 2048: "8x8x16", 4096: "8x16x16", 8192: "16x16x16",
+    1024: "8x8x8", 2048: "8x8x16", 4096: "8x16x16", 8192: "16x16x16", 12288: "16x16x24",
 }  # fmt: skip
 _CHIP_SHAPES = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 _CLOUD_NAME = re.compile(r"^\s*(?P<kind>v4|v5p|v5e|v5litepod|v6e)-(?P<n>\d+)\s*$", re.IGNORECASE)
@@ -74,7 +74,9 @@ _KIND_ALIASES = {"v5litepod": "v5e"}  # a Cloud TPU name libtpu does not know as
 
 # HBM per chip, in GiB, by device_kind: the Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4,
 # /v5e, /v5p, /v6e; "HBM capacity per chip": v4 32 GiB, v5e 16 GB, v5p 95 GiB (of 96 physical: what JAX can
-# allocate), v6e 32 GB). A chip with 2 devices (v4's two TensorCores in a deviceless topology) gives each half.
+# allocate), v6e 32 GB; the GB of v5e / v6e taken as GiB, like v5p's). libtpu's own limit for v5p, quoted when
+# it refuses a program, is 95.74 GiB. A chip with 2 devices (v4's two TensorCores in a deviceless topology)
+# gives each half.
 HBM_GIB_PER_CHIP = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
 
 # libtpu reads these while it starts. On a machine without a TPU there is no slice to discover: without them
