@@ -68,11 +68,11 @@ STEP_NOT_ON_TOPOLOGY = (
     "zj.topology_mesh({name!r}) or pass the topology it was built for."
 )
 DOES_NOT_FIT = (
-    "plan: no planned stage fits {budget} per device{where}: the smallest, stage {stage}, needs {need} ({over} "
+    "no planned stage fits {budget} per device{where}: the smallest, stage {stage}, needs {need} ({over} "
     "over). {advice}"
 )
 REFUSED_ALL = (
-    "plan: no planned stage fits {budget} per device{where}: the TPU compiler refused each ({refusals}). Plan a "
+    "no planned stage fits {budget} per device{where}: the TPU compiler refused each ({refusals}). Plan a "
     "higher stage, offload_optimizer=True or a larger slice."
 )
 #: How libtpu refuses a program that does not fit HBM (libtpu 0.0.42.1; "G" is GiB): the compile fails.
@@ -210,7 +210,7 @@ class Plan:
     def check(self) -> Plan:
         """Raise ``ValueError`` with :meth:`verdict` when no planned stage fits."""
         if self.device_bytes is not None and self.recommended is None:
-            raise ValueError(self.verdict())
+            raise ValueError(f"plan: {self.verdict()}")
         return self
 
     def _budget_differs(self) -> bool:
@@ -258,20 +258,18 @@ def fit_advice(p: Plan, stage: int) -> str:
     advice = []
     if need - optimizer <= budget:
         advice.append(
-            f"ZeroPolicy({stage}, ..., offload_optimizer=True) moves its {fmt_bytes(optimizer)} of optimizer state "
-            "per device to host memory, which would cover it (an estimate: plan it to check)"
+            f"ZeroPolicy({stage}, ..., offload_optimizer=True), which moves its {fmt_bytes(optimizer)} of optimizer "
+            "state per device to host memory (an estimate: plan it to check)"
         )
     rest = need - held  # what does not shrink with N: temporaries, activations
     if stage < 3:
-        advice.append(f"a higher stage than {stage} (plan it: it partitions more of the state)")
+        advice.append(f"a higher stage than {stage}, which partitions more of the state (plan it)")
     elif rest < budget and held:
         n = math.ceil(p.num_devices * held / (budget - rest))
         advice.append(f"stage 3 on about {n} devices instead of {p.num_devices} (its state is cut N ways)")
-    elif not advice:
-        advice.append(
-            f"the step's {fmt_bytes(rest)} of temporaries alone exceed it: a smaller batch per device or sequence"
-        )
-    return "Try " + "; or ".join(advice) + "."
+    if advice:
+        return "Try " + "; or ".join(advice) + "."
+    return f"The step's {fmt_bytes(rest)} of temporaries alone exceed it: try a smaller batch per device or sequence."
 
 
 def check_global_batch(batch: int, n: int, accum_steps: int) -> None:
