@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -177,6 +178,12 @@ def test_plan_of_a_built_step_on_abstract_inputs_matches_the_live_arrays() -> No
     assert planned.memory == live.memory
     assert planned.comm == live.comm
     assert result.fits == {3: True}
+    # on CPU nothing changes: no TPU HBM figure, fit judged on the peak
+    assert result.hbm == {} and result.out_of_memory == {} and result.needs == result.peaks
+    assert result.verdict().startswith("stage 3 is the lowest planned stage that fits") and result.check() is result
+    short = dataclasses.replace(result, device_bytes=result.peaks[3] - 1000)
+    with pytest.raises(ValueError, match=r"no planned stage fits .* stage 3, needs .* \(1000 B over\)\. Try "):
+        short.check()
     with pytest.raises(ValueError, match="spans 8 devices, not num_devices=64"):
         zj.plan(step, abstract_state, abstract_batch, num_devices=64)
 

@@ -15,6 +15,7 @@ from zero_jax._layerwise.pieces import Sharded, gather
 from zero_jax._layerwise.scan import scan_layers
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, leaf_layout
 from zero_jax._plan.plan import Plan, plan
+from zero_jax._plan.topology import TpuSlice, topology_mesh, tpu_slice
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import DynamicLossScale, LossScaleState, Precision
 from zero_jax._processes.launch import launch
@@ -58,6 +59,7 @@ __all__ = [
     "ShardedOptState",
     "ShardedTransformation",
     "StageChoice",
+    "TpuSlice",
     "TrainState",
     "TrainStep",
     "Violation",
@@ -90,4 +92,6 @@ __all__ = [
     "scan_layers",
     "shard_batch",
     "shard_optimizer",
+    "topology_mesh",
+    "tpu_slice",
 ]

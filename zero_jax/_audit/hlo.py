@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from zero_jax._audit.memory import note_dump
+
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -282,7 +284,8 @@ def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = Non
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
         compiled = lowered.compile(compiler_options=options)
-        files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))
+        note_dump(d)  # the HBM total, for a caller inside memory.dump_reports() (zj.plan on TPU)
+        files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))  # TPU: after_tpu-spmd-...
         if files:
             with open(files[-1]) as f:
                 return compiled, f.read()

@@ -1,11 +1,31 @@
-"""TODO."""
+"""What a step holds: bytes per device of live arrays (``resident_bytes``,
+``resident_bytes_by_kind``), ``memory_analysis()``'s figures (``memory``), and
+the buffer assignment's own total per memory space, read from an XLA dump
+(``memory_usage_totals``, ``hbm_bytes_from_dump``; ``dump_reports`` collects it
+from the compiles of a block).
+
+On TPU argument + output + temp − alias overestimates HBM (temp counts buffers
+the assignment shares); the memory-usage report's "Total bytes" of the
+default memory space is the HBM the program is given. On XLA:CPU the two agree.
+"""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
+import glob
+import os
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import jax
+
+from zero_jax._base.scoped import Scoped
+
+#: A memory space's total in XLA's ``*memory-usage-report*`` dump file.
+_SPACE_TOTAL = re.compile(r"Memory Space: (?P<space>\S+) \(color=(?P<color>\d+)\)\s*\nTotal bytes: (?P<bytes>\d+)")
 
 
 def resident_bytes(tree: Any) -> dict[Any, int]:
@@ -40,3 +60,60 @@ def resident_bytes_by_kind(tree: Any) -> dict[tuple[Any, str], int]:
         for shard in leaf.addressable_shards:
             out[(shard.device, kind)] += shard.data.nbytes
     return dict(out)
+
+
+def memory_usage_totals(report: str) -> dict[str, int]:
+    """Memory space -> "Total bytes" of an XLA memory-usage report
+    (``default`` is device memory: HBM on TPU; ``vmem`` is on-chip; host
+    memory appears as another space).
+
+    >>> memory_usage_totals("Memory Space: default (color=0)\\nTotal bytes: 5072256 (4.84MiB)")
+    {'default': 5072256}
+    """
+    return {m["space"]: int(m["bytes"]) for m in _SPACE_TOTAL.finditer(report)}
+
+
+def hbm_bytes_from_dump(dump_dir: str) -> int | None:
+    """The device-memory total (HBM on TPU) of the program XLA dumped to
+    ``dump_dir`` (``xla_dump_to``): the default memory space of its
+    memory-usage report, ``None`` if there is none. With several modules,
+    the one written last (the step; the small helper programs come first)."""
+    reports = sorted(glob.glob(os.path.join(dump_dir, "*memory-usage-report*")), key=os.path.getmtime)
+    if not reports:
+        return None
+    with open(reports[-1]) as f:
+        return memory_usage_totals(f.read()).get("default")
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpReports:
+    """Where :func:`dump_reports` collects (``None``: nobody asked)."""
+
+    found: list[int | None] | None = None
+
+
+_DUMP_REPORTS = Scoped("zero_jax_dump_reports", DumpReports())
+
+
+@contextlib.contextmanager
+def dump_reports() -> Iterator[list[int | None]]:
+    """Within the block, each program compiled through
+    :func:`zero_jax._audit.hlo.compile_with_hlo` (``zj.audit``'s one compile of
+    the step) adds its device-memory total from its dump (``None`` where the
+    dump has no report), in order: HBM read from the same compile the audit
+    reads, at no extra compile.
+
+    >>> with dump_reports() as found:
+    ...     pass
+    >>> found
+    []
+    """
+    with _DUMP_REPORTS.replaced(found=[]) as scope:
+        yield scope.found  # type: ignore[misc]
+
+
+def note_dump(dump_dir: str) -> None:
+    """Add ``dump_dir``'s device-memory total to the enclosing :func:`dump_reports`, if any."""
+    found = _DUMP_REPORTS.current().found
+    if found is not None:
+        found.append(hbm_bytes_from_dump(dump_dir))

@@ -4,8 +4,9 @@
 :mod:`zero_jax._cli.demo`); ``plan --params 7e9 --devices 8 --device-memory
 80GB`` says which stage fits (per-stage model states, communication, a
 recommendation; ``--plot`` draws the chart, ``--compile`` checks the reference
-transformer's compiled step on simulated devices); ``audit`` audits the
-reference model's compiled step for each stage (``zj.audit``).
+transformer's compiled step on simulated devices, ``--topology v5p:4x4x8
+--compile`` with the TPU compiler for that slice, on this machine); ``audit``
+audits the reference model's compiled step for each stage (``zj.audit``).
 
 Without an accelerator the commands simulate CPU devices (set before JAX
 starts a backend); on GPUs or TPUs they use the real devices unchanged.
@@ -29,7 +30,8 @@ from rich.table import Table
 from zero_jax._audit.audit import audit
 from zero_jax._base.units import fmt_bytes, parse_bandwidth, parse_count, parse_size_argument
 from zero_jax._cli import demo as _demo
-from zero_jax._plan.plan import plan, sized_config
+from zero_jax._plan.plan import Plan, plan, sized_config
+from zero_jax._plan.topology import TpuSlice, deviceless_environment, tpu_slice
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import Precision
 from zero_jax._step.optimizer import shard_optimizer
@@ -73,6 +75,24 @@ COMPILED_WIRE = (
     "quant_block={quant_block}) where the stage has each (qwZ: stage 3; qgZ: stages 1-3)"
 )
 HYBRID_WIRE = "; the ZeRO++ wire formats quantize within N only: ZeroPolicy reduces across R in --grad-bytes."
+TOPOLOGY_DEVICES = (
+    "--topology {topology} has {n} devices{per}, but --devices {devices} disagrees: leave out --devices (N is then "
+    "the slice's) or pass --devices {want}."
+)
+NO_DEVICE_MEMORY = "pass --device-memory (e.g. 80GB or 16GiB), or --topology NAME to judge against a TPU chip's HBM."
+NO_HBM = "--topology {topology}: the HBM of a {kind} chip is not in zero_jax's table; pass --device-memory."
+REPLICAS_SPLIT = (
+    "--replicas {r} x --tensor-parallel {m} must divide the {n} devices of --topology {topology} (N = devices / "
+    "(R x M)); pick sizes whose product divides {n}."
+)
+TOPOLOGY_REPLICAS = (
+    "--compile --topology compiles a 1-D data mesh of the whole slice; leave out --replicas {r} (the hybrid table "
+    "is formulas only), or build the (replica, data) step on zj.topology_mesh(...) and pass it to zj.plan."
+)
+TPU_CAPTION = (
+    "; compiled by the TPU compiler (libtpu) for {tpu}; HBM = the TPU buffer assignment's total of device memory "
+    "(the compile's memory-usage report): the peak above overestimates it on TPU, and fit is judged on HBM"
+)
 TP_CAPTION = (
     "; tensor-parallel over M = {m}: every model-state term and ZeRO's data-axis communication / M (the model's own "
     "traffic over the model axis, its activation all-reduces, is not counted: zj.audit measures it)"
@@ -130,7 +150,14 @@ def _config(args: argparse.Namespace, depth: int | None = None) -> TransformerCo
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's options."""
     p.add_argument("--params", help="number of parameters, e.g. 7e9 or 7B (default: the --compile model's)")
-    p.add_argument("--devices", type=positive_int, default=8, help="data-parallel devices N (default 8)")
+    p.add_argument(
+        "--topology",
+        help="a TPU slice, e.g. v5p:4x4x8, v5p-128, v5e:4x4, v6e:16x16 (N and --device-memory are then the "
+        "slice's; --compile uses the TPU compiler, here, without a TPU: needs libtpu)",
+    )
+    p.add_argument(
+        "--devices", type=positive_int, default=None, help="data-parallel devices N (default 8, or the --topology's)"
+    )
     p.add_argument(
         "--replicas", type=positive_int, default=1,
         help="hybrid mesh: R replicas of N-device partitions (HSDP, R*N devices); adds per-axis figures",
@@ -140,7 +167,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel size M (model axes beside the data axis, N*M devices): model states and ZeRO's "
         "data-axis communication per device / M (default 1)",
     )  # fmt: skip
-    p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB or 16GiB")
+    p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 16GiB (default with --topology: its HBM)")
     p.add_argument("--activations", default="0", help="activation memory per device, e.g. 10GB (default 0)")
     p.add_argument("--bandwidth", help="bandwidth per device, e.g. 300GB/s or 200Gb/s (with --compute-time)")
     p.add_argument("--compute-time", help="compute time per step, e.g. 10s or 250ms (with --bandwidth)")
@@ -157,6 +184,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--compile", action="store_true", help="also compile each stage's step for N simulated devices")
     add_model_arguments(c, vocab=32000, dim=2048, depth=None, heads=16, seq=512, batch_per_device=1)
     c.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
+    c.add_argument("--timeout", type=float, default=600.0, help="seconds the compiling process may take (600)")
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
@@ -164,9 +192,36 @@ def run_plan_command(args: argparse.Namespace) -> int:
     communication and efficiency; optionally the chart and the compiled check."""
     try:
         return _plan_command(args)
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:  # ImportError: --topology without libtpu
         print(f"python -m zero_jax plan: error: {e}", file=sys.stderr)
         return 2
+
+
+def plan_target(args: argparse.Namespace) -> tuple[int, float, TpuSlice | None]:
+    """N, the memory per device and the TPU slice (``None`` without
+    ``--topology``) that ``plan`` plans for, with ``--topology``,
+    ``--devices``, ``--replicas`` and ``--device-memory`` checked against each other."""
+    tpu = None if args.topology is None else tpu_slice(args.topology)
+    if tpu is None:
+        if args.device_memory is None:
+            raise ValueError(NO_DEVICE_MEMORY)
+        return args.devices or 8, parse_size_argument(args.device_memory, "--device-memory"), None
+    r, m = args.replicas, args.tensor_parallel
+    if tpu.num_devices % (r * m):
+        raise ValueError(REPLICAS_SPLIT.format(r=r, m=m, n=tpu.num_devices, topology=tpu.topology))
+    n = tpu.num_devices // (r * m)
+    if args.devices is not None and args.devices != n:
+        per = f" (R = {r} x N = {n} x M = {m})" if r * m > 1 else ""
+        raise ValueError(
+            TOPOLOGY_DEVICES.format(topology=tpu.topology, n=tpu.num_devices, per=per, devices=args.devices, want=n)
+        )
+    if args.compile and r > 1:
+        raise ValueError(TOPOLOGY_REPLICAS.format(r=r))
+    if args.device_memory is not None:
+        return n, parse_size_argument(args.device_memory, "--device-memory"), tpu
+    if tpu.hbm_per_device is None:
+        raise ValueError(NO_HBM.format(topology=tpu.topology, kind=tpu.device_kind))
+    return n, float(tpu.hbm_per_device), tpu
 
 
 def _compile_model(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -208,13 +263,15 @@ def _plan_command(args: argparse.Namespace) -> int:
         raise ValueError("--bandwidth and --compute-time go together (efficiency = t_compute / (t_compute + t_comm)).")
     bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth, "--bandwidth")
     per = dict(param_bytes=args.param_bytes, grad_bytes=args.grad_bytes, optimizer_bytes=args.optimizer_bytes)
-    memory = parse_size_argument(args.device_memory, "--device-memory")
+    devices, memory, tpu = plan_target(args)
     activations = parse_size_argument(args.activations, "--activations")
     m = args.tensor_parallel
     if args.compile and m > 1:
-        raise ValueError(COMPILE_TP.format(m=m, n=args.devices))
-    choice = choose_stage(num_params, args.devices, memory, activations, model_parallel=m, **per)
+        raise ValueError(COMPILE_TP.format(m=m, n=devices))
+    choice = choose_stage(num_params, devices, memory, activations, model_parallel=m, **per)
     model, note = _compile_model(args) if args.compile else (None, "")  # bad model sizes fail before printing
+    if tpu is not None:
+        out.print(f"TPU slice {tpu}")
     out.print(_formula_table(choice, args, bandwidth))
     head = f"stage {choice.stage}" if choice.stage is not None else "no stage fits"
     out.print(f"[bold]Recommendation: {head}.[/bold] {choice.reason}")
@@ -235,7 +292,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if model is not None:
         if note:
             out.print(note)
-        _compiled_table(out, n, choice.device_bytes, model, args.stages)
+        return _compiled_table(out, n, choice.device_bytes, model, args.stages, tpu, args.timeout) or 0
     return 0
 
 
@@ -331,33 +388,64 @@ def plot_choice(choice: StageChoice, path: str) -> None:
     _demo.save_figure(plt, fig, path, "--plot")
 
 
-def _compiled_table(out: Console, n: int, mem: float, model: dict[str, Any], stages: Sequence[int]) -> None:
-    out.print(f"Compiling for {n} simulated devices (nothing is allocated)...")
-    result = plan(num_devices=n, device_bytes=mem, stages=stages, factory_kwargs=model)
-    phi = result.reports[0].num_params
+def _compiled_table(
+    out: Console, n: int, mem: float, model: dict[str, Any], stages: Sequence[int], tpu: TpuSlice | None = None,
+    timeout: float = 600.0,
+) -> int:  # fmt: skip
+    """Compile and print the per-stage table; exit status 1 when no stage fits (the reason on stderr)."""
+    if tpu is None:
+        out.print(f"Compiling for {n} simulated devices (nothing is allocated)...")
+    else:
+        out.print(f"Compiling for {tpu.topology} with the TPU compiler, on this machine (nothing is allocated)...")
+    topology = None if tpu is None else tpu.name
+    result = plan(
+        num_devices=n, device_bytes=mem, stages=stages, factory_kwargs=model, topology=topology, timeout=timeout
+    )
+    out.print(_result_table(result, model))
+    for stage, said in result.out_of_memory.items():
+        out.print(f"stage {stage}: the TPU compiler refused the step: {said}")
+    for line in result.layer_notes():
+        out.print(line)
+    if result.recommended is None:
+        out.print("[bold]Compiled: no stage fits.[/bold]")
+        print(f"python -m zero_jax plan: error: {result.verdict()}", file=sys.stderr)
+        return 1
+    out.print(f"[bold]Compiled: {result.verdict()}.[/bold]")
+    return 0
+
+
+def _result_table(result: Plan, model: dict[str, Any]) -> Table:
+    """The compiled plan per stage: state bytes, temp, peak (and TPU HBM), fit, communication, the audit."""
+    phi = f"{result.reports[0].num_params:,}" if result.reports else "?"
+    hbm = bool(result.hbm)
     table = Table(
-        title=f"Compiled step (reference transformer, Φ = {phi:,}, AdamW, "
+        title=f"Compiled step (reference transformer, Φ = {phi}, AdamW, "
         f"{'bf16 compute / fp32 master' if model['compute_dtype'] else FP32_NOTE})",
         caption=f"compiled in {result.seconds:.1f} s; peak resident memory of the compiling process "
         f"{fmt_bytes(result.max_rss_bytes)}; peak = argument + output + temp - alias (memory_analysis)"
+        + (TPU_CAPTION.format(tpu=result.topology) if result.topology is not None else "")
         + (COMPILED_WIRE.format(**model) if "quant_block" in model else ""),
     )
-    for col in ("stage", "params", "grads", "optimizer", "temp", "peak", "fits", "comm/step", "/theory", "check"):
+    cols = ("stage", "params", "grads", "optimizer", "temp", "peak", *(("HBM",) if hbm else ()), "fits")
+    for col in (*cols, "comm/step", "/theory", "check"):
         table.add_column(col, justify="left" if col == "stage" else "right")
-    for r in result.reports:
-        b, fit = r.state_bytes, result.fits[r.stage]
+    reports = {r.stage: r for r in result.reports}
+    for stage in sorted({*reports, *result.out_of_memory}):
+        fit = result.fit_note(stage)
+        fits = f"[green]{fit}[/green]" if fit == "yes" else f"[red]{fit}[/red]"
+        if stage not in reports:  # refused by the TPU compiler: no program, no figures (its words follow the table)
+            table.add_row(f"{stage} {STAGE_NAMES[stage]}", *["-"] * (len(cols) - 2), fits, "-", "-", "-")
+            continue
+        r = reports[stage]
+        b = r.state_bytes
         table.add_row(
             f"{r.stage} {STAGE_NAMES[r.stage]}", _si(b["params"]), _si(b.get("grads", 0)),
             _si(b["optimizer"]), _si(r.memory["temp"]), _si(r.memory["peak"]),
-            "[green]yes[/green]" if fit else "[red]no[/red]", _si(r.comm.measured), f"{r.comm.ratio:.3f}",
+            *((_si(result.hbm[r.stage]) if r.stage in result.hbm else "-",) if hbm else ()),
+            fits, _si(r.comm.measured), f"{r.comm.ratio:.3f}",
             "[green]ok[/green]" if r.ok else f"[red]{len(r.violations)} violation(s)[/red]",
         )  # fmt: skip
-    out.print(table)
-    for line in result.layer_notes():
-        out.print(line)
-    rec = result.recommended
-    verdict = f"stage {rec} is the lowest that fits" if rec is not None else "no stage fits"
-    out.print(f"[bold]Compiled: {verdict}.[/bold]")
+    return table
 
 
 # -- audit --------------------------------------------------------------------------------------------------------
@@ -488,6 +576,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit status (argparse exits 2 itself on bad flags)."""
+    deviceless_environment()  # with libtpu installed, JAX loads it on a machine without a TPU: quietly, then
     args = parser().parse_args(argv)
     if args.command == "demo":
         return _demo.run_demo_command(args)

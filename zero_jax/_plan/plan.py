@@ -1,16 +1,22 @@
-"""``zj.plan``: will it fit? Compile the real step for a simulated mesh of the
-target size and read the compiled program.
+"""``zj.plan``: will it fit? Compile the real step for a mesh of the target
+size and read the compiled program.
 
 :func:`plan` lowers and compiles a step on abstract inputs
-(``jax.ShapeDtypeStruct``; nothing is allocated) for a mesh of
-``num_devices`` simulated CPU devices in a child process
-(:func:`zero_jax._processes.child.run_child`), and audits it (:func:`zero_jax.audit`).
-The formulas it is checked against live in :mod:`zero_jax._theory.formulas`.
+(``jax.ShapeDtypeStruct``; nothing is allocated) in a child process
+(:func:`zero_jax._processes.child.run_child`), for a mesh of ``num_devices``
+simulated CPU devices or, with ``topology=``, of a TPU slice's devices compiled
+by the real TPU compiler (:mod:`zero_jax._plan.topology`; no TPU needed), and
+audits it (:func:`zero_jax.audit`). On TPU each stage's peak is also read from
+the buffer assignment of the same compile (HBM; argument + output + temp −
+alias overestimates it there), and fit is judged on it. The formulas it is
+checked against live in :mod:`zero_jax._theory.formulas`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import resource
 import sys
 import time
@@ -22,8 +28,10 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax._audit.audit import audit
+from zero_jax._audit.memory import dump_reports
 from zero_jax._audit.report import AuditReport
 from zero_jax._base.units import fmt_bytes, parse_bytes
+from zero_jax._plan.topology import TpuSlice, topology_mesh, tpu_slice
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import Precision
 from zero_jax._processes.child import importable_path, resolve, run_child
@@ -51,6 +59,28 @@ STEP_HAS_OTHER_TP = (
     "plan: the step's policy has model_parallel = {m} (the product of its model axes' sizes; 1 on a data-only "
     "mesh), not tensor_parallel={tp}; leave tensor_parallel out to plan the step as built."
 )
+TOPOLOGY_DEVICES = (
+    "plan: topology {topology} has {n} devices, but num_devices={num_devices}; leave num_devices out (N is the "
+    "slice's device count) or name a slice of {num_devices} devices."
+)
+STEP_NOT_ON_TOPOLOGY = (
+    "plan: the step's mesh spans {m} devices, but topology {topology} has {n}; build the step on "
+    "zj.topology_mesh({name!r}) or pass the topology it was built for."
+)
+DOES_NOT_FIT = (
+    "no planned stage fits {budget} per device{where}: the smallest, stage {stage}, needs {need} ({over} "
+    "over). {advice}"
+)
+REFUSED_ALL = (
+    "no planned stage fits {budget} per device{where}: the TPU compiler refused each ({refusals}). Plan a "
+    "higher stage, offload_optimizer=True or a larger slice."
+)
+#: How libtpu refuses a program that does not fit HBM (libtpu 0.0.42.1; "G" is GiB): the compile fails.
+OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: (?P<what>Ran out of memory[^\n]*)")
+_GIB_FIGURES = (  # the exception's wording, and the compiler log's
+    re.compile(r"\((?P<need>[\d.]+)G\) exceeds available HBM \((?P<have>[\d.]+)G\)"),
+    re.compile(r"Used (?P<need>[\d.]+)G of (?P<have>[\d.]+)G hbm"),
+)
 NOT_IMPORTABLE = (
     "plan: the factory {factory!r} cannot be imported by the planning process (it is defined in "
     "__main__ or locally). Define it at the top level of an importable module, or pass its path as "
@@ -74,6 +104,12 @@ class Plan:
       seconds: wall time of planning.
       model_parallel: the tensor-parallel size M of the compiled step (1: a
         data-only mesh).
+      topology: the TPU slice compiled for (``None``: simulated CPU devices).
+      hbm: stage -> the device memory the TPU buffer assignment gives the
+        step (the dump's memory-usage report; empty on CPU, where it equals
+        the peak).
+      out_of_memory: stage -> the TPU compiler's refusal, for a stage whose
+        step does not fit HBM at all (libtpu fails the compile: no report).
     """
 
     reports: tuple[AuditReport, ...]
@@ -82,15 +118,31 @@ class Plan:
     max_rss_bytes: int
     seconds: float
     model_parallel: int = 1
+    topology: TpuSlice | None = None
+    hbm: dict[int, int] = dataclasses.field(default_factory=dict)
+    out_of_memory: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def peaks(self) -> dict[int, int]:
-        """stage -> the compiled step's peak bytes per device."""
+        """stage -> the compiled step's peak bytes per device (argument +
+        output + temp − alias of ``memory_analysis()``)."""
         return {r.stage: r.memory["peak"] for r in self.reports}
 
     @property
+    def needs(self) -> dict[int, float]:
+        """stage -> the bytes per device fit is judged on: the TPU HBM total
+        where measured (:attr:`hbm`), else the peak; for a stage the TPU
+        compiler refused, what it said the program needs (infinite if unsaid)."""
+        needs: dict[int, float] = {s: self.hbm.get(s, p) for s, p in self.peaks.items()}
+        for s, said in self.out_of_memory.items():
+            m = next((m for m in (r.search(said) for r in _GIB_FIGURES) if m), None)
+            needs[s] = float(m["need"]) * 2**30 if m else math.inf
+        return dict(sorted(needs.items()))
+
+    @property
     def fits(self) -> dict[int, bool | None]:
-        return {s: None if self.device_bytes is None else p <= self.device_bytes for s, p in self.peaks.items()}
+        fits = {s: None if self.device_bytes is None else p <= self.device_bytes for s, p in self.needs.items()}
+        return fits | dict.fromkeys(self.out_of_memory, False)
 
     @property
     def layer_working_sets(self) -> dict[int, int]:
@@ -125,29 +177,99 @@ class Plan:
         """The lowest planned stage whose compiled peak fits ``device_bytes``."""
         return next((s for s, ok in sorted(self.fits.items()) if ok), None)
 
+    def fit_note(self, stage: int) -> str:
+        """``"yes"``, ``"no (X over)"`` or ``"-"`` (no budget) for one stage."""
+        fit = self.fits[stage]
+        if stage in self.out_of_memory:
+            return "no (the TPU compiler: out of HBM)"
+        if fit is None or self.device_bytes is None:
+            return "-"
+        return "yes" if fit else f"no ({fmt_bytes(self.needs[stage] - self.device_bytes)} over)"
+
+    def verdict(self) -> str:
+        """One line: the lowest stage that fits and its margin, or by how much
+        the best one misses and what would fit (:meth:`check` raises it)."""
+        if self.device_bytes is None:
+            return "no device memory given: nothing judged"
+        rec, budget = self.recommended, fmt_bytes(self.device_bytes)
+        if rec is not None:
+            need = fmt_bytes(self.needs[rec])
+            return f"stage {rec} is the lowest planned stage that fits ({need} of {budget} per device)"
+        compiled = {s: b for s, b in self.needs.items() if s not in self.out_of_memory}
+        where = f" on {self.topology.topology}" if self.topology is not None else ""
+        if not compiled:
+            refusals = "; ".join(f"stage {s}: {said}" for s, said in self.out_of_memory.items())
+            return REFUSED_ALL.format(budget=budget, where=where, refusals=refusals)
+        best = min(compiled, key=compiled.__getitem__)
+        need = compiled[best]
+        return DOES_NOT_FIT.format(
+            budget=budget, where=where, stage=best, need=fmt_bytes(need), over=fmt_bytes(need - self.device_bytes),
+            advice=fit_advice(self, best),
+        )  # fmt: skip
+
+    def check(self) -> Plan:
+        """Raise ``ValueError`` with :meth:`verdict` when no planned stage fits."""
+        if self.device_bytes is not None and self.recommended is None:
+            raise ValueError(f"plan: {self.verdict()}")
+        return self
+
+    def _budget_differs(self) -> bool:
+        """Whether the budget is worth printing beside the slice (which names its own HBM)."""
+        own = None if self.topology is None else self.topology.hbm_per_device
+        return self.device_bytes is not None and self.device_bytes != own
+
     def __str__(self) -> str:
+        hbm = bool(self.hbm)
+        where = str(self.topology) if self.topology is not None else f"N = {self.num_devices}"
         lines = [
-            f"zj.plan: N = {self.num_devices}"
+            f"zj.plan: {where}"
             + (f", M = {self.model_parallel} tensor-parallel" if self.model_parallel > 1 else "")
-            + (f", {fmt_bytes(self.device_bytes, decimal=True)} per device" if self.device_bytes is not None else "")
+            + (f", {fmt_bytes(self.device_bytes, decimal=True)} per device" if self._budget_differs() else "")
             + f"; compiled in {self.seconds:.1f} s, peak RSS {fmt_bytes(self.max_rss_bytes)}",
-            f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'temp':>11} {'peak':>11} {'fits':>5} "
-            f"{'comm/step':>11} {'/theory':>7}",
+            f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'temp':>11} {'peak':>11} "
+            + (f"{'HBM':>11} " if hbm else "")
+            + f"{'fits':>5} {'comm/step':>11} {'/theory':>7}",
         ]
         for r in self.reports:
             b = r.state_bytes
-            fit = self.fits[r.stage]
             lines.append(
                 f"{r.stage:>5} {fmt_bytes(b['params']):>11} {fmt_bytes(b['grads']) if 'grads' in b else '-':>11} "
                 f"{fmt_bytes(b['optimizer']):>11} {fmt_bytes(r.memory['temp']):>11} {fmt_bytes(r.memory['peak']):>11} "
-                f"{'-' if fit is None else 'yes' if fit else 'no':>5} {fmt_bytes(r.comm.measured):>11} "
-                f"{r.comm.ratio:>7.3f}"
+                + (f"{fmt_bytes(self.hbm[r.stage]) if r.stage in self.hbm else '-':>11} " if hbm else "")
+                + f"{self.fit_note(r.stage):>5} {fmt_bytes(r.comm.measured):>11} {r.comm.ratio:>7.3f}"
             )
+        lines.extend(f"{s:>5} refused by the TPU compiler: {said}" for s, said in self.out_of_memory.items())
         lines.extend(self.layer_notes())
         if self.device_bytes is not None:
             rec = self.recommended
             lines.append(f"recommended: stage {rec}" if rec is not None else "recommended: none fits")
         return "\n".join(lines)
+
+
+def fit_advice(p: Plan, stage: int) -> str:
+    """What would make ``stage`` of a plan that does not fit fit: offloading
+    its optimizer state, a higher stage, or (stage 3) more devices, estimated
+    from its bytes (state held between steps is cut N ways at stage 3; the
+    rest, temporaries and activations, is not)."""
+    assert p.device_bytes is not None
+    r = next(r for r in p.reports if r.stage == stage)
+    need, budget, optimizer = p.needs[stage], p.device_bytes, r.state_bytes.get("optimizer", 0)
+    held = sum(r.state_bytes.get(c, 0) for c in ("params", "optimizer", "other"))
+    advice = []
+    if need - optimizer <= budget:
+        advice.append(
+            f"ZeroPolicy({stage}, ..., offload_optimizer=True), which moves its {fmt_bytes(optimizer)} of optimizer "
+            "state per device to host memory (an estimate: plan it to check)"
+        )
+    rest = need - held  # what does not shrink with N: temporaries, activations
+    if stage < 3:
+        advice.append(f"a higher stage than {stage}, which partitions more of the state (plan it)")
+    elif rest < budget and held:
+        n = math.ceil(p.num_devices * held / (budget - rest))
+        advice.append(f"stage 3 on about {n} devices instead of {p.num_devices} (its state is cut N ways)")
+    if advice:
+        return "Try " + "; or ".join(advice) + "."
+    return f"The step's {fmt_bytes(rest)} of temporaries alone exceed it: try a smaller batch per device or sequence."
 
 
 def check_global_batch(batch: int, n: int, accum_steps: int) -> None:
@@ -256,17 +378,43 @@ def max_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
 
 
-def compile_stages(factory: str, kwargs: dict[str, Any], stages: Sequence[int], grads: bool) -> dict[str, Any]:
+def compile_stages(
+    factory: str, kwargs: dict[str, Any], stages: Sequence[int], grads: bool, topology: str | None = None
+) -> dict[str, Any]:
     """The planning child's job (JAX already sized to N CPU devices): audit
-    ``factory``'s step for each stage; the reports and the peak RSS."""
+    ``factory``'s step for each stage on a mesh of those devices, or of the
+    TPU slice ``topology``'s; the reports, the TPU HBM totals and the peak RSS."""
     build = resolve(factory)
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    reports = []
+    mesh = jax.make_mesh((jax.device_count(),), ("data",)) if topology is None else topology_mesh(topology)
+    reports, hbm, refused = [], {}, {}
     for stage in stages:
         step, state, batch = build(stage, mesh, **kwargs)
-        reports.append(audit(step, state, batch, grads=None if grads else False))
+        report, hbm[stage], said = audit_stage(step, state, batch, grads)
         del step, state, batch
-    return {"reports": reports, "max_rss": max_rss()}
+        if report is None:
+            refused[stage] = said
+        else:
+            reports.append(report)
+    hbm = {s: b for s, b in hbm.items() if b is not None}
+    return {"reports": reports, "hbm": hbm, "out_of_memory": refused, "max_rss": max_rss()}
+
+
+def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditReport | None, int | None, str]:
+    """:func:`zero_jax.audit` of one step and, for a step on TPU devices, the
+    HBM its buffer assignment gives it, read from the dump of the same
+    compile; or, when the TPU compiler refuses a step that cannot fit HBM,
+    no report and its words."""
+    try:
+        with dump_reports() as found:
+            report = audit(step, state, batch, grads=None if grads else False)
+    except jax.errors.JaxRuntimeError as e:  # libtpu fails the compile of a program that cannot fit HBM
+        said = OUT_OF_HBM.search(str(e))
+        if said is None:
+            raise
+        return None, None, said["what"].rstrip(".")
+    mesh = getattr(getattr(step, "policy", None), "mesh", None)
+    on_tpu = mesh is not None and mesh.devices.flat[0].platform == "tpu"
+    return report, (found[0] if on_tpu and found else None), ""
 
 
 def plan(
@@ -281,6 +429,7 @@ def plan(
     grads: bool = True,
     timeout: float = 600.0,
     tensor_parallel: int | None = None,
+    topology: str | None = None,
 ) -> Plan:
     """Will the step fit on ``num_devices`` devices of ``device_bytes``?
     Compile it for a simulated mesh of that size and read the compiled program.
@@ -307,7 +456,8 @@ def plan(
       num_devices: the data-parallel size to plan for (with a step: its
         policy's, by default).
       device_bytes: memory per device (``"80GB"``) to check the compiled peak
-        against; ``None`` reports without judging.
+        against; ``None`` reports without judging (with a ``topology``: the
+        chip's HBM per device, :data:`zero_jax._plan.topology.HBM_GIB_PER_CHIP`).
       stages: the stages to compile (factories only).
       factory_kwargs: keyword arguments for the factory (picklable).
       grads: also compile the gradient function to measure gradient bytes.
@@ -316,6 +466,13 @@ def plan(
         policy's, by default). A factory compiles on a data-only mesh, so it
         takes only 1; for M > 1 see :func:`zero_jax.choose_stage`'s
         ``model_parallel``, or pass a step built on a (data, model) mesh.
+      topology: a TPU slice (``"v5p:4x4x8"``, ``"v5p-128"``, ``"v5e:4x4"``:
+        :func:`zero_jax.topology_mesh`'s names) to compile for with the TPU
+        compiler, on this machine (libtpu: ``pip install "jax[tpu]==0.10.2"``).
+        A factory then runs on a 1-D mesh of the slice's devices (N = its
+        device count); a built step must be built on
+        ``zj.topology_mesh(topology, ...)``. Fit is judged on the HBM of each
+        stage's buffer assignment (``Plan.hbm``).
 
     Example (compiles the 865k-parameter reference model's stage-3 step for 64
     simulated devices in a child process):
@@ -324,19 +481,37 @@ def plan(
     >>> p = zj.plan(num_devices=64, device_bytes="80GB", stages=[3], grads=False)
     >>> p.recommended, p.reports[0].num_devices
     (3, 64)
+
+    The same for a TPU slice, compiled by the TPU compiler (see
+    :func:`zero_jax.topology_mesh`): ``zj.plan(topology="v5p:4x4x8",
+    stages=[3])``.
     """
     started = time.perf_counter()
     mem = None if device_bytes is None else parse_bytes(device_bytes, "plan: device_bytes")
     if mem is not None and mem <= 0:
         raise ValueError(f"plan: device_bytes must be positive, got {device_bytes!r}.")
+    tpu = None if topology is None else tpu_slice(topology)  # no libtpu, a bad name: fail here, before any process
+    if mem is None and tpu is not None:
+        mem = tpu.hbm_per_device
     if hasattr(target, "lower"):  # a built step: compile here
         m = _built_step_model_parallel(target, tensor_parallel)
-        report = _plan_built_step(target, abstract_state, abstract_batch, num_devices, grads)
-        return Plan((report,), report.num_devices, mem, max_rss(), time.perf_counter() - started, m)
+        _check_step_on(target, tpu)
+        report, hbm, said = _plan_built_step(target, abstract_state, abstract_batch, num_devices, grads)
+        seconds = time.perf_counter() - started
+        if report is None:
+            policy = getattr(target, "policy", None)
+            n, stage = getattr(policy, "num_shards", 0), getattr(policy, "stage", 0)
+            return Plan((), n, mem, max_rss(), seconds, m, tpu, {}, {stage: said})
+        hbms = {} if hbm is None else {report.stage: hbm}
+        return Plan((report,), report.num_devices, mem, max_rss(), seconds, m, tpu, hbms)
     if abstract_state is not None or abstract_batch is not None:
         raise TypeError("plan: abstract_state and abstract_batch go with a built step, not with a factory.")
+    if tpu is not None:
+        if num_devices is not None and num_devices != tpu.num_devices:
+            raise ValueError(TOPOLOGY_DEVICES.format(topology=tpu.topology, n=tpu.num_devices, num_devices=num_devices))
+        num_devices = tpu.num_devices
     if num_devices is None:
-        raise TypeError("plan: pass num_devices=..., the data-parallel size to plan for.")
+        raise TypeError("plan: pass num_devices=..., the data-parallel size to plan for (or a topology=).")
     n = check_devices(num_devices, "plan")
     m = 1 if tensor_parallel is None else check_devices(tensor_parallel, "plan", "tensor_parallel")
     if m > 1:
@@ -348,14 +523,26 @@ def plan(
     path = factory_path(target)
     if path == REFERENCE_STEP and kwargs.get("global_batch") is not None:  # fail fast, without a process
         check_global_batch(kwargs["global_batch"], n, kwargs.get("accum_steps", 1))
+    where = f"{tpu.topology} ({n} TPU devices)" if tpu is not None else f"N = {n} simulated devices"
     try:
         out = run_child(
-            compile_stages, path, kwargs, stages, grads, devices=n, timeout=timeout,
-            where=f"plan (N = {n} simulated devices, {path})",
+            compile_stages, path, kwargs, stages, grads, None if tpu is None else tpu.topology,
+            devices=1 if tpu is not None else n, timeout=timeout, where=f"plan ({where}, {path})",
         )  # fmt: skip
     except TimeoutError as e:
-        raise TimeoutError(f"plan: compiling for N = {n} took longer than timeout={timeout} s.") from e
-    return Plan(tuple(out["reports"]), n, mem, out["max_rss"], time.perf_counter() - started)
+        raise TimeoutError(f"plan: compiling for {where} took longer than timeout={timeout} s.") from e
+    seconds = time.perf_counter() - started
+    return Plan(tuple(out["reports"]), n, mem, out["max_rss"], seconds, 1, tpu, out["hbm"], out["out_of_memory"])
+
+
+def _check_step_on(step: Any, tpu: TpuSlice | None) -> None:
+    """A built step planned for a ``topology`` must span that slice's devices."""
+    if tpu is None:
+        return
+    mesh = getattr(getattr(step, "policy", None), "mesh", None)
+    m = None if mesh is None else mesh.size
+    if m is not None and m != tpu.num_devices:
+        raise ValueError(STEP_NOT_ON_TOPOLOGY.format(m=m, topology=tpu.topology, n=tpu.num_devices, name=tpu.name))
 
 
 def _built_step_model_parallel(step: Any, tensor_parallel: Any) -> int:
@@ -367,11 +554,14 @@ def _built_step_model_parallel(step: Any, tensor_parallel: Any) -> int:
     return m
 
 
-def _plan_built_step(step: Any, abstract_state: Any, abstract_batch: Any, num_devices: Any, grads: bool) -> AuditReport:
-    """:func:`plan` of a built step: compiled here, on this process's devices."""
+def _plan_built_step(
+    step: Any, abstract_state: Any, abstract_batch: Any, num_devices: Any, grads: bool
+) -> tuple[AuditReport | None, int | None, str]:
+    """:func:`plan` of a built step: compiled here, on its mesh's devices
+    (:func:`audit_stage`'s report, HBM total on TPU, or the compiler's refusal)."""
     if abstract_state is None or abstract_batch is None:
         raise TypeError("plan: with a built step, pass abstract_state and abstract_batch too.")
     n = step.policy.num_shards if hasattr(step, "policy") else None
     if num_devices is not None and n is not None and check_devices(num_devices, "plan") != n:
         raise ValueError(STEP_SPANS_OTHER_SIZE.format(n=n, num_devices=num_devices))
-    return audit(step, abstract_state, abstract_batch, grads=None if grads else False)
+    return audit_stage(step, abstract_state, abstract_batch, grads)
