@@ -487,10 +487,14 @@ def _program_violations(
 def _program(
     train_step: Any, state: Any, batch: Any, policy: ZeroPolicy, options: dict[str, Any]
 ) -> tuple[dict[str, int], tuple[Collective, ...], dict[str, tuple[int, ...]], str]:
-    """Compile once: ``memory_analysis()``, the post-SPMD collectives and their
-    loop nesting, and the compiled (scheduled) program's text."""
-    compiled, text = hlo.compile_with_hlo(train_step.lower(state, batch), options)
+    """Compile once: ``memory_analysis()`` (and ``"allocated"``: the device
+    memory the buffer assignment allocates, HBM on TPU, where the compile's
+    dump reports it), the post-SPMD collectives and their loop nesting, and
+    the compiled (scheduled) program's text."""
+    compiled, text, allocated = hlo.compile_with_dump(train_step.lower(state, batch), options)
     memory, scheduled = memory_figures(compiled), compiled.as_text()
+    if allocated is not None:
+        memory["allocated"] = allocated
     del compiled
     return memory, tuple(hlo.parse_collectives(text, policy.mesh.size)), hlo.loop_nesting(text), scheduled
 

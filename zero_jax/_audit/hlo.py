@@ -18,12 +18,12 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from zero_jax._audit.memory import note_dump
+from zero_jax._audit.memory import hbm_bytes_from_dump
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {
@@ -278,20 +278,37 @@ def summarize(colls: Iterable[Collective]) -> dict[str, dict[str, float]]:
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """Compile a ``jax.stages.Lowered`` once and return the executable and the
-    HLO text right after SPMD partitioning (what :func:`parse_collectives` reads)."""
+class CompiledWithDump(NamedTuple):
+    """One compile read three ways: the executable, its HLO right after SPMD
+    partitioning (what :func:`parse_collectives` reads), and the device
+    memory its buffer assignment allocates (the default memory space of the
+    dump's memory-usage report: HBM on TPU; ``None`` without a report)."""
+
+    executable: Any
+    spmd_hlo: str
+    allocated: int | None
+
+
+def compile_with_dump(lowered: Any, compiler_options: dict[str, Any] | None = None) -> CompiledWithDump:
+    """Compile a ``jax.stages.Lowered`` once, dumping what :class:`CompiledWithDump` reads."""
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
         compiled = lowered.compile(compiler_options=options)
-        note_dump(d)  # the HBM total, for a caller inside memory.dump_reports() (zj.plan on TPU)
+        allocated = hbm_bytes_from_dump(d)
         files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))  # TPU: after_tpu-spmd-...
         if files:
             with open(files[-1]) as f:
-                return compiled, f.read()
+                return CompiledWithDump(compiled, f.read(), allocated)
         if len(_devices(compiled)) <= 1:  # one device: nothing to partition, no collectives
-            return compiled, compiled.as_text()
+            return CompiledWithDump(compiled, compiled.as_text(), allocated)
         raise RuntimeError(NO_SPMD_DUMP)
+
+
+def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Compile a ``jax.stages.Lowered`` once and return the executable and the
+    HLO text right after SPMD partitioning (what :func:`parse_collectives` reads)."""
+    compiled = compile_with_dump(lowered, compiler_options)
+    return compiled.executable, compiled.spmd_hlo
 
 
 def _devices(compiled: Any) -> set[Any]:

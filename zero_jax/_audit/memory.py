@@ -1,8 +1,8 @@
 """What a step holds: bytes per device of live arrays (``resident_bytes``,
 ``resident_bytes_by_kind``), ``memory_analysis()``'s figures (``memory``), and
 the buffer assignment's own total per memory space, read from an XLA dump
-(``memory_usage_totals``, ``hbm_bytes_from_dump``; ``dump_reports`` collects it
-from the compiles of a block).
+(``memory_usage_totals``, ``hbm_bytes_from_dump``; ``zj.audit`` reads it from
+its one compile into ``report.memory["allocated"]``).
 
 On TPU argument + output + temp − alias overestimates HBM (temp counts buffers
 the assignment shares); the memory-usage report's "Total bytes" of the
@@ -12,17 +12,12 @@ default memory space is the HBM the program is given. On XLA:CPU the two agree.
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import glob
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jax
-
-from zero_jax._base.scoped import Scoped
 
 #: A memory space's total in XLA's ``*memory-usage-report*`` dump file.
 _SPACE_TOTAL = re.compile(r"Memory Space: (?P<space>\S+) \(color=(?P<color>\d+)\)\s*\nTotal bytes: (?P<bytes>\d+)")
@@ -83,37 +78,3 @@ def hbm_bytes_from_dump(dump_dir: str) -> int | None:
         return None
     with open(reports[-1]) as f:
         return memory_usage_totals(f.read()).get("default")
-
-
-@dataclasses.dataclass(frozen=True)
-class DumpReports:
-    """Where :func:`dump_reports` collects (``None``: nobody asked)."""
-
-    found: list[int | None] | None = None
-
-
-_DUMP_REPORTS = Scoped("zero_jax_dump_reports", DumpReports())
-
-
-@contextlib.contextmanager
-def dump_reports() -> Iterator[list[int | None]]:
-    """Within the block, each program compiled through
-    :func:`zero_jax._audit.hlo.compile_with_hlo` (``zj.audit``'s one compile of
-    the step) adds its device-memory total from its dump (``None`` where the
-    dump has no report), in order: HBM read from the same compile the audit
-    reads, at no extra compile.
-
-    >>> with dump_reports() as found:
-    ...     pass
-    >>> found
-    []
-    """
-    with _DUMP_REPORTS.replaced(found=[]) as scope:
-        yield scope.found  # type: ignore[misc]
-
-
-def note_dump(dump_dir: str) -> None:
-    """Add ``dump_dir``'s device-memory total to the enclosing :func:`dump_reports`, if any."""
-    found = _DUMP_REPORTS.current().found
-    if found is not None:
-        found.append(hbm_bytes_from_dump(dump_dir))

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax._audit.audit import audit
-from zero_jax._audit.memory import dump_reports
 from zero_jax._audit.report import AuditReport
 from zero_jax._base.units import fmt_bytes, parse_bytes
 from zero_jax._plan.topology import TpuSlice, topology_mesh, tpu_slice
@@ -405,8 +404,7 @@ def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditRe
     compile; or, when the TPU compiler refuses a step that cannot fit HBM,
     no report and its words."""
     try:
-        with dump_reports() as found:
-            report = audit(step, state, batch, grads=None if grads else False)
+        report = audit(step, state, batch, grads=None if grads else False)
     except jax.errors.JaxRuntimeError as e:  # libtpu fails the compile of a program that cannot fit HBM
         said = OUT_OF_HBM.search(str(e))
         if said is None:
@@ -414,7 +412,7 @@ def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditRe
         return None, None, said["what"].rstrip(".")
     mesh = getattr(getattr(step, "policy", None), "mesh", None)
     on_tpu = mesh is not None and mesh.devices.flat[0].platform == "tpu"
-    return report, (found[0] if on_tpu and found else None), ""
+    return report, (report.memory.get("allocated") if on_tpu else None), ""
 
 
 def plan(
