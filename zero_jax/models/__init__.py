@@ -7,6 +7,15 @@ from zero_jax.models.transformer import (
     make_loss_fn,
     megatron_specs,
     synthetic_batch,
+    unstack_params,
 )
 
-__all__ = ["TransformerConfig", "block", "init_params", "make_loss_fn", "megatron_specs", "synthetic_batch"]
+__all__ = [
+    "TransformerConfig",
+    "block",
+    "init_params",
+    "make_loss_fn",
+    "megatron_specs",
+    "synthetic_batch",
+    "unstack_params",
+]

@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from zero_jax._layerwise.blocks import apply_layers
 from zero_jax._layerwise.pieces import gather
 from zero_jax._layerwise.scan import scan_layers
 from zero_jax._policy.policy import ZeroPolicy
@@ -165,16 +167,19 @@ def apply(
 
     With a ``policy`` (inside ``make_train_step(..., gather="manual")``) each
     parameter is gathered just before use: the layers through
-    ``zj.scan_layers``, the head inside ``jax.checkpoint`` so that its backward
-    pass gathers it again rather than keeping it alive. With ``policy=None``
-    the same code runs on ordinary parameters.
+    ``zj.scan_layers`` (``zj.apply_layers`` for the unscanned form of
+    :func:`unstack_params`), the head inside ``jax.checkpoint`` so that its
+    backward pass gathers it again rather than keeping it alive. With
+    ``policy=None`` the same code runs on ordinary parameters.
     """
     t = tokens.shape[1]
     embed = gather(params["embed"], policy)
     x = embed["tokens"][tokens] + embed["positions"][:t]
-    x = scan_layers(
-        lambda layer, h: block(layer, h, heads=config.heads), params["layers"], x, policy, prefetch=prefetch
-    )
+    one = functools.partial(block, heads=config.heads)
+    if "blocks" in params:  # the unscanned form (unstack_params): a Python list of blocks
+        x = apply_layers(one, params["blocks"], x, policy, prefetch=prefetch)
+    else:
+        x = scan_layers(one, params["layers"], x, policy, prefetch=prefetch)
     norm = gather(params["final_norm"], policy)
     x = _layer_norm(x, norm["scale"], norm["bias"])
     return jax.checkpoint(lambda h, head: h @ gather(head, policy))(x, params["head"])
@@ -198,6 +203,22 @@ def make_loss_fn(
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
     return loss_fn
+
+
+def unstack_params(params: Params) -> Params:
+    """The same model written as users often write one: ``params["blocks"]``,
+    a Python list of per-block dicts, instead of ``params["layers"]`` stacked on
+    a leading axis (``apply`` then runs them with ``zj.apply_layers``).
+
+    >>> import jax
+    >>> p = unstack_params(init_params(TransformerConfig(vocab=16, dim=8, depth=3, heads=2, seq=4), jax.random.key(0)))
+    >>> len(p["blocks"]), p["blocks"][0]["attn_qkv"].shape, "layers" in p
+    (3, (8, 24), False)
+    """
+    layers = params["layers"]
+    depth = jax.tree.leaves(layers)[0].shape[0]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, "blocks": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(depth)]}
 
 
 def synthetic_batch(config: TransformerConfig, batch_size: int, key: jax.Array) -> dict[str, jax.Array]:
