@@ -19,6 +19,9 @@ data-parallel step).
   backend spells them (:class:`CompiledCollective`: TPU's async pairs and
   continuation fusions, a reduce-scatter done as all-reduce + dynamic-slice),
   each with the compute scheduled while it is in flight.
+* :func:`trying_schedule`: build and trace steps with some of the layer-wise
+  schedule's compiler tricks switched (``zero_jax._layerwise.schedule``), to
+  measure what each buys.
 
 >>> import jax, jax.numpy as jnp
 >>> from zero_jax import measure
@@ -45,6 +48,7 @@ from zero_jax._audit.hlo import (
 )
 from zero_jax._audit.memory import memory, resident_bytes, resident_bytes_by_kind
 from zero_jax._audit.schedule import layers_alive
+from zero_jax._layerwise.schedule import trying as trying_schedule
 
 __all__ = [
     "FAST_COMPILE",
@@ -66,4 +70,5 @@ __all__ = [
     "ring_bytes_per_axis_kind",
     "scheduled_computations",
     "summarize",
+    "trying_schedule",
 ]

@@ -70,6 +70,8 @@ XLA:CPU's schedule.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -79,6 +81,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Jaxpr, Literal
 
 from zero_jax._base.jaxpr import called, live_equations
+from zero_jax._base.scoped import Scoped
 from zero_jax._base.tree import PyTree
 from zero_jax._comm.collectives import varying_axes
 from zero_jax._layout.leaf import is_real_float
@@ -137,11 +140,44 @@ MEASURED: dict[str, Schedule] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """Switches tried over the measured schedule (:func:`trying`); none by default."""
+
+    changes: tuple[tuple[str, Any], ...] = ()
+
+
+_TRIAL: Scoped[Trial] = Scoped("zero_jax_schedule_trial", Trial())
+NOT_A_SWITCH = "trying: {names} are not schedule switches; the switches are {known}."
+
+
 def schedule_for(policy: Any) -> Schedule:
     """The schedule for the backend of ``policy``'s devices (XLA:CPU's for a
-    backend not measured)."""
+    backend not measured), with the switches of an enclosing :func:`trying`."""
     backend = str(policy.mesh.devices.flat[0].platform)
-    return MEASURED.get(backend, MEASURED["cpu"])._replace(backend=backend)
+    return MEASURED.get(backend, MEASURED["cpu"])._replace(backend=backend, **dict(_TRIAL.current().changes))
+
+
+def trying(**switches: Any) -> contextlib.AbstractContextManager[Trial]:
+    """Build and trace steps inside the block with some of the schedule's
+    switches changed: the way to measure what each trick buys (a step's
+    ``compiler_options`` are fixed when ``make_train_step`` runs, the rest
+    when it is traced). ``zero_jax.measure.trying_schedule`` is this.
+
+    >>> import jax, zero_jax as zj
+    >>> policy = zj.ZeroPolicy(3, jax.make_mesh((jax.device_count(),), ("data",)))
+    >>> with trying(tie_gathers=False):
+    ...     schedule_for(policy).tie_gathers
+    False
+    >>> schedule_for(policy).tie_gathers
+    True
+    """
+    unknown = sorted((set(switches) - set(Schedule._fields)) | ({"backend"} & set(switches)))
+    if unknown:
+        raise TypeError(NOT_A_SWITCH.format(names=unknown, known=[f for f in Schedule._fields if f != "backend"]))
+    if "compiler_options" in switches:
+        switches["compiler_options"] = tuple(dict(switches["compiler_options"]).items())
+    return _TRIAL.replaced(changes=tuple(switches.items()))
 
 
 def slice_unfusable(a: jax.Array, axis_name: Any, dim: int) -> jax.Array:

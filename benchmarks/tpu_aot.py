@@ -1,0 +1,413 @@
+"""zero_jax on the production TPU compiler, compiled here without a TPU (deviceless, ahead of time).
+
+Run: ``python benchmarks/tpu_aot.py`` (libtpu installed: ``pip install -e ".[test]"``; every step is
+compiled for a TPU slice with ``zj.topology_mesh`` and judged with ``zj.audit``; nothing runs, so no TPU
+is needed). Sections (``--only NAME`` runs one; ``--quick`` shrinks every model for a smoke run):
+
+* ``stages``: the reference transformer at a 1B and an 8B class (bf16 compute, fp32 master, AdamW) on
+  v5p and v5e slices: per stage (0-2, 3 with ``gather="all"``, 3 layer-wise with ``scan_layers`` and,
+  for 1B, with ``apply_layers`` over a Python list of blocks) the allocated HBM (the buffer
+  assignment's total: the TPU compiler's own figure), argument + output + temp - alias, the communication
+  of the post-SPMD program against the theory, the compiled program's bytes, and whether it fits the
+  chip (a step libtpu refuses for HBM counts as not fitting);
+* ``depth``: layer-wise stage 3 against depth (4 to 32) at dim 1024 on v5p-8, scanned and unscanned:
+  growth of the allocated HBM and of XLA's live peak against the allowance (the added layers'
+  partitioned state + their saved block inputs), and stage 3 / stage 1 at depth 16;
+* ``gspmd``: the GSPMD FSDP recipe (plain ``jax.jit``, parameters, gradients and Adam state sharded over
+  data on their largest dimension, what MaxText does) beside zero_jax's layer-wise stage 3;
+* ``overlap``: the fraction of layer all-gathers with compute between start and done, prefetch 0 and 1;
+  and the schedule's compiler tricks switched off one by one (``zj.measure.trying_schedule``);
+* ``largest``: the largest model whose model states plus activations fit one v5p chip per stage at
+  N = 64 and 256, from ``zj.model_state_bytes`` and the activation bytes measured on the 1B compile.
+
+Writes ``benchmarks/results/tpu_aot.txt`` (the tables, the command, the machine), ``tpu_aot.json`` and
+``tpu_aot.png``. The sections' results are cached in ``tpu_aot.json`` as they finish, so an interrupted
+run resumes (``--fresh`` starts over).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import zero_jax as zj  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, unstack_params  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GiB, MiB = 2**30, 2**20
+BF16 = zj.Precision(compute_dtype=jnp.bfloat16)
+
+#: The model classes (the reference transformer: 12 dim^2 per layer, MLP 4 x dim).
+MODELS = {
+    "1B": dict(vocab=32000, dim=2048, depth=16, heads=16, seq=2048),
+    "8B": dict(vocab=32000, dim=4096, depth=40, heads=32, seq=2048),
+}
+QUICK = {
+    "1B": dict(vocab=512, dim=256, depth=4, heads=4, seq=128),
+    "8B": dict(vocab=512, dim=512, depth=4, heads=4, seq=128),
+}
+#: (label, topology): slices of 8 chips and one of 64+ per chip generation.
+STAGE_SLICES = [("v5p 8 chips", "v5p:2x2x2"), ("v5p 64 chips", "v5p:4x4x4"), ("v5e 8 chips", "v5e:2x4"),
+                ("v5e 256 chips", "v5e:16x16")]  # fmt: skip
+VARIANTS = ["0", "1", "2", "3/all", "3/scan", "3/apply"]
+
+
+# -- building steps on abstract inputs ------------------------------------------------------------------------
+
+
+def build(mesh: Any, variant: str, cfg: TransformerConfig, *, prefetch: int = 1, precision: Any = BF16,
+          batch_per_device: int = 1) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(step, abstract state, abstract batch) of one variant: stage 0-3 with gather="all", "3/scan" layer-wise
+    over stacked layers, "3/apply" layer-wise over a Python list of blocks."""
+    stage = int(variant[0])
+    unscanned = variant.endswith("apply")
+    make = (lambda: unstack_params(init_params(cfg, jax.random.key(0)))) if unscanned else (
+        lambda: init_params(cfg, jax.random.key(0)))  # fmt: skip
+    params = jax.eval_shape(make)
+    policy = zj.ZeroPolicy(stage, mesh, stacked=() if unscanned else "layers", precision=precision)
+    manual = variant in ("3/scan", "3/apply")
+    loss = make_loss_fn(cfg, policy if manual else None, prefetch=prefetch)
+    tx = zj.shard_optimizer(optax.adamw(1e-4), policy)
+    step = zj.make_train_step(loss, tx, policy, gather="manual" if manual else "all")
+    tokens = jax.ShapeDtypeStruct((batch_per_device * mesh.size, cfg.seq + 1), jnp.int32,
+                                  sharding=policy.batch_sharding())  # fmt: skip
+    return step, zj.init_state(params, tx, policy), {"tokens": tokens}
+
+
+OOM_WORDS = ("Ran out of memory", "exceeds available HBM", "RESOURCE_EXHAUSTED")
+
+
+def measure(step: Any, state: Any, batch: Any, *, hbm: float, prefetch: int = 1) -> dict[str, Any]:
+    """One compile, audited: memory, communication, compiled program, overlap, layers alive; or the
+    compiler's refusal."""
+    t = time.perf_counter()
+    try:
+        r = zj.audit(step, state, batch, grads=False, prefetch=prefetch)
+    except Exception as e:  # libtpu refuses a program that cannot fit HBM
+        text = str(e)
+        if not any(w in text for w in OOM_WORDS):
+            raise
+        return {"fits": False, "refused": text.splitlines()[0][:300], "compile_s": round(time.perf_counter() - t, 1)}
+    allocated = r.memory.get("allocated", r.memory["peak"])
+    out = {
+        "compile_s": round(time.perf_counter() - t, 1),
+        "allocated_GiB": allocated / GiB, "peak_est_GiB": r.memory["peak"] / GiB, "temp_GiB": r.memory["temp"] / GiB,
+        "fits": allocated <= hbm, "hbm_GiB": hbm / GiB,
+        "comm_MiB": r.comm.measured / MiB, "theory_MiB": r.comm.theory / MiB,
+        "comm_over_theory": r.comm.measured / r.comm.theory if r.comm.theory else None,
+        "compiled_MiB": r.compiled.ring_bytes / MiB if r.compiled else None,
+        "decomposed_reduce_scatters": list(r.compiled.decomposed_reduce_scatters) if r.compiled else None,
+        "gather_overlap": r.overlap.gather_fraction if r.overlap else None,
+        "exposed": r.overlap.exposed if r.overlap else None,
+        "layers_alive": r.layers.max_alive if r.layers else None,
+        "violations": [v.kind for v in r.violations],
+        "num_params": r.num_params,
+        "state_GiB": sum(r.state_bytes.values()) / GiB,
+    }  # fmt: skip
+    return out
+
+
+def config(name: str, quick: bool, **over: Any) -> TransformerConfig:
+    return TransformerConfig(**{**(QUICK if quick else MODELS)[name], **over})
+
+
+# -- sections -----------------------------------------------------------------------------------------------------
+
+
+def stages(quick: bool, log: Any) -> list[dict[str, Any]]:
+    rows = []
+    for model in ("1B", "8B"):
+        for label, topology in STAGE_SLICES:
+            tpu = zj.tpu_slice(topology)
+            mesh = zj.topology_mesh(topology)
+            variants = VARIANTS if model == "1B" else ["0", "1", "2", "3/scan"]
+            if model == "8B" and tpu.num_chips < 64:
+                continue  # an 8B model at N = 8: stages 1-2 hold 2x the parameters on one chip; shown at 64+
+            if topology.startswith("v5e") and model == "1B":
+                variants = ["1", "3/scan", "3/apply"] if tpu.num_chips <= 8 else ["1", "3/scan"]
+            for variant in variants:
+                if variant == "3/apply" and tpu.num_chips > 8:
+                    continue  # the unrolled program: shown on the 8-chip slices (its compile grows with depth)
+                cfg = config(model, quick)
+                log(f"stages {model} {label} {variant}")
+                row = {"model": model, "slice": label, "topology": topology, "variant": variant,
+                       "params": cfg.num_params(), "chips": tpu.num_chips}  # fmt: skip
+                row |= measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device)
+                rows.append(row)
+                log("  " + json.dumps({k: row[k] for k in ("allocated_GiB", "fits", "comm_over_theory")
+                                       if k in row}))  # fmt: skip
+    return rows
+
+
+def depth(quick: bool, log: Any) -> list[dict[str, Any]]:
+    rows = []
+    topology = "v5p:2x2x2"
+    mesh, tpu = zj.topology_mesh(topology), zj.tpu_slice(topology)
+    depths = {"3/scan": [4, 8, 16, 32], "3/apply": [4, 8, 16], "1": [16]}
+    base = dict(vocab=32000, dim=1024, heads=16, seq=1024) if not quick else dict(vocab=512, dim=256, heads=4, seq=64)
+    for variant, ds in depths.items():
+        for d in ds if not quick else ds[:2]:
+            cfg = TransformerConfig(depth=d, **base)
+            log(f"depth {variant} L={d}")
+            row = {"variant": variant, "depth": d, "params": cfg.num_params(), "dim": cfg.dim}
+            row |= measure(*build(mesh, variant, cfg, batch_per_device=1), hbm=tpu.hbm_per_device)
+            rows.append(row)
+            log("  " + json.dumps({k: row.get(k) for k in ("allocated_GiB", "state_GiB", "layers_alive")}))
+    return rows
+
+
+def gspmd_step(mesh: Any, cfg: TransformerConfig) -> tuple[Any, Any, Any]:
+    """The GSPMD FSDP recipe: plain jax.jit of the same model and AdamW, every float leaf (parameters, Adam
+    state) sharded over data on its largest dimension that divides N (never the layer axis), gradients
+    constrained to the parameters' shardings, batch over data."""
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    n = mesh.size
+
+    def spec(path: Any, leaf: Any) -> P:
+        stacked = jax.tree_util.keystr(path).startswith("['layers']")
+        dims = [d for d in range(1 if stacked else 0, leaf.ndim) if leaf.shape[d] % n == 0]
+        if not dims:
+            return P()
+        d = max(dims, key=lambda k: leaf.shape[k])
+        return P(*[("data" if k == d else None) for k in range(leaf.ndim)])
+
+    specs = jax.tree_util.tree_map_with_path(spec, params)
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    tx = optax.adamw(1e-4)
+    loss = make_loss_fn(cfg)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    opt_specs = jax.tree.map(
+        lambda a: NamedSharding(mesh, spec((), a) if a.ndim >= 1 and a.size >= n else P()), opt_shapes
+    )
+
+    def step(p: Any, o: Any, batch: Any) -> Any:
+        pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+        lval, g = jax.value_and_grad(lambda q: loss(q, batch))(pb)
+        g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g), shard)
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o, lval
+
+    jitted = jax.jit(step, in_shardings=(shard, opt_specs, NamedSharding(mesh, P("data"))),
+                     out_shardings=(shard, opt_specs, NamedSharding(mesh, P())), donate_argnums=(0, 1),
+                     compiler_options=_tpu_options())  # fmt: skip
+    abstract = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)  # noqa: E731
+    tokens = jax.ShapeDtypeStruct((mesh.size, cfg.seq + 1), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    batch = {"tokens": tokens}
+    return jitted, (abstract(params, shard), abstract(opt_shapes, opt_specs)), batch
+
+
+def _tpu_options() -> dict[str, str]:
+    """The compiler options zero_jax's own TPU steps compile with (the same async all-gather for the recipe)."""
+    mesh = zj.topology_mesh("v5p:2x2x2")
+    step = zj.make_train_step(lambda p, b: jnp.sum(p["w"]), zj.shard_optimizer(optax.sgd(0.1), zj.ZeroPolicy(0, mesh)),
+                              zj.ZeroPolicy(0, mesh))  # fmt: skip
+    return dict(step.compiler_options or {})
+
+
+def gspmd(quick: bool, log: Any) -> list[dict[str, Any]]:
+    topology = "v5p:2x2x2"
+    mesh = zj.topology_mesh(topology, axis_types=(jax.sharding.AxisType.Auto,))  # plain jit: the compiler's axes
+    tpu = zj.tpu_slice(topology)
+    cfg = TransformerConfig(**(dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024) if not quick
+                               else dict(vocab=512, dim=256, depth=4, heads=4, seq=64)))  # fmt: skip
+    log("gspmd recipe")
+    jitted, (p, o), batch = gspmd_step(mesh, cfg)
+    t = time.perf_counter()
+    compiled, text, allocated = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
+    colls = zj.measure.parse_collectives(text, mesh.size)
+    rec = {"variant": "GSPMD FSDP (jax.jit)", "compile_s": round(time.perf_counter() - t, 1),
+           "allocated_GiB": allocated / GiB, "peak_est_GiB": zj.measure.memory(compiled)["peak"] / GiB,
+           "comm_MiB": zj.measure.ring_bytes(colls) / MiB,
+           "kinds": {k: v["count"] for k, v in zj.measure.summarize(colls).items()}}  # fmt: skip
+    zero = {"variant": "zero_jax stage 3 scan_layers"} | measure(*build(mesh, "3/scan", cfg), hbm=tpu.hbm_per_device)
+    rec["theory_MiB"] = zero["theory_MiB"]
+    rec["comm_over_theory"] = rec["comm_MiB"] / zero["theory_MiB"]
+    log("  " + json.dumps({k: rec[k] for k in ("allocated_GiB", "comm_over_theory")}))
+    return [rec, zero]
+
+
+def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
+    topology = "v5p:2x2x2"
+    mesh, tpu = zj.topology_mesh(topology), zj.tpu_slice(topology)
+    cfg = TransformerConfig(**(dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024) if not quick
+                               else dict(vocab=512, dim=256, depth=4, heads=4, seq=64)))  # fmt: skip
+    trials = {
+        "measured schedule": {},
+        "ties off": {"tie_gathers": False, "tie_recompute": False, "tie_backward_order": False},
+        "backward prefetch all at once": {"leafwise_prefetch": False},
+        "libtpu default options": {"compiler_options": {}},
+        "scan prefetch carried across trips": {"prefetch_across_trips": True},
+    }
+    rows = []
+    for variant in ("3/apply", "3/scan"):
+        for prefetch in (0, 1):
+            for name, switches in trials.items():
+                if prefetch == 0 and name not in ("measured schedule", "libtpu default options"):
+                    continue
+                if name == "scan prefetch carried across trips" and (variant != "3/scan" or prefetch == 0):
+                    continue
+                log(f"overlap {variant} prefetch={prefetch} {name}")
+                with zj.measure.trying_schedule(**switches):
+                    row = measure(*build(mesh, variant, cfg, prefetch=prefetch), hbm=tpu.hbm_per_device,
+                                  prefetch=prefetch)  # fmt: skip
+                rows.append({"variant": variant, "prefetch": prefetch, "trial": name} | row)
+                log("  " + json.dumps({k: row.get(k) for k in ("allocated_GiB", "gather_overlap", "layers_alive")}))
+    return rows
+
+
+def largest(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The largest Ψ whose model states plus activations fit one v5p chip, per stage, at N = 64 and 256:
+    model_state_bytes (bf16 parameters and gradients, fp32 master + Adam) + the activations measured on the
+    1B scanned stage-3 compile at 64 chips (allocated HBM less its state)."""
+    hbm = zj.tpu_slice("v5p:4x4x4").hbm_per_device
+    ref = next((r for r in results.get("stages", []) if r["variant"] == "3/scan" and r["model"] == "1B"
+                and r["chips"] == 64 and "allocated_GiB" in r), None)  # fmt: skip
+    act = (ref["allocated_GiB"] - ref["state_GiB"]) * GiB if ref else 0.0
+    rows = []
+    for n in (64, 256):
+        for stage in range(4):
+            lo, hi = 1e6, 1e14
+            for _ in range(80):  # bisection on the formula
+                mid = math.sqrt(lo * hi)
+                fits = zj.model_state_bytes(mid, n, stage).total + act <= hbm
+                lo, hi = (mid, hi) if fits else (lo, mid)
+            rows.append({"N": n, "stage": stage, "largest_params": lo, "activations_GiB": act / GiB})
+    return rows
+
+
+SECTIONS = {"stages": stages, "depth": depth, "gspmd": gspmd, "overlap": overlap}
+
+
+# -- the record ---------------------------------------------------------------------------------------------------
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    out = []
+    if results.get("stages"):
+        out += ["", "== per stage (bf16 compute, fp32 master, AdamW; allocated = the TPU buffer assignment's HBM)",
+                f"{'model':<5} {'slice':<14} {'variant':<8} {'params':>8} {'alloc GiB':>10} {'est GiB':>8} "
+                f"{'fits':>5} {'comm/th':>8} {'compiled/th':>11} {'overlap':>8} {'compile s':>9}"]  # fmt: skip
+        for r in results["stages"]:
+            if "refused" in r:
+                out.append(f"{r['model']:<5} {r['slice']:<14} {r['variant']:<8} {r['params'] / 1e9:>7.2f}B "
+                           f"{'refused by libtpu (HBM)':>28}   {r['refused'][:60]}")  # fmt: skip
+                continue
+            ct = r["compiled_MiB"] / r["theory_MiB"] if r.get("compiled_MiB") and r["theory_MiB"] else float("nan")
+            out.append(f"{r['model']:<5} {r['slice']:<14} {r['variant']:<8} {r['params'] / 1e9:>7.2f}B "
+                       f"{r['allocated_GiB']:>10.2f} {r['peak_est_GiB']:>8.2f} {'yes' if r['fits'] else 'NO':>5} "
+                       f"{r['comm_over_theory']:>8.3f} {ct:>11.3f} {r['gather_overlap'] or 0:>8.2f} "
+                       f"{r['compile_s']:>9.0f}")  # fmt: skip
+    if results.get("depth"):
+        out += ["", "== layer-wise stage 3 against depth (v5p 8 chips, dim 1024, seq 1024, batch 1 per chip)",
+                f"{'variant':<8} {'depth':>5} {'alloc GiB':>10} {'state GiB':>10} {'alive':>6} {'comm/th':>8}"]
+        for r in results["depth"]:
+            out.append(f"{r['variant']:<8} {r['depth']:>5} {r['allocated_GiB']:>10.3f} {r['state_GiB']:>10.3f} "
+                       f"{r['layers_alive'] or 0:>6} {r['comm_over_theory']:>8.3f}")  # fmt: skip
+    if results.get("gspmd"):
+        out += ["", "== GSPMD FSDP recipe against zero_jax layer-wise stage 3 (v5p 8 chips)"]
+        for r in results["gspmd"]:
+            out.append(f"{r['variant']:<32} allocated {r['allocated_GiB']:.3f} GiB, comm {r['comm_MiB']:.1f} MiB "
+                       f"= {r['comm_over_theory']:.3f} x theory")  # fmt: skip
+    if results.get("overlap"):
+        out += ["", "== overlap and the schedule's tricks (v5p 8 chips, dim 1024, depth 8)",
+                f"{'variant':<8} {'pf':>2} {'trial':<36} {'alloc GiB':>10} {'overlap':>8} {'alive':>6}"]
+        for r in results["overlap"]:
+            alloc = r.get("allocated_GiB", float("nan"))
+            out.append(f"{r['variant']:<8} {r['prefetch']:>2} {r['trial']:<36} {alloc:>10.3f} "
+                       f"{r.get('gather_overlap') or 0:>8.2f} {r.get('layers_alive') or 0:>6}")  # fmt: skip
+    if results.get("largest"):
+        out += ["", "== largest model that fits one v5p chip (95 GiB): model_state_bytes + measured activations"]
+        for r in results["largest"]:
+            out.append(f"N = {r['N']:>3} stage {r['stage']}: {r['largest_params'] / 1e9:>8.1f}B params "
+                       f"(activations {r['activations_GiB']:.2f} GiB)")  # fmt: skip
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = results.get("depth") or []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in ("3/scan", "3/apply"):
+        pts = sorted((r["depth"], r["allocated_GiB"], r["state_GiB"]) for r in rows if r["variant"] == variant
+                     and "allocated_GiB" in r)  # fmt: skip
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{variant}: allocated HBM")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", label=f"{variant}: model state")
+    ax.set_xlabel("depth (layers)")
+    ax.set_ylabel("GiB per chip")
+    ax.set_title("layer-wise ZeRO-3 on the TPU compiler (v5p, 8 chips)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=list(SECTIONS), action="append")
+    parser.add_argument("--quick", action="store_true", help="small models: a smoke run of every code path")
+    parser.add_argument("--fresh", action="store_true", help="ignore the cached results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "tpu_aot_quick" if args.quick else "tpu_aot"
+    cache = args.out / f"{stem}.json"
+    results: dict[str, Any] = {} if args.fresh or not cache.exists() else json.loads(cache.read_text())
+    log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True)  # noqa: E731
+    for name in args.only or list(SECTIONS):
+        if name in results and not args.fresh:
+            log(f"{name}: cached")
+            continue
+        try:
+            results[name] = SECTIONS[name](args.quick, log)
+        except Exception:
+            traceback.print_exc()
+            results[name + "_error"] = traceback.format_exc()[-2000:]
+        cache.write_text(json.dumps(results, indent=1, default=str))
+    results["largest"] = largest(results)
+    cache.write_text(json.dumps(results, indent=1, default=str))
+    header = [
+        f"# {' '.join(shlex.quote(a) for a in ['python', 'benchmarks/tpu_aot.py', *(argv or sys.argv[1:])])}",
+        f"# {datetime.datetime.now().isoformat(timespec='seconds')}; {platform.node()}; {os.cpu_count()} CPUs; "
+        f"jax {jax.__version__}; libtpu {_libtpu_version()}; deviceless TPU compiles (JAX_PLATFORMS=cpu)",
+    ]
+    text = "\n".join(header + table(results)) + "\n"
+    (args.out / f"{stem}.txt").write_text(text)
+    print(text)
+    plot(results, args.out / f"{stem}.png")
+
+
+def _libtpu_version() -> str:
+    out = subprocess.run([sys.executable, "-m", "pip", "show", "libtpu"], capture_output=True, text=True).stdout
+    return next((line.split()[-1] for line in out.splitlines() if line.startswith("Version")), "?")
+
+
+if __name__ == "__main__":
+    main()
