@@ -12,6 +12,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from zero_jax._base.tree import PyTree
+from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.schedule import slice_unfusable
 from zero_jax._layout.leaf import is_float
 from zero_jax._policy.policy import ZeroPolicy
@@ -57,7 +58,8 @@ def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materi
 
         fn, specs = (slice_mine, (PartitionSpec(), piece)) if cut else (gather, (piece, PartitionSpec()))
         mesh = jax.sharding.get_abstract_mesh()
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], axis_names=set(axes))(x)
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], axis_names=set(axes),
+                             check_vma=coll.checks_varying())(x)  # fmt: skip
 
     return jax.tree.map(one, tree)
 
