@@ -69,7 +69,11 @@ def _mesh_key(mesh: Mesh) -> tuple[Any, ...]:
 
 
 #: How a field enters the policy's key (its equality and hash); the rest enter as they are.
-_KEYS: dict[str, Callable[[Any], Any]] = {"mesh": _mesh_key, "param_specs": spec_key}
+_KEYS: dict[str, Callable[[Any], Any]] = {
+    "mesh": _mesh_key,
+    "param_specs": spec_key,
+    "precision": lambda p: p if p is not None else Precision(),  # the default, asked for or not: one layout
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -200,6 +204,9 @@ class ZeroPolicy:
     #: The mesh with every axis Auto: what the step runs on (sharding constraints inside the step are
     #: rejected on Explicit axes, and jit accepts arrays placed on either).
     auto_mesh: Mesh = dataclasses.field(init=False, repr=False, compare=False)
+    #: Whether ``precision=`` was given (``init_state`` warns when it casts other float dtypes to the default's
+    #: float32 without being asked); kept through :meth:`replace`, no part of the policy's identity.
+    precision_chosen: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         raise_problems(argument_problems(**self.arguments), WHERE)
@@ -218,6 +225,7 @@ class ZeroPolicy:
             "quant_block": int(self.quant_block),
         }
         names = self.mesh.axis_names
+        normalised["precision_chosen"] = self.precision is not None
         normalised["auto_mesh"] = Mesh(self.mesh.devices, names, axis_types=(AxisType.Auto,) * len(names))
         for name, value in normalised.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen: the one place fields are set
@@ -227,7 +235,9 @@ class ZeroPolicy:
     @property
     def arguments(self) -> dict[str, Any]:
         """The constructor's arguments (normalised): what :meth:`replace` starts from."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        chosen = getattr(self, "precision_chosen", True)  # unset while __post_init__ checks the raw arguments
+        return {**given, "precision": given["precision"] if chosen else None}
 
     def replace(self, **changes: Any) -> ZeroPolicy:
         """A new policy: this one's arguments with ``changes``.
@@ -240,7 +250,7 @@ class ZeroPolicy:
         unknown = sorted(set(changes) - set(self.arguments))
         if unknown:
             raise TypeError(NOT_ARGUMENTS.format(unknown=unknown, names=list(self.arguments)))
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **{"precision": self.arguments["precision"], **changes})
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -257,7 +267,8 @@ class ZeroPolicy:
         shown = [f"stage={self.stage}", f"axis={self.axis_name!r}", f"N={self.num_shards}",
                  f"mesh={dict(self.mesh.shape)}"]  # fmt: skip
         defaults = {f.name: f.default for f in dataclasses.fields(ZeroPolicy) if f.init}
-        for name, value in self.arguments.items():
+        for name in self.arguments:
+            value = getattr(self, name)
             if name in ("stage", "mesh", "axis") or value == _normalised_default(name, defaults[name]):
                 continue
             shown.append(f"{name}=..., M={self.model_parallel}" if name == "param_specs" else f"{name}={value!r}")

@@ -17,7 +17,7 @@ from zero_jax._base.tree import PyTree, check_live, path_str
 from zero_jax._layout.trees import TreeLayouts, with_dtype
 from zero_jax._policy.placement import store, to_logical
 from zero_jax._policy.policy import ZeroPolicy
-from zero_jax._policy.precision import LossScaleState, cast_floats
+from zero_jax._policy.precision import LossScaleState, cast_floats, warn_default_cast
 from zero_jax._processes.multihost import check_same_on_all_processes, policy_fingerprint
 from zero_jax._step import offload as _offload
 from zero_jax._step.optimizer import ShardedOptState, ShardedTransformation
@@ -136,7 +136,11 @@ def init_state(
     or a pytree of ``jax.ShapeDtypeStruct`` (then the result is abstract:
     ``ShapeDtypeStruct``s carrying their shardings, for planning). Floating
     leaves are cast to the policy's ``param_dtype`` (the master copy) and
-    ``compute_dtype`` (``state.params``). A Python number leaf is converted
+    ``compute_dtype`` (``state.params``); without ``precision=`` both are
+    float32, and float leaves of another dtype (bf16 parameters) are cast up
+    with a warning that names them and says how to keep their dtype
+    (``zj.Precision(param_dtype=jnp.bfloat16)``) or ask for mixed precision
+    (``zj.Precision(compute_dtype=jnp.bfloat16)``). A Python number leaf is converted
     to a scalar array (``int`` -> ``int32``, ``bool`` -> ``bool``, ``float``
     -> the float dtypes above); any other non-array leaf is refused, naming
     it; ``None`` is an empty subtree, as everywhere in JAX. Non-float leaves
@@ -165,7 +169,9 @@ def init_state(
     check_same_on_all_processes("zj.init_state", policy_fingerprint(policy))
     make, abstract_only = _params_maker(params)
     prec = policy.precision
-    layouts = with_dtype(policy.layouts(jax.eval_shape(make)), prec.param_dtype)
+    shapes = jax.eval_shape(make)
+    warn_default_cast(shapes, prec, policy.precision_chosen)
+    layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)
     model_state = _model_state_values(model_state)
 
     def build() -> TrainState:
