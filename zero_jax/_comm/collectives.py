@@ -106,7 +106,7 @@ def checks_varying() -> bool:
     if not manual:
         return True
     probe = jax.eval_shape(lambda: jax.lax.pcast(jnp.zeros((), jnp.float32), manual, to="varying"))
-    return bool(varying_axes(probe))
+    return bool(probe.manual_axis_type is not None and probe.manual_axis_type.varying)
 
 
 def per_model_shard(fn: Any, layout: LeafLayout | None, x: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ communicated.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,6 +53,9 @@ class GradPlan(NamedTuple):
       scale_loss: the loss is multiplied by a (float16) loss scale.
       for_optimizer: gradients come back as the optimizer takes them (cut
         from stage 1), not as the policy holds them.
+      aux_reduce: how each aux leaf combines over devices and microbatches
+        (``make_train_step(aux_reduce=)``; ``None``: floats averaged,
+        integers summed).
     """
 
     loss_fn: Callable[..., Any]
@@ -66,6 +70,7 @@ class GradPlan(NamedTuple):
     stateful: bool
     scale_loss: bool
     for_optimizer: bool
+    aux_reduce: Any = None
 
 
 class Grads(NamedTuple):
@@ -99,6 +104,7 @@ def grad_plan(
     stateful: bool,
     scale_loss: bool,
     for_optimizer: bool,
+    aux_reduce: Any = None,
 ) -> GradPlan:
     local = accum_steps > 1 and accum_mode == "local"
     return GradPlan(
@@ -114,6 +120,7 @@ def grad_plan(
         stateful=stateful,
         scale_loss=scale_loss,
         for_optimizer=for_optimizer,
+        aux_reduce=aux_reduce,
     )
 
 
@@ -160,9 +167,7 @@ def device_grads(plan: GradPlan, params: PyTree, batch: PyTree, scale: jax.Array
     else:
         grads, loss, aux, new_ms = accumulate(plan, grad_fn, diff, batch, model_state)
     every = plan.policy.comm.all
-    aux = jax.tree.map(
-        lambda a: jax.lax.pmean(a, every) if is_float(a) else jax.lax.psum(a, every), aux
-    )
+    aux = combine_aux(aux, aux_kinds(plan, aux, batch), every)
     if plan.stateful:
         new_ms = combine_model_state(new_ms, model_state, every)
     return Grads(grads, jax.lax.pmean(loss, every), aux, squared_norm(plan, grads, scale), new_ms)
@@ -336,7 +341,7 @@ def accumulate(
     ms0 = jax.tree.map(lambda x: coll.to_varying(x, axis), model_state) if plan.stateful else None
     (acc, new_ms), (losses, auxes) = jax.lax.scan(step, (acc0, ms0), micro_batches)
     grads = across_replicas(plan, reduce_grads(plan, acc) if plan.local else acc)
-    aux = jax.tree.map(lambda a: jnp.mean(a, 0) if is_float(a) else jnp.sum(a, 0), auxes)
+    aux = jax.tree.map(over_microbatches, aux_kinds(plan, jax.tree.map(lambda a: a[0], auxes)), auxes)
     new_ms = None if kept is None else mark_untouched(new_ms, kept)
     return grads, jnp.mean(losses), aux, new_ms
 
@@ -363,6 +368,103 @@ def squared_norm(plan: GradPlan, grads: PyTree, scale: jax.Array) -> jax.Array:
 
 
 # -- the loss's outputs --------------------------------------------------------------------
+
+#: How an aux leaf combines over the devices (and microbatches): ``make_train_step(aux_reduce=)``.
+AUX_REDUCTIONS = ("mean", "sum", "max", "min", "gather")
+
+AUX_REDUCE_TREE = (
+    "make_train_step(aux_reduce=...): at {where}, aux_reduce {given!r} does not fit the aux loss_fn returns "
+    "({aux}): give one of {kinds} for a whole subtree, a dict naming some keys of an aux dict, or a list / "
+    "tuple as long as the aux one."
+)
+AUX_REDUCE_KEYS = (
+    "make_train_step(aux_reduce=...): {extra} at {where} are not keys of the aux loss_fn returns (its keys: "
+    "{keys}); name only keys the aux has."
+)
+AUX_PER_EXAMPLE = (
+    "make_train_step: aux leaf {listing} has as many rows as each device's batch ({rows}): if it holds one "
+    "value per example, averaging it elementwise over the {devices} devices (the default for float aux) mixes "
+    "different examples. Say how it combines: make_train_step(..., aux_reduce={{{key!r}: 'gather'}}) gives the "
+    "whole batch's rows in batch order, 'mean' keeps the elementwise average (and silences this warning); "
+    "'sum', 'max' and 'min' are there too."
+)
+
+
+def aux_kinds(plan: GradPlan, aux: Any, batch: PyTree = None) -> Any:
+    """Per aux leaf, its reduction (one of :data:`AUX_REDUCTIONS`): the
+    user's ``aux_reduce`` (a prefix of aux's tree, or one string), else
+    floats ``"mean"`` and the rest ``"sum"``. Without ``aux_reduce``, a
+    float leaf with a row per example of the device's (micro)batch is
+    averaged with a warning that says how to gather it instead (given the
+    device's ``batch``)."""
+    given = plan.aux_reduce
+    if given is None:
+        if batch is not None:
+            warn_per_example_aux(plan, aux, batch)
+        return default_kinds(aux)
+    return kinds_as_given(given, aux, ())
+
+
+def kinds_as_given(given: Any, aux: Any, where: tuple[str, ...]) -> Any:
+    """``aux_reduce`` laid over the aux tree: a string covers its whole
+    subtree; a dict names some keys of an aux dict (the others take the
+    defaults); a list or tuple mirrors one of the same length."""
+    if isinstance(given, str):
+        return jax.tree.map(lambda _: given, aux)
+    if isinstance(given, dict) and isinstance(aux, dict):
+        extra = sorted(map(str, set(given) - set(aux)))
+        if extra:
+            raise ValueError(AUX_REDUCE_KEYS.format(extra=extra, where="/".join(where) or "aux", keys=sorted(aux)))
+        return {k: kinds_as_given(given[k], v, (*where, str(k))) if k in given else default_kinds(v)
+                for k, v in aux.items()}  # fmt: skip
+    if isinstance(given, (list, tuple)) and isinstance(aux, (list, tuple)) and len(given) == len(aux):
+        return type(aux)(kinds_as_given(g, a, (*where, str(i))) for i, (g, a) in enumerate(zip(given, aux, strict=True)))
+    raise ValueError(AUX_REDUCE_TREE.format(kinds=AUX_REDUCTIONS, aux=jax.tree.structure(aux), given=given,
+                                            where="/".join(where) or "aux"))  # fmt: skip
+
+
+def default_kinds(aux: Any) -> Any:
+    """Floats averaged, the rest (counts) summed."""
+    return jax.tree.map(lambda a: "mean" if is_float(a) else "sum", aux)
+
+
+def warn_per_example_aux(plan: GradPlan, aux: Any, batch: PyTree) -> None:
+    rows = {x.shape[0] // plan.accum_steps for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)}
+    devices = plan.policy.num_batch_shards
+    if len(rows) != 1 or devices == 1:
+        return
+    (row,) = rows
+    hits = [(p, a) for p, a in jax.tree_util.tree_flatten_with_path(aux)[0]
+            if is_float(a) and a.ndim and a.shape[0] == row]  # fmt: skip
+    if hits:
+        listing = ", ".join(f"'{path_str(p)}' {tuple(a.shape)}" for p, a in hits)
+        key = path_str(hits[0][0]) if len(hits[0][0]) == 1 else "name"
+        warnings.warn(AUX_PER_EXAMPLE.format(listing=listing, rows=row, devices=devices, key=key), UserWarning,
+                      stacklevel=2)  # fmt: skip
+
+
+def combine_aux(aux: Any, kinds: Any, axes: tuple[str, ...]) -> Any:
+    """Each device's aux -> one value, per leaf as its kind says (``gather``:
+    the devices' rows concatenated in batch order)."""
+
+    def one(kind: str, a: jax.Array) -> jax.Array:
+        if kind == "mean":
+            return jax.lax.pmean(a if is_float(a) else a.astype(jnp.float32), axes)
+        if kind == "gather":
+            return jax.lax.all_gather(a if a.ndim else a[None], axes, axis=0, tiled=True, to="invarying")
+        return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kind](a, axes)
+
+    return jax.tree.map(one, kinds, aux)
+
+
+def over_microbatches(kind: str, a: jax.Array) -> jax.Array:
+    """One device's aux over its microbatches (stacked on axis 0), as its kind says."""
+    if kind == "gather":
+        return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) if a.ndim > 1 else a
+    if kind == "mean":
+        return jnp.mean(a if is_float(a) else a.astype(jnp.float32), 0)
+    return {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind](a, 0)
+
 
 
 def split_loss(out: Any) -> tuple[jax.Array, Any]:

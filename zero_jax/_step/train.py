@@ -56,7 +56,7 @@ from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout
 from zero_jax._layout.trees import TreeLayouts, full_shapes
 from zero_jax._policy.policy import ZeroPolicy
-from zero_jax._step.grads import Grads, compute_grads, grad_plan
+from zero_jax._step.grads import AUX_REDUCTIONS, Grads, compute_grads, grad_plan
 from zero_jax._step.optimizer import ShardedOptState, ShardedTransformation, check_tree, frozen_leaves
 from zero_jax._step.state import TrainState, check_tx, state_shardings
 from zero_jax._step.update import (
@@ -129,8 +129,10 @@ class TrainStep:
         donate: bool,
         stateful: bool = False,
         compiler_options: dict[str, Any] | None = None,
+        aux_reduce: Any = None,
     ) -> None:
         self.loss_fn = loss_fn
+        self.aux_reduce = aux_reduce
         self.stateful = stateful
         self.tx = tx
         self.policy = policy
@@ -279,6 +281,7 @@ class TrainStep:
             stateful=self.stateful,
             scale_loss=state.loss_scale is not None,
             for_optimizer=for_optimizer,
+            aux_reduce=self.aux_reduce,
         )
         scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)
         return compute_grads(plan, state.params, batch, scale, state.model_state)
@@ -321,15 +324,19 @@ def make_train_step(
     donate: bool = True,
     stateful: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    aux_reduce: Any = None,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``: the mean
-        loss over the batch it is given (each device gives it its slice of
-        the global batch). It receives ordinary, whole parameters in every
-        stage. Float aux leaves are averaged over the data axis, integer ones
-        summed.
+      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``: the
+        **mean** loss over the batch it is given. Each device gives it its
+        slice of the global batch and the step averages the devices' losses
+        and gradients, so a loss that returns the batch *sum* trains with
+        gradients 1/N of the unsharded sum's (N devices x accum_steps) and
+        reports a loss N times smaller: divide by the rows it was given
+        (``jnp.mean``). It receives ordinary, whole parameters in every
+        stage. Aux: see ``aux_reduce``.
       tx: the optimizer, wrapped by :func:`shard_optimizer` for ``policy``.
       policy: the :class:`ZeroPolicy`.
       gather: ``"all"``: the step hands ``loss_fn`` whole parameters (in
@@ -370,6 +377,18 @@ def make_train_step(
         integer, boolean and key leaves must agree across devices and their
         maximum is taken (``pmax``). A float16 step skipped for overflow keeps
         the old model state.
+      aux_reduce: how each leaf of the loss's aux combines over the devices
+        (and microbatches), which each computed it on their own rows:
+        ``"mean"`` (the default for float leaves: right for a per-device
+        mean such as an accuracy), ``"sum"`` (the default for integer leaves:
+        counts), ``"max"``, ``"min"``, or ``"gather"`` (the devices' rows
+        concatenated in batch order: a per-example array comes back with
+        one row per example of the global batch; a scalar, one value per
+        device and microbatch). One string for every leaf, or a dict naming
+        some keys of an aux dict (``{"per_example": "gather", "worst":
+        "max"}``; the other keys take the defaults). Without it, a float aux
+        leaf with a row per example of each device's batch is averaged with
+        a warning that says so.
       compiler_options: XLA options the step compiles with, over the ones
         zero_jax picks for the mesh's backend (on TPU, libtpu's async
         all-gather: ``zero_jax._layerwise.schedule``); e.g.
@@ -414,6 +433,7 @@ def make_train_step(
         donate=donate,
         stateful=stateful,
         compiler_options=_checked_compiler_options(compiler_options),
+        aux_reduce=_checked_aux_reduce(aux_reduce),
     )
 
 
@@ -421,6 +441,22 @@ COMPILER_OPTIONS = (
     "make_train_step: compiler_options must be a dict of XLA option names to values (strings, bools or numbers), "
     "e.g. {{'xla_enable_async_all_gather': 'false'}}; got {got}."
 )
+
+
+AUX_REDUCE = (
+    "make_train_step: aux_reduce must be None, one of {kinds} (for every aux leaf), or a dict of them "
+    "mirroring a prefix of the aux tree; {listing}."
+)
+
+
+def _checked_aux_reduce(aux_reduce: Any) -> Any:
+    if aux_reduce is None:
+        return None
+    pairs = jax.tree_util.tree_flatten_with_path(aux_reduce)[0]
+    bad = [f"'{path_str(p) or '(the value)'}' is {v!r}" for p, v in pairs if v not in AUX_REDUCTIONS]
+    if bad or not pairs:
+        raise ValueError(AUX_REDUCE.format(kinds=AUX_REDUCTIONS, listing="; ".join(bad) or "got an empty tree"))
+    return aux_reduce
 
 
 def _checked_compiler_options(options: Any) -> dict[str, Any] | None:
