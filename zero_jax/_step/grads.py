@@ -418,7 +418,8 @@ def kinds_as_given(given: Any, aux: Any, where: tuple[str, ...]) -> Any:
         return {k: kinds_as_given(given[k], v, (*where, str(k))) if k in given else default_kinds(v)
                 for k, v in aux.items()}  # fmt: skip
     if isinstance(given, (list, tuple)) and isinstance(aux, (list, tuple)) and len(given) == len(aux):
-        return type(aux)(kinds_as_given(g, a, (*where, str(i))) for i, (g, a) in enumerate(zip(given, aux, strict=True)))
+        pairs = enumerate(zip(given, aux, strict=True))
+        return type(aux)(kinds_as_given(g, a, (*where, str(i))) for i, (g, a) in pairs)
     raise ValueError(AUX_REDUCE_TREE.format(kinds=AUX_REDUCTIONS, aux=jax.tree.structure(aux), given=given,
                                             where="/".join(where) or "aux"))  # fmt: skip
 
