@@ -23,7 +23,7 @@ from zero_jax._comm.collectives import Axes
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, is_float, is_layout, shape_dtype
 from zero_jax._layout.leaf import leaf_layout as layout_of
 from zero_jax._policy.arguments import WHERE, argument_problems, check_quant_block
-from zero_jax._policy.batch import batch_partition_spec
+from zero_jax._policy.batch import batch_leaf_specs, batch_partition_spec, is_replicated_leaf
 from zero_jax._policy.batch import check_batch as check_batch_leaves
 from zero_jax._policy.memory import OffloadOptions, offload_options
 from zero_jax._policy.model_specs import model_entries, spec_key
@@ -491,15 +491,22 @@ class ZeroPolicy:
         parameter's layout (needed for ``stacked`` subtrees)."""
         return self.shardings(self.state_layouts(opt_state, params), self.partitions_opt_state, self.state_axes)
 
-    def batch_sharding(self) -> NamedSharding:
+    def batch_sharding(self, batch: PyTree = None) -> Any:
         """Every batch leaf is split along its leading dimension over
         ``replica_axis`` and ``axis`` (and its other dimensions as
-        ``batch_spec`` says)."""
-        return NamedSharding(self.auto_mesh, batch_partition_spec(self.batch_axes, self.batch_spec))
+        ``batch_spec`` says): one ``NamedSharding`` for them all; given a
+        ``batch``, one per leaf, a scalar leaf (a typed RNG key, a step
+        count) replicated."""
+        rows = NamedSharding(self.auto_mesh, batch_partition_spec(self.batch_axes, self.batch_spec))
+        if batch is None:
+            return rows
+        return jax.tree.map(lambda x: self.replicated() if is_replicated_leaf(x) else rows, batch)
 
-    def batch_manual_spec(self) -> PartitionSpec:
-        """The batch's spec over the step's manual (batch) axes only: what its ``shard_map`` takes."""
-        return batch_partition_spec(self.batch_axes, None)
+    def batch_manual_spec(self, batch: PyTree = None) -> Any:
+        """The batch's spec over the step's manual (batch) axes only: what its
+        ``shard_map`` takes (per leaf given a ``batch``: ``P()`` for scalars)."""
+        rows = batch_partition_spec(self.batch_axes, None)
+        return rows if batch is None else batch_leaf_specs(batch, rows)
 
     def check_batch(self, batch: PyTree, *, where: str, microbatches: int = 1) -> None:
         """Raise a ValueError naming every batch leaf whose leading (batch)

@@ -30,6 +30,7 @@ from zero_jax._layerwise.pieces import Sharded, check_only_gathered
 from zero_jax._layerwise.scope import manual_gather_scope
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout, is_real_float, shard_shape
 from zero_jax._layout.trees import leaf_values, per_leaf
+from zero_jax._policy.batch import is_replicated_leaf
 from zero_jax._policy.memory import to_device
 from zero_jax._policy.policy import ZeroPolicy
 
@@ -144,7 +145,7 @@ def compute_grads(plan: GradPlan, params: PyTree, batch: PyTree, scale: jax.Arra
     out = jax.shard_map(
         lambda *args: tuple(device_grads(plan, *args)),
         mesh=policy.auto_mesh,
-        in_specs=(param_specs, policy.batch_manual_spec(), PartitionSpec(), PartitionSpec()),
+        in_specs=(param_specs, policy.batch_manual_spec(batch), PartitionSpec(), PartitionSpec()),
         out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         axis_names=policy.manual_axes,
         # JAX 0.10 cannot type a collective over a vmap axis (a batch norm's
@@ -181,7 +182,8 @@ def check_pieces_are_gathered(
     if not plan.manual or not (plan.slots or plan.pieces):
         return
     k = plan.accum_steps
-    micro_batch = jax.tree.map(lambda x: x[: x.shape[0] // k], batch)
+    stacked, rebuild = split_microbatches(batch, k)
+    micro_batch = rebuild([x[0] for x in stacked])
 
     def loss(p: PyTree, d: PyTree) -> Any:
         return micro_loss_fn(plan, p, scale)(d, micro_batch, model_state)[0]
@@ -237,9 +239,9 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
         args = (tree, ms, mb) if plan.stateful else (tree, mb)
         if plan.manual:
             with manual_gather_scope(policy, pieces=plan.slots or plan.pieces):
-                out = plan.loss_fn(*args)
+                out = call_loss(plan.loss_fn, args)
         else:
-            out = plan.loss_fn(*args)
+            out = call_loss(plan.loss_fn, args)
         new_ms = None
         if plan.stateful:
             out, new_ms = split_stateful(out)
@@ -261,6 +263,35 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
         # produce unnamed whole-parameter values that get saved instead.)
         return jax.checkpoint(micro, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     return micro
+
+
+LOSS_RAISED = (
+    "zero_jax: raised inside loss_fn({names}), called by the step on each device's slice of the batch; the "
+    "batch it got: {batch}."
+)
+
+
+def call_loss(loss_fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``loss_fn(*args)``; an exception from inside it gets a note (Python
+    3.11+) that says where it came from and what the batch held: a batch
+    passed as a list to a loss that indexes it by name fails in the user's
+    own code, and the note shows the mismatch."""
+    try:
+        return loss_fn(*args)
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            names = "params, model_state, batch" if len(args) == 3 else "params, batch"
+            e.add_note(LOSS_RAISED.format(names=names, batch=describe_batch(args[-1])))
+        raise
+
+
+def describe_batch(batch: PyTree) -> str:
+    """A batch in a few words: its container and its leaves' paths, shapes and dtypes."""
+    pairs = jax.tree_util.tree_flatten_with_path(batch)[0]
+    shown = ", ".join(f"'{path_str(p)}' {tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', type(x).__name__)}"
+                      for p, x in pairs[:6])  # fmt: skip
+    more = f", and {len(pairs) - 6} more" if len(pairs) > 6 else ""
+    return f"a {type(batch).__name__} of {len(pairs)} leaves ({shown}{more})"
 
 
 def reduce_grads(plan: GradPlan, g: PyTree) -> PyTree:
@@ -313,17 +344,17 @@ def accumulate(
     (whole with local accumulation, reduced every microbatch otherwise); the
     model state flows through the microbatches in order."""
     k, axis = plan.accum_steps, plan.policy.comm
-    micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    micro_batches, rebuild = split_microbatches(batch, k)
     acc_dtype = plan.policy.precision.param_dtype
 
-    def step(carry: tuple[PyTree, PyTree], mb: PyTree) -> tuple[tuple[PyTree, PyTree], Any]:
+    def step(carry: tuple[PyTree, PyTree], rows: list[jax.Array]) -> tuple[tuple[PyTree, PyTree], Any]:
         acc, ms = carry
-        (_, (loss, aux, new_ms)), g = grad_fn(diff, mb, ms)
+        (_, (loss, aux, new_ms)), g = grad_fn(diff, rebuild(rows), ms)
         g = g if plan.local else reduce_grads(plan, g)
         acc = jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
         return (acc, keep_untouched(new_ms, ms)), (loss, aux)
 
-    first = jax.tree.map(lambda x: x[0], micro_batches)
+    first = rebuild([x[0] for x in micro_batches])
     example = jax.eval_shape(lambda: grad_fn(diff, first, model_state))
     kept = example[0][1][2]  # which model-state leaves the loss returns untouched
     example = example[1] if plan.local else reduced_shapes(plan, example[1])
@@ -339,11 +370,26 @@ def accumulate(
 
     acc0 = per_leaf(zeros, plan.layouts, example)
     ms0 = jax.tree.map(lambda x: coll.to_varying(x, axis), model_state) if plan.stateful else None
-    (acc, new_ms), (losses, auxes) = jax.lax.scan(step, (acc0, ms0), micro_batches)
+    (acc, new_ms), (losses, auxes) = jax.lax.scan(step, (acc0, ms0), micro_batches, length=k)
     grads = across_replicas(plan, reduce_grads(plan, acc) if plan.local else acc)
     aux = jax.tree.map(over_microbatches, aux_kinds(plan, jax.tree.map(lambda a: a[0], auxes)), auxes)
     new_ms = None if kept is None else mark_untouched(new_ms, kept)
     return grads, jnp.mean(losses), aux, new_ms
+
+
+def split_microbatches(batch: PyTree, k: int) -> tuple[list[jax.Array], Callable[[list[jax.Array]], PyTree]]:
+    """A device's batch as ``k`` microbatches: its row leaves reshaped to
+    ``(k, rows / k, ...)`` (what ``lax.scan`` runs over) and ``rebuild(rows)``,
+    one microbatch with the replicated leaves (scalars, keys) as they are."""
+    leaves, treedef = jax.tree.flatten(batch)
+    split = [not is_replicated_leaf(x) for x in leaves]
+    stacked = [x.reshape(k, x.shape[0] // k, *x.shape[1:]) for x, s in zip(leaves, split, strict=True) if s]
+
+    def rebuild(rows: list[jax.Array]) -> PyTree:
+        it = iter(rows)
+        return jax.tree.unflatten(treedef, [next(it) if s else x for x, s in zip(leaves, split, strict=True)])
+
+    return stacked, rebuild
 
 
 def squared_norm(plan: GradPlan, grads: PyTree, scale: jax.Array) -> jax.Array:

@@ -52,9 +52,12 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax._base.tree import PyTree, check_live, path_str
+from zero_jax._base.units import is_real_number, is_whole_number
 from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout
 from zero_jax._layout.trees import TreeLayouts, full_shapes
+from zero_jax._policy.batch import is_replicated_leaf
+from zero_jax._policy.placement import place_batch
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.grads import AUX_REDUCTIONS, Grads, compute_grads, grad_plan
 from zero_jax._step.optimizer import ShardedOptState, ShardedTransformation, check_tree, frozen_leaves
@@ -140,6 +143,7 @@ class TrainStep:
         self.accum_steps = accum_steps
         self.accum_mode = accum_mode
         self.clip_norm = clip_norm
+        self.donate = donate
         batch_sharding = policy.batch_sharding()
         #: What the step compiles with: the backend's options (the schedule seam; none on XLA:CPU), then the caller's.
         self.compiler_options = {**dict(schedule_for(policy).compiler_options), **(compiler_options or {})} or None
@@ -154,29 +158,50 @@ class TrainStep:
     # -- the public face -------------------------------------------------------------
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        self._validate(state, batch)
-        return self.jitted(state, batch)
+        batch = self._validate(state, batch)
+        return self._programs(batch)[0](state, batch)
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
-        self._validate(state, batch)
-        return self.jitted.lower(state, batch)
+        batch = self._validate(state, batch)
+        return self._programs(batch)[0].lower(state, batch)
 
     def grads(self, state: TrainState, batch: PyTree) -> PyTree:
         """The batch-mean gradient as the policy holds it: in the reduce dtype
         (float32 accumulators when accumulating), partitioned and padded in
         stages 2–3, whole in stages 0–1; ``None`` for frozen and non-float
         leaves. Loss scaling is not undone here."""
-        self._validate(state, batch)
-        return self._grads_jitted(state, batch).grads
+        batch = self._validate(state, batch)
+        return self._programs(batch)[1](state, batch).grads
 
     @property
     def facts(self) -> StepFacts:
         """What this step is (see :class:`StepFacts`)."""
         return StepFacts(self.policy, self.gather, self.accum_mode, self.accum_steps, self.tx.inner)
 
+    def _programs(self, batch: PyTree) -> tuple[Any, Any]:
+        """The jitted step and gradient program for this batch: :attr:`jitted`
+        for a batch split by rows; one with those leaves replicated for a
+        batch that holds scalars (a step count, a typed RNG key)."""
+        leaves, treedef = jax.tree.flatten(batch)
+        scalars = tuple(is_replicated_leaf(x) for x in leaves)
+        if not any(scalars):
+            return self.jitted, self._grads_jitted
+        return self._with_scalars(treedef, scalars)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a step object lives as long as its training run
+    def _with_scalars(self, treedef: Any, scalars: tuple[bool, ...]) -> tuple[Any, Any]:
+        rows = self.policy.batch_sharding()
+        shardings = treedef.unflatten([self.policy.replicated() if s else rows for s in scalars])
+        step = jax.jit(self._step, in_shardings=(None, shardings), donate_argnums=(0,) if self.donate else (),
+                       compiler_options=self.compiler_options)  # fmt: skip
+        grads = jax.jit(functools.partial(self._grads, for_optimizer=False), in_shardings=(None, shardings))
+        return step, grads
+
     # -- checks with errors that say what to do -----------------------------------------
 
-    def _validate(self, state: Any, batch: PyTree) -> None:
+    def _validate(self, state: Any, batch: PyTree) -> PyTree:
+        """Check the state and batch, naming every bad leaf; returns the batch
+        placed on the step's layout (see ``_policy.placement.place_batch``)."""
         policy = self.policy
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -233,6 +258,7 @@ class TrainStep:
             raise TypeError(MODEL_STATE_LEAVES.format(listing=", ".join(bad)))
         check_batch_sizes(batch)
         policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
+        return place_batch(batch, policy.batch_sharding(batch))
 
     def _check_stored_shapes(self, state: TrainState) -> None:
         pairs = jax.tree_util.tree_flatten_with_path(state.params)[0]
@@ -427,7 +453,7 @@ def make_train_step(
         tx,
         policy,
         gather=gather,
-        accum_steps=accum_steps,
+        accum_steps=int(accum_steps),
         accum_mode=accum_mode,
         clip_norm=None if clip_norm is None else float(clip_norm),
         donate=donate,
@@ -479,7 +505,7 @@ def _check_options(
         )
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+    if not is_whole_number(accum_steps) or accum_steps < 1:
         raise ValueError(f"make_train_step: accum_steps must be an int >= 1, got {accum_steps!r}.")
     if accum_mode is None:
         accum_mode = policy.default_accum_mode
@@ -489,7 +515,7 @@ def _check_options(
             f"(reduce every microbatch into a partitioned accumulator), got {accum_mode!r}."
         )
     if clip_norm is not None and not (
-        isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0
+        is_real_number(clip_norm) and math.isfinite(clip_norm) and clip_norm > 0
     ):
         raise ValueError(f"make_train_step: clip_norm must be a positive number or None, got {clip_norm!r}.")
     if not isinstance(stateful, bool):
