@@ -26,6 +26,10 @@ def activation_axes(policy: ZeroPolicy | None) -> tuple[str, ...]:
     return tuple(a for a in policy.model_axes if policy.mesh.shape[a] > 1)
 
 
+#: The name scope of P_a's cuts and regathers of saved activations (in each op's HLO ``op_name``).
+ACTIVATION_SCOPE = "zj_activations"
+
+
 def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materialize: bool = False) -> PyTree:
     """Each float leaf with a dimension that divides by ``size`` cut over
     ``axes`` (``cut``) or gathered back, in a ``shard_map`` nested over
@@ -54,7 +58,8 @@ def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materi
             return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(name) * k, k, axis=d)
 
         def gather(a: jax.Array) -> jax.Array:
-            return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
+            with jax.named_scope(ACTIVATION_SCOPE):  # inside the body: a nested shard_map drops outer scopes
+                return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
 
         fn, specs = (slice_mine, (PartitionSpec(), piece)) if cut else (gather, (piece, PartitionSpec()))
         mesh = jax.sharding.get_abstract_mesh()

@@ -58,7 +58,8 @@ def place_batch(batch: PyTree, shardings: PyTree) -> PyTree:
     global arrays) left for ``jit`` to place as it would."""
 
     def one(x: object, sharding: jax.sharding.Sharding) -> object:
-        if isinstance(x, jax.Array) and x.committed and x.is_fully_addressable:
+        concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # traced: jit places it
+        if concrete and x.committed and x.is_fully_addressable:
             if not x.sharding.is_equivalent_to(sharding, x.ndim):
                 return jax.device_put(x, sharding)
         return x

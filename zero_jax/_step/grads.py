@@ -214,12 +214,12 @@ def diff_var(plan: GradPlan, p: jax.Array, lay: LeafLayout, frozen: bool) -> jax
     return coll.to_varying(p, policy.comm)
 
 
-def handed(plan: GradPlan, p: jax.Array, d: jax.Array | None, lay: LeafLayout) -> Any:
-    """What ``loss_fn`` receives for one leaf."""
+def handed(plan: GradPlan, p: jax.Array, d: jax.Array | None, lay: LeafLayout, path: str) -> Any:
+    """What ``loss_fn`` receives for one leaf (at key ``path``)."""
     if not (lay.dim is not None and (plan.slots or (plan.pieces and d is None))):
         return d if d is not None else p
     if plan.manual:
-        return Sharded((p,) if d is None else (p, d), lay, plan.policy)
+        return Sharded((p,) if d is None else (p, d), lay, plan.policy, path)
     if d is None:
         return coll.fetch(p, lay, plan.policy.comm, gather=plan.pieces)
     return coll.fetch_with_grad_slot(p, d, lay, plan.policy.comm, gather=plan.pieces)
@@ -235,7 +235,8 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
     divisor = policy.num_batch_shards * plan.accum_steps
 
     def micro(d: PyTree, mb: PyTree, ms: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any, PyTree]]:
-        tree = per_leaf(lambda p, di, lay: handed(plan, p, di, lay), plan.layouts, params, d)
+        paths = jax.tree_util.tree_map_with_path(lambda k, _: path_str(k), plan.layouts, is_leaf=is_layout)
+        tree = per_leaf(lambda p, di, k, lay: handed(plan, p, di, lay, k), plan.layouts, params, d, paths)
         args = (tree, ms, mb) if plan.stateful else (tree, mb)
         if plan.manual:
             with manual_gather_scope(policy, pieces=plan.slots or plan.pieces):
