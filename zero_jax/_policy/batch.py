@@ -59,6 +59,15 @@ def is_batch_value(leaf: Any) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype") or is_replicated_leaf(leaf)
 
 
+def legacy_key_hint(batch: PyTree) -> str:
+    """For a batch error: which leaf looks like a raw ``jax.random.PRNGKey``
+    (``uint32[2]``) and what to pass instead; empty when none does."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if tuple(getattr(leaf, "shape", ())) == (2,) and getattr(leaf, "dtype", None) == np.uint32:
+            return LEGACY_KEY_HINT.format(leaf=path_str(path))
+    return ""
+
+
 def batch_leaf_specs(batch: PyTree, rows: PartitionSpec) -> PyTree:
     """Per batch leaf, its spec: ``rows`` (split by rows), or ``P()`` for a
     replicated leaf (:func:`is_replicated_leaf`)."""
@@ -116,15 +125,12 @@ def check_batch(
     not_arrays = [f"'{path_str(p)}' is a {type(x).__name__}" for p, x in pairs if not is_batch_value(x)]
     if not_arrays:
         raise TypeError(BATCH_NOT_ARRAYS.format(where=where, leaves=_listing(not_arrays)))
-    hint = ""
     for path, leaf in pairs:
         if is_replicated_leaf(leaf):
             continue  # handed to every device whole
         shape = tuple(leaf.shape)
         if shape[0] % n:
             uneven.append(f"'{path_str(path)}' has shape {shape}")
-            if shape == (2,) and np.dtype(leaf.dtype) == np.uint32:
-                hint = LEGACY_KEY_HINT.format(leaf=path_str(path))
         elif shape[0] % (n * k):
             unsplit.append(f"'{path_str(path)}' has shape {shape}")
         for dim, entry in split:
@@ -133,7 +139,8 @@ def check_batch(
                 unfit.append(f"'{path_str(path)}' has shape {shape} (dimension {dim} over {_axes(entry)}: {size})")
                 break
     if uneven:
-        raise ValueError(BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=axes) + hint)
+        message = BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=axes)
+        raise ValueError(message + legacy_key_hint(batch))
     if unsplit:
         raise ValueError(BATCH_NOT_MICROBATCHED.format(where=where, leaves=_listing(unsplit), k=k, n=n, nk=n * k))
     if unfit:

@@ -56,7 +56,7 @@ from zero_jax._base.units import is_real_number, is_whole_number
 from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout
 from zero_jax._layout.trees import TreeLayouts, full_shapes
-from zero_jax._policy.batch import is_replicated_leaf
+from zero_jax._policy.batch import is_replicated_leaf, legacy_key_hint
 from zero_jax._policy.placement import place_batch
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.grads import AUX_REDUCTIONS, Grads, compute_grads, grad_plan
@@ -94,7 +94,7 @@ def check_batch_sizes(batch: PyTree) -> None:
     sizes = {shape[0] for _, shape in pairs if shape}
     if len(sizes) > 1:
         listing = ", ".join(f"'{p}' {shape}" for p, shape in pairs)
-        raise ValueError(BATCH_SIZES_DIFFER.format(listing=listing))
+        raise ValueError(BATCH_SIZES_DIFFER.format(listing=listing) + legacy_key_hint(batch))
 
 
 class StepFacts(NamedTuple):
