@@ -15,6 +15,7 @@ import io
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 from _models import make_mesh, mlp_batch, mlp_loss, mlp_params, run_as_main, working_directory
+from jax.sharding import PartitionSpec as PS
 
 if __name__ == "__main__":  # the probe below: 8 simulated devices, as conftest.py gives
     jax.config.update("jax_num_cpu_devices", 8)
@@ -50,6 +52,11 @@ def params() -> dict[str, jax.Array]:
 
 def loss_fn(p: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
     return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+
+def per_example_aux_loss(p: dict[str, jax.Array], b: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+    errors = jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2, axis=1)
+    return jnp.mean(errors), {"errors": errors}
 
 
 def batch(n: int = 16, m: int | None = None) -> dict[str, jax.Array]:
@@ -440,7 +447,7 @@ ROWS = [
         "step-manual-forgot-to-gather",
         manual_step(lambda p: loss_fn(p, batch())),
         TypeError,
-        "a partitioned parameter of shape (16, 8) was used as an array",
+        "a partitioned parameter of shape (16, 8) ('w') was used as an array",
         "zj.gather(params_subtree, policy)",
     ),
     row(
@@ -543,12 +550,8 @@ ROWS = [
         "'y'",
         "(12, 8)",
     ),
-    row(
-        "call-batch-scalar-leaf",
-        lambda: step()(state(), {**batch(), "t": jnp.float32(1)}),
-        ValueError,
-        "batch leaf 't' has shape ()",
-    ),
+    # A scalar in the batch (a temperature, a step count) is handed to every device whole.
+    row("call-batch-scalar-leaf", lambda: _scalar_batch_trains(), None),
     row(
         "call-accum-not-dividing",
         lambda: step(accum_steps=3)(state(), batch()),
@@ -589,6 +592,113 @@ ROWS = [
         "(16, 9)",
     ),
     row("call-donated-state", lambda: step()(consumed(), batch()), ValueError, "donated", "keep the state it returns"),
+    # -- issue 29: the batch as users pass it ----------------------------------------------------------
+    row("call-batch-a-list", lambda: _list_batch_trains(), None),
+    row(
+        "call-batch-a-list-to-a-dict-loss",
+        lambda: step()(state(), [batch()["x"], batch()["y"]]),
+        TypeError,
+        "list indices must be integers",
+        "raised inside loss_fn(params, batch)",
+        "a list of 2 leaves ('0' (2, 16) float32, '1' (2, 8) float32)",
+    ),
+    row(
+        "call-batch-holds-a-string",
+        lambda: step()(state(), {**batch(), "name": "abc"}),
+        TypeError,
+        "batch leaf 'name' is a str",
+        "close over them in loss_fn",
+    ),
+    row("call-batch-holds-a-typed-key", lambda: _key_batch_trains(), None),
+    row(
+        "call-batch-holds-a-raw-prng-key",
+        lambda: step()(state(), {**batch(), "key": jax.random.PRNGKey(0)}),
+        ValueError,
+        "'key' (2,)",
+        "looks like a raw jax.random.PRNGKey",
+        "jax.random.key(seed)",
+    ),
+    row("call-batch-committed-to-one-device", lambda: _one_device_batch_trains(), None),
+    row("init-params-sharded-on-another-mesh", lambda: _params_on_another_mesh_train(), None),
+    # -- issue 29: numbers as NumPy gives them ------------------------------------------------------------
+    row("step-accum-numpy-int", lambda: step(accum_steps=np.int64(2))(state(), batch()), None),
+    row("step-clip-numpy-float", lambda: M(loss_fn, tx(), policy(), clip_norm=np.float32(1.0))(state(), batch()), None),
+    row(
+        "step-accum-numpy-float",
+        call(M, loss_fn, tx(), policy(), accum_steps=np.float64(2.0)),
+        ValueError,
+        "accum_steps must be an int >= 1",
+        "2.0",
+    ),
+    row(
+        "layers-prefetch-numpy-int",
+        manual_step(
+            lambda p: jnp.mean(
+                zj.apply_layers(lambda q, x: x @ q["w"] + q["b"], [p], batch()["x"], policy(3), prefetch=np.int64(1))
+            )
+        ),
+        None,
+    ),
+    # -- issue 29: blocks, specs, precision, aux ----------------------------------------------------------
+    row(
+        "step-block-closes-over-a-piece",
+        lambda: _closure_over_a_piece(),
+        TypeError,
+        "a partitioned parameter of shape (8, 8) ('v') was used as an array",
+        "closes over params[...]",
+    ),
+    row(
+        "spec-tree-lacks-a-leaf",
+        lambda: P(3, tp_mesh(), param_specs={"w": PS(None, "model")}).layouts(params()),
+        ValueError,
+        "2 parameter leaves, 1 specs: no spec for b",
+    ),
+    row(
+        "spec-tree-adds-a-leaf",
+        lambda: P(3, tp_mesh(), param_specs={"w": PS(None, "model"), "b": None, "bais": None}).layouts(params()),
+        ValueError,
+        "no parameter for bais",
+    ),
+    row(
+        "spec-tuples-not-partition-specs",
+        lambda: P(3, tp_mesh(), param_specs={"w": (None, "model"), "b": ("model",)}).layouts(params()),
+        ValueError,
+        "'w': (None, 'model') is a tuple, not a jax.sharding.PartitionSpec; write P(None, 'model')",
+        "'b': ('model',) is a tuple",
+    ),
+    row(
+        "init-bf16-params-without-precision",
+        lambda: _as_error(lambda: I(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params()), tx(), policy())),
+        UserWarning,
+        "2 float parameter leaf(s) are not float32",
+        "'w' (16, 8) bfloat16",
+        "precision=zj.Precision(param_dtype=jnp.bfloat16)",
+        "zj.Precision(compute_dtype=jnp.bfloat16)",
+    ),
+    row(
+        "step-aux-per-example-averaged",
+        lambda: _as_error(lambda: M(per_example_aux_loss, tx(), policy())(state(), batch())),
+        UserWarning,
+        "aux leaf 'errors' (2,) has as many rows as each device's batch (2)",
+        "aux_reduce={'errors': 'gather'}",
+    ),
+    row("step-aux-reduce-gather", lambda: _aux_gathered(), None),
+    row(
+        "step-aux-reduce-unknown",
+        call(M, per_example_aux_loss, tx(), policy(), aux_reduce={"errors": "concat"}),
+        ValueError,
+        "aux_reduce must be None, one of ('mean', 'sum', 'max', 'min', 'gather')",
+        "'errors' is 'concat'",
+    ),
+    row(
+        "step-aux-reduce-names-no-aux-key",
+        lambda: M(per_example_aux_loss, tx(), policy(), aux_reduce={"eror": "gather"})(state(), batch()),
+        ValueError,
+        "['eror'] at aux are not keys of the aux loss_fn returns",
+        "['errors']",
+    ),
+    row("step-tensor-parallel-model-state-stage-3", lambda: _tp_model_state_trains(), None, marks=pytest.mark.slow),
+    row("audit-pa-activation-shaped-like-a-weight", lambda: _audit_pa_passes(), None, marks=pytest.mark.slow),
     # -- gather / scan_layers / full_params ------------------------------------------------------------
     row(
         "gather-outside-step", call(zj.gather, params(), policy(3)), RuntimeError, "outside a train step", "policy=None"
@@ -766,6 +876,13 @@ ROWS = [
     row("cli-audit-devices-0", call(cli_process, "audit", "--devices", "0"), SystemExit, "--devices", "0"),
     row("cli-audit-bad-heads", call(cli_process, "audit", "--heads", "5"), SystemExit, "heads=5", "pick heads"),
     row("cli-unknown-command", call(cli, "train"), SystemExit, "invalid choice: 'train'"),
+    row(
+        "cli-quant-block-without-quantize",
+        call(cli, *PLAN, "--quant-block", "128"),
+        SystemExit,
+        "--quant-block sets the block of the int8 wire formats, but none is asked for",
+        "--quantize-grads int8",
+    ),
     row("cli-demo-stage-4", call(cli, "demo", "--stages", "4"), SystemExit, "--stages: invalid choice: 4"),
     # -- formulas and helpers --------------------------------------------------------------------------
     row("bytes-negative-params", call(zj.model_state_bytes, -1, 8, 2), ValueError, "num_params must be positive", "-1"),
@@ -823,6 +940,100 @@ ROWS = [
     row("linen-hf-model-object", lambda: zj.adapters.from_linen(FlaxPreTrainedModel(), None, loss_fn), None),
     row("nnx-loss-not-callable", lambda: _nnx(loss="mse"), TypeError, "loss must be callable"),
 ]
+
+
+def tp_mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _as_error(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with warnings raised as errors (as under pytest): a row's warning is its message."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn()
+
+
+def _scalar_batch_trains() -> None:
+    """A float scalar in the batch reaches every device whole: the loss scaled by it is the scaled loss."""
+    scaled = M(lambda p, b: loss_fn(p, b) * b["t"], tx(), policy())
+    _, plain = step()(state(), batch())
+    _, metrics = scaled(state(), {**batch(), "t": jnp.float32(3.0)})
+    np.testing.assert_allclose(float(metrics["loss"]), 3 * float(plain["loss"]), rtol=1e-6)
+
+
+def _list_batch_trains() -> None:
+    listed = M(lambda p, b: loss_fn(p, {"x": b[0], "y": b[1]}), tx(), policy())
+    _, got = listed(state(), [batch()["x"], batch()["y"]])
+    _, want = step()(state(), batch())
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+
+
+def _key_batch_trains() -> None:
+    """A typed RNG key in the batch is the same key on every device, with accumulation too."""
+    noisy = lambda p, b: loss_fn(p, b) + 0.0 * jax.random.normal(b["key"], ())  # noqa: E731
+    for k in (1, 2):
+        s, metrics = M(noisy, tx(), policy(), accum_steps=k)(state(), {**batch(), "key": jax.random.key(0)})
+        assert np.isfinite(float(metrics["loss"])) and int(s.step) == 1
+
+
+def _one_device_batch_trains() -> None:
+    one = jax.tree.map(lambda a: jax.device_put(a, jax.devices()[3]), batch())
+    _, got = step()(state(), one)
+    _, want = step()(state(), batch())
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+
+
+def _params_on_another_mesh_train() -> None:
+    other = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    placed = {"w": jax.device_put(params()["w"], jax.NamedSharding(other, PS("x"))), "b": params()["b"]}
+    s = I(placed, tx(3), policy(3))
+    np.testing.assert_array_equal(np.asarray(zj.full_params(s)["w"]), np.asarray(params()["w"]))
+    step(3)(s, batch())
+
+
+def _closure_over_a_piece() -> None:
+    pol = zj.ZeroPolicy(3, mesh(), min_shard_size=0)
+    t = zj.shard_optimizer(ADAM, pol)
+
+    def loss(p, b):  # the block uses p["v"] from the closure, not through its own parameters
+        return jnp.mean(zj.apply_layers(lambda q, x: (x @ q["w"]) @ p["v"], [{"w": p["w"]}], b["x"], pol))
+
+    zj.make_train_step(loss, t, pol, gather="manual")(I({"w": jnp.ones((16, 8)), "v": jnp.ones((8, 8))}, t, pol),
+                                                      batch())  # fmt: skip
+
+
+def _aux_gathered() -> None:
+    _, metrics = M(per_example_aux_loss, tx(), policy(), aux_reduce={"errors": "gather"})(state(), batch())
+    assert metrics["aux"]["errors"].shape == (16,)
+
+
+def _tp_model_state_trains() -> None:
+    pol = zj.ZeroPolicy(3, tp_mesh(), param_specs={"w": PS(None, "model"), "b": PS("model")}, min_shard_size=0)
+    t = zj.shard_optimizer(ADAM, pol)
+
+    def stateful(p, ms, b):
+        return loss_fn(p, b), {"mean": 0.9 * ms["mean"] + 0.1 * jnp.mean(b["x"], 0)}
+
+    s = I(params(), t, pol, model_state={"mean": jnp.zeros(16)})
+    s, _ = zj.make_train_step(stateful, t, pol, stateful=True)(s, batch())
+    np.testing.assert_allclose(np.asarray(s.model_state["mean"]), 0.1, rtol=1e-6)
+
+
+def _audit_pa_passes() -> None:
+    """TP + P_a: per-device activations (4, 64) have the shape of the stacked bias 'layers/b' (4, 64); the
+    model-axis gathers of activations are not weights gathered across the model axis."""
+    layers = {"up": jnp.ones((4, 64, 128)) / 8, "down": jnp.ones((4, 128, 64)) / 11, "b": jnp.zeros((4, 64))}
+    specs = {"layers": {"up": PS(None, None, "model"), "down": PS(None, "model", None), "b": PS(None, "model")}}
+    pol = zj.ZeroPolicy(3, tp_mesh(), param_specs=specs, min_shard_size=0, stacked="layers",
+                        partition_activations=True)  # fmt: skip
+
+    def loss(p, b):
+        block = lambda q, x: x + jnp.tanh(x @ q["up"]) @ q["down"] + q["b"]  # noqa: E731
+        return jnp.mean(zj.scan_layers(block, p["layers"], b["x"], pol) ** 2)
+
+    t = zj.shard_optimizer(ADAM, pol)
+    zj.audit(zj.make_train_step(loss, t, pol, gather="manual"), I({"layers": layers}, t, pol),
+             {"x": jnp.ones((16, 64))}).check()  # fmt: skip
 
 
 def _converted_or_named(tree: Any, leaf: str) -> None:
@@ -885,7 +1096,8 @@ def run(r: Row, tmp_path: Path) -> tuple[BaseException | None, str]:
         try:
             r.wrong(tmp_path) if r.wrong.__code__.co_varnames[:1] == ("tmp_path",) else r.wrong()
         except BaseException as e:  # noqa: BLE001 - the sweep records whatever comes out
-            return e, f"{e}\n{printed.getvalue()}"
+            notes = "\n".join(getattr(e, "__notes__", ()))  # what the library added to an error from user code
+            return e, f"{e}\n{notes}\n{printed.getvalue()}"
     return None, printed.getvalue()
 
 

@@ -141,6 +141,49 @@ def test_aux_is_averaged_over_the_data_axis() -> None:
     assert int(metrics["aux"]["rows"]) == 16  # integers are summed: the global batch
 
 
+def _per_example_loss(p, b):
+    """mlp_loss with per-example aux: each row's error, the worst one, a count."""
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    errors = jnp.mean(((h @ p["w2"] + p["b2"]) * p["scale"] - b["y"]) ** 2, axis=1)
+    return jnp.mean(errors), {"per_example": errors, "worst": jnp.max(errors), "best": jnp.min(errors),
+                              "rows": jnp.asarray(errors.shape[0], jnp.int32), "mean": jnp.mean(errors)}  # fmt: skip
+
+
+@pytest.mark.parametrize(("stage", "accum_steps"), [(0, 1), (3, 2)])
+def test_aux_reduce_gathers_per_example_rows_and_takes_max_and_min(stage: int, accum_steps: int) -> None:
+    """Issue 29: a per-example aux was averaged elementwise over the devices (a (2,) average of 8 devices'
+    different examples) and a max averaged too. aux_reduce= says how each leaf combines; the result equals
+    the loss on the whole batch unsharded (fp32: 1e-6 relative, the same per-row arithmetic)."""
+    policy = zj.ZeroPolicy(stage, make_mesh(N), min_shard_size=64)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    batch = mlp_batch(32)
+    step = zj.make_train_step(_per_example_loss, tx, policy, accum_steps=accum_steps,
+                              aux_reduce={"per_example": "gather", "worst": "max", "best": "min"})  # fmt: skip
+    _, metrics = step(zj.init_state(mlp_params(), tx, policy), batch)
+    _, want = _per_example_loss(mlp_params(), batch)
+    aux = metrics["aux"]
+    assert aux["per_example"].shape == (32,)
+    np.testing.assert_allclose(aux["per_example"], want["per_example"], rtol=1e-6)  # in batch order
+    for key in ("worst", "best", "mean"):
+        np.testing.assert_allclose(aux[key], want[key], rtol=1e-6)
+    assert int(aux["rows"]) == 32  # integers summed (every device, every microbatch)
+
+
+def test_per_example_aux_without_aux_reduce_warns_and_bad_aux_reduce_is_named() -> None:
+    policy = zj.ZeroPolicy(2, make_mesh(N), min_shard_size=64)
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    step = zj.make_train_step(_per_example_loss, tx, policy)
+    with pytest.warns(UserWarning, match=r"aux leaf 'per_example' \(4,\) has as many rows as each device's batch"
+                                         r".*aux_reduce=\{'per_example': 'gather'\}"):  # fmt: skip
+        _, metrics = step(zj.init_state(mlp_params(), tx, policy), mlp_batch(32))
+    assert metrics["aux"]["per_example"].shape == (4,)  # the elementwise average the warning names
+    with pytest.raises(ValueError, match=r"'worst' is 'maximum'"):
+        zj.make_train_step(_per_example_loss, tx, policy, aux_reduce={"worst": "maximum"})
+    typo = zj.make_train_step(_per_example_loss, tx, policy, aux_reduce={"per_exampel": "gather"})
+    with pytest.raises(ValueError, match=r"\['per_exampel'\] at aux are not keys of the aux.*'per_example'"):
+        typo(zj.init_state(mlp_params(), tx, policy), mlp_batch(32))
+
+
 @pytest.mark.parametrize("explicit", [True, False])
 def test_explicit_and_auto_meshes_give_the_same_numbers(explicit: bool) -> None:
     kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto

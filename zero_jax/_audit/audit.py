@@ -107,6 +107,7 @@ from zero_jax._audit.violations import (
     stacked_paths,
 )
 from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_any
+from zero_jax._base.units import is_whole_number
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.optimizer import frozen_leaves
@@ -503,7 +504,7 @@ def _prefetch(prefetch: int | None) -> int:
     """The prefetch to judge a layer-wise step by (None: 1, the primitives' default)."""
     if prefetch is None:
         return 1
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+    if not is_whole_number(prefetch) or prefetch < 0:
         raise ValueError(f"audit: prefetch must be a non-negative int (or None for 1), got {prefetch!r}.")
     return prefetch
 
@@ -536,6 +537,6 @@ def step_facts(
     if accum_mode is not None:
         facts = facts._replace(accum_mode=accum_mode)
     steps = accum_steps if accum_steps is not None else facts.accum_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_whole_number(steps) or steps < 1:
         raise ValueError(f"audit: accum_steps must be a positive integer, got {steps!r}.")
     return facts._replace(accum_steps=steps)

@@ -29,6 +29,7 @@ from typing import Any
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.report import MODEL_AXIS_GATHER, ParamInfo, Violation
 from zero_jax._base.units import fmt_bytes
+from zero_jax._layerwise.activations import ACTIVATION_SCOPE
 from zero_jax._layout.leaf import LeafLayout
 from zero_jax._policy.policy import ZeroPolicy
 
@@ -96,10 +97,28 @@ def _int8_over_data_and_model(c: Collective, axes: tuple[str, ...], policy: Zero
     return quantized and bool(set(axes) & model) and bool(set(axes) & set(policy.axes))
 
 
+#: The primitives of ZeRO's own collectives, as an op_name ends: a model-axis all-gather the compiler inserted
+#: for one of them (its operand gathered across model first) carries its name.
+ZERO_COLLECTIVE_OPS = frozenset({"all_gather", "all_gather_invariant", "psum_scatter", "reduce_scatter", "all_to_all"})
+
+
+def made_for_a_zero_collective(c: Collective) -> bool:
+    """Whether a model-axis all-gather belongs to a ZeRO collective's operand
+    (its op_name ends with one of :data:`ZERO_COLLECTIVE_OPS`, or is unknown),
+    not to the model's own computation (a matmul's or reshape's activations)
+    nor to P_a's regather of a saved activation (:data:`ACTIVATION_SCOPE`):
+    a shape alone does not say weight, a (rows, features) activation can have
+    a stacked bias's shape."""
+    if ACTIVATION_SCOPE in c.op_name:
+        return False
+    return not c.op_name or c.op_name.rsplit("/", 1)[-1] in ZERO_COLLECTIVE_OPS
+
+
 def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], policy: ZeroPolicy) -> list[Violation]:
-    """All-gathers across a model axis whose result has the shape of a
-    model-sharded parameter gathered whole over (one of) its model axes, or
-    (qwZ) int8 weight blocks gathered across a model axis and data together."""
+    """All-gathers across a model axis, made for a ZeRO collective, whose
+    result has the shape of a model-sharded parameter gathered whole over
+    (one of) its model axes, or (qwZ) int8 weight blocks gathered across a
+    model axis and data together."""
     model = set(policy.model_axes)
     if not model:
         return []
@@ -112,6 +131,8 @@ def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], 
         axes = c.axes(policy.mesh)
         int8 = _int8_over_data_and_model(c, axes, policy, model)
         if c.kind != "all-gather" or not set(axes) & model or (c.shape not in shapes and not int8):
+            continue
+        if not int8 and not made_for_a_zero_collective(c):
             continue
         message = MODEL_GATHER_MESSAGE.format(
             name=c.name, op_name=c.op_name or "-", shape=f"{c.dtype}[{','.join(map(str, c.shape))}]",

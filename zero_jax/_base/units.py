@@ -13,8 +13,11 @@ binary for ``KiB``/``MiB``/``GiB``/``TiB``; bandwidths may be written in bytes
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any
+
+import numpy as np
 
 _SI = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 _IEC = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
@@ -41,6 +44,16 @@ BANDWIDTH_NEEDS_UNIT = (
 )
 BAD_DURATION = "{what}: cannot read {value!r} as a duration; write e.g. '10s', '250ms' or '2min'."
 BAD_COUNT = "{what}: cannot read {value!r} as a count; write e.g. 7e9, '7B' or '350M'."
+
+
+def is_whole_number(value: Any) -> bool:
+    """An ``int`` or NumPy integer (``np.int64(2)`` as much as ``2``), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real_number(value: Any) -> bool:
+    """A real number (Python or NumPy, ``np.float32(1.0)`` included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def number(value: Any, what: str) -> float:

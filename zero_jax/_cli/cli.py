@@ -74,6 +74,10 @@ COMPILED_WIRE = (
     "; compiled with ZeroPolicy(quantize_weights={quantize_weights!r}, quantize_grads={quantize_grads!r}, "
     "quant_block={quant_block}) where the stage has each (qwZ: stage 3; qgZ: stages 1-3)"
 )
+QUANT_BLOCK_ALONE = (
+    "--quant-block sets the block of the int8 wire formats, but none is asked for: add --quantize-weights int8 "
+    "and/or --quantize-grads int8, or drop --quant-block."
+)
 HYBRID_WIRE = "; the ZeRO++ wire formats quantize within N only: ZeroPolicy reduces across R in --grad-bytes."
 TOPOLOGY_DEVICES = (
     "--topology {topology} has {n} devices{per}, but --devices {devices} disagrees: leave out --devices (N is then "
@@ -179,7 +183,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("ZeRO++ wire formats (ZeroPolicy's quantize_weights, quantize_grads, quant_block)")
     w.add_argument("--quantize-weights", choices=FORMATS, help="qwZ: stage 3's weight all-gathers in int8 blocks")
     w.add_argument("--quantize-grads", choices=FORMATS, help="qgZ: the gradient reduction of stages 1-3 in int8 blocks")
-    w.add_argument("--quant-block", type=positive_int, default=DEFAULT_BLOCK, help="elements per float32 scale (256)")
+    w.add_argument("--quant-block", type=positive_int, help="elements per float32 scale (256), with a --quantize-*")
     c = p.add_argument_group("compile: check the reference transformer's compiled step (simulated devices)")
     c.add_argument("--compile", action="store_true", help="also compile each stage's step for N simulated devices")
     add_model_arguments(c, vocab=32000, dim=2048, depth=None, heads=16, seq=512, batch_per_device=1)
@@ -259,6 +263,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         num_params: float = _config(args, depth=args.depth or 20).num_params()
     else:
         num_params = parse_count(args.params, "--params")
+    if args.quant_block is not None and not (args.quantize_weights or args.quantize_grads):
+        raise ValueError(QUANT_BLOCK_ALONE)
+    args.quant_block = DEFAULT_BLOCK if args.quant_block is None else args.quant_block
     if (args.bandwidth is None) != (args.compute_time is None):
         raise ValueError("--bandwidth and --compute-time go together (efficiency = t_compute / (t_compute + t_comm)).")
     bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth, "--bandwidth")

@@ -96,6 +96,19 @@ def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
     return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
 
 
+def checks_varying() -> bool:
+    """Whether the enclosing ``shard_map`` types values as varying or not over
+    its manual axes (``check_vma=True``, the default; a stateful step runs
+    unchecked). Read off the one observable effect: marking a zero varying
+    over the manual axes is a no-op in an unchecked ``shard_map``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind == AxisType.Manual)
+    if not manual:
+        return True
+    probe = jax.eval_shape(lambda: jax.lax.pcast(jnp.zeros((), jnp.float32), manual, to="varying"))
+    return bool(probe.manual_axis_type is not None and probe.manual_axis_type.varying)
+
+
 def per_model_shard(fn: Any, layout: LeafLayout | None, x: jax.Array) -> jax.Array:
     """``fn(x)`` on this device's model shard of ``x``: inside the step's
     ``shard_map`` with model axes left to the compiler, a ``shard_map`` nested
@@ -105,13 +118,17 @@ def per_model_shard(fn: Any, layout: LeafLayout | None, x: jax.Array) -> jax.Arr
 
     Nesting even a leaf the model does not shard keeps each collective's
     reduction free of the compiler's sharding annotations (XLA:CPU's bf16
-    all-reduce promotion aborts on a reducer that holds one)."""
+    all-reduce promotion aborts on a reducer that holds one). The nested
+    ``shard_map`` checks varying types as the enclosing one does: a checked
+    one inside an unchecked step would type its result varying over data
+    while everything around it is untyped (a model-sharded weight's
+    cotangent then fails autodiff's type check)."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != AxisType.Manual}
     if not auto:
         return fn(x)
     spec = PartitionSpec(*layout.model) if layout is not None and layout.model else PartitionSpec()
-    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=auto)(x)
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=auto, check_vma=checks_varying())(x)
 
 
 def sum_all_reduce(x: jax.Array, axis: AxisName) -> jax.Array:

@@ -12,6 +12,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from zero_jax._base.tree import PyTree
+from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.schedule import slice_unfusable
 from zero_jax._layout.leaf import is_float
 from zero_jax._policy.policy import ZeroPolicy
@@ -23,6 +24,10 @@ def activation_axes(policy: ZeroPolicy | None) -> tuple[str, ...]:
     if policy is None or not policy.partition_activations:
         return ()
     return tuple(a for a in policy.model_axes if policy.mesh.shape[a] > 1)
+
+
+#: The name scope of P_a's cuts and regathers of saved activations (in each op's HLO ``op_name``).
+ACTIVATION_SCOPE = "zj_activations"
 
 
 def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materialize: bool = False) -> PyTree:
@@ -53,11 +58,13 @@ def _constrain(tree: PyTree, axes: tuple[str, ...], size: int, cut: bool, materi
             return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(name) * k, k, axis=d)
 
         def gather(a: jax.Array) -> jax.Array:
-            return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
+            with jax.named_scope(ACTIVATION_SCOPE):  # inside the body: a nested shard_map drops outer scopes
+                return jax.lax.all_gather(a, name, axis=d, tiled=True, to="invarying")
 
         fn, specs = (slice_mine, (PartitionSpec(), piece)) if cut else (gather, (piece, PartitionSpec()))
         mesh = jax.sharding.get_abstract_mesh()
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], axis_names=set(axes))(x)
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs[0], out_specs=specs[1], axis_names=set(axes),
+                             check_vma=coll.checks_varying())(x)  # fmt: skip
 
     return jax.tree.map(one, tree)
 

@@ -35,6 +35,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import get_opaque_trace_state
 
 from zero_jax._base.tree import PyTree
+from zero_jax._base.units import is_whole_number
 from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.activations import partition_saved, regather_saved
 from zero_jax._layerwise.pieces import Sharded, check_parameter_pieces
@@ -436,14 +437,14 @@ def apply_layers(
             f"zj.apply_layers: layer_fn must be one function or a list of one per block; got {len(fns)} for "
             f"{len(layers)} blocks."
         )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= len(layers):
+    if not is_whole_number(prefetch) or not 0 <= prefetch <= len(layers):
         raise ValueError(
             f"zj.apply_layers: prefetch must be an int from 0 to the number of blocks ({len(layers)}), got "
             f"{prefetch!r}. 1 overlaps the next block's gather with this block's compute."
         )
     if policy is not None:
         check_parameter_pieces(layers, policy, "zj.apply_layers")
-    chain = LayerChain(policy, layers, prefetch=prefetch)
+    chain = LayerChain(policy, layers, prefetch=int(prefetch))
     for i, fn in enumerate(fns):
         carry = chain.call(i, fn, carry)
     return carry

@@ -32,6 +32,14 @@ from zero_jax._layout.trees import leaf_values
 from zero_jax._policy.memory import to_device
 from zero_jax._policy.policy import ZeroPolicy
 
+PIECE_AS_ARRAY = (
+    "a partitioned parameter of shape {shape}{path} was used as an array: inside make_train_step(..., "
+    "gather='manual') run blocks with zj.apply_layers(block_fn, blocks, x, policy) (or zj.scan_layers for "
+    "stacked ones) and call zj.gather(params_subtree, policy) for the rest, to get whole parameters just before "
+    "use. A block function that closes over params[...] gets this piece instead of the parameter: pass the "
+    "parameter in the block's own parameters, or gather it before the call."
+)
+
 
 @jax.tree_util.register_pytree_node_class
 class Sharded:
@@ -41,19 +49,21 @@ class Sharded:
     whole parameter in stage 2. ``arrays[1]``, absent for frozen parameters,
     is a zero piece (in the reduce dtype) whose gradient is the parameter's
     reduce-scattered gradient. Use ``zj.gather(node, policy)`` to get the
-    parameter. ``policy`` is the step's policy (static).
+    parameter. ``policy`` is the step's policy and ``path`` the parameter's
+    key path, for errors (both static).
     """
 
-    def __init__(self, arrays: tuple[jax.Array, ...], layout: LeafLayout, policy: ZeroPolicy) -> None:
+    def __init__(self, arrays: tuple[jax.Array, ...], layout: LeafLayout, policy: ZeroPolicy, path: str = "") -> None:
         self.arrays = tuple(arrays)
         self.layout = layout
         self.policy = policy
+        self.path = path
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[LeafLayout, ZeroPolicy]]:
-        return self.arrays, (self.layout, self.policy)
+    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[LeafLayout, ZeroPolicy, str]]:
+        return self.arrays, (self.layout, self.policy, self.path)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[LeafLayout, ZeroPolicy], arrays: Any) -> Sharded:
+    def tree_unflatten(cls, aux: tuple[LeafLayout, ZeroPolicy, str], arrays: Any) -> Sharded:
         return cls(tuple(arrays), *aux)
 
     @property
@@ -77,15 +87,11 @@ class Sharded:
         return self.layout.dtype
 
     def __jax_array__(self) -> jax.Array:
-        raise TypeError(
-            f"a partitioned parameter of shape {self.layout.shape} was used as an array: inside "
-            "make_train_step(..., gather='manual') run blocks with zj.apply_layers(block_fn, blocks, x, policy) "
-            "(or zj.scan_layers for stacked ones) and call zj.gather(params_subtree, policy) for the rest, to get "
-            "whole parameters just before use."
-        )
+        raise TypeError(PIECE_AS_ARRAY.format(shape=self.layout.shape, path=f" ('{self.path}')" if self.path else ""))
 
     def __repr__(self) -> str:
-        return f"Sharded(shape={self.layout.shape}, stage={self.stage})"
+        where = f"'{self.path}', " if self.path else ""
+        return f"Sharded({where}shape={self.layout.shape}, stage={self.stage})"
 
     def _not_an_array(self, *args: Any, **kwargs: Any) -> Any:
         return self.__jax_array__()

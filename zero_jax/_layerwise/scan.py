@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax._base.tree import PyTree, path_str
+from zero_jax._base.units import is_whole_number
 from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.activations import partition_saved, regather_saved
 from zero_jax._layerwise.pieces import Sharded, check_parameter_pieces
@@ -129,7 +130,7 @@ def scan_layers(
     """
     policy = active_policy(policy, "zj.scan_layers")
     depth = _depth(stacked_params)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= depth:
+    if not is_whole_number(prefetch) or not 0 <= prefetch <= depth:
         raise ValueError(
             f"zj.scan_layers: prefetch must be an int from 0 to the depth ({depth}), got {prefetch!r}. "
             "1 overlaps the next layer's gather with this layer's compute."
@@ -147,7 +148,7 @@ def scan_layers(
     check_parameter_pieces(stacked_params, policy, "zj.scan_layers")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked_params, is_leaf=_is_sharded)
     nodes = [
-        Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.policy) if _is_sharded(x) else x
+        Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.policy, x.path) if _is_sharded(x) else x
         for p, x in paths_leaves
     ]
     # Stage 2 gathers nothing, so there is nothing to prefetch (and a queue
@@ -280,7 +281,7 @@ def _scan_plan(
         # not kept for the backward pass (that would hold a gradient-sized buffer).
         slot_dtypes=[d.dtype if s and d is not None else None for s, d in zip(sharded, diff, strict=True)],
         axis=axis,
-        prefetch=prefetch,
+        prefetch=int(prefetch),
         depth=depth,
         schedule=schedule,
     )

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zero_jax._base.problems import Problem
+from zero_jax._base.units import is_whole_number
 from zero_jax._layout.leaf import LeafLayout, piece_elements
 from zero_jax._policy.batch import batch_spec_problem
 from zero_jax._policy.memory import offload_problems
@@ -112,7 +113,7 @@ def argument_problems(
         problems.append((ValueError, OVER_REPLICAS_STAGE_0))
     if precision is not None and not isinstance(precision, Precision):
         problems.append((TypeError, f"ZeroPolicy: precision must be a zj.Precision, got {type(precision).__name__}."))
-    if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)):
+    if not is_whole_number(min_shard_size):
         problems.append((TypeError, f"ZeroPolicy: min_shard_size must be an int (elements), got {min_shard_size!r}."))
     elif min_shard_size < 0:
         problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))

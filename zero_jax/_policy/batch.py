@@ -1,7 +1,8 @@
 """How the batch is laid out: dimension 0 over the batch axes (ZeRO's data and
 replica axes), the other dimensions as ``ZeroPolicy(batch_spec=...)`` says
-(a sequence axis splitting the sequence dimension); and the checks that every
-batch leaf can be laid out so, each bad leaf named.
+(a sequence axis splitting the sequence dimension); scalars (a step count, a
+typed RNG key) whole on every device; and the checks that every batch leaf
+can be laid out so, each bad leaf named.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from zero_jax._base.tree import PyTree, path_str
 
 BATCH_NOT_DIVISIBLE = (
     "{where}: {leaves}; the leading (batch) dimension must divide by the {n} devices of the batch "
-    "axes {axes}. Use a global batch size that is a multiple of {n}."
+    "axes {axes}. Use a global batch size that is a multiple of {n}. (Scalars, typed RNG keys included, are "
+    "handed to every device whole.)"
 )
 BATCH_NOT_MICROBATCHED = (
     "{where}: {leaves}: accum_steps={k} microbatches on each of {n} devices need a global batch that "
@@ -31,6 +34,44 @@ BAD_BATCH_SPEC = (
     "the batch axes itself) and whose other entries name model axes (mesh axes other than axis= and "
     "replica_axis=, here {model}), e.g. P(None, 'seq') to split the sequence dimension; got {spec!r}."
 )
+
+
+BATCH_NOT_ARRAYS = (
+    "{where}: {leaves}: a batch holds arrays (and scalars), one row per example along dimension 0. Keep other "
+    "values out of it: close over them in loss_fn (a string, a flag, a config), or encode them as arrays "
+    "(token ids for text)."
+)
+LEGACY_KEY_HINT = (
+    " ('{leaf}' looks like a raw jax.random.PRNGKey: pass a typed key, jax.random.key(seed), which the step "
+    "replicates, or one key per example, jax.random.split(key, batch_size))"
+)
+
+
+def is_replicated_leaf(leaf: Any) -> bool:
+    """A batch leaf the step hands every device whole instead of splitting its
+    rows: a scalar (a step count, a temperature, a typed RNG key), or a Python
+    number."""
+    return isinstance(leaf, (int, float, complex, np.number, np.bool_)) or getattr(leaf, "shape", None) == ()
+
+
+def is_batch_value(leaf: Any) -> bool:
+    """What may be a batch leaf: an array (or ``jax.ShapeDtypeStruct``) or a number."""
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype") or is_replicated_leaf(leaf)
+
+
+def legacy_key_hint(batch: PyTree) -> str:
+    """For a batch error: which leaf looks like a raw ``jax.random.PRNGKey``
+    (``uint32[2]``) and what to pass instead; empty when none does."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if tuple(getattr(leaf, "shape", ())) == (2,) and getattr(leaf, "dtype", None) == np.uint32:
+            return LEGACY_KEY_HINT.format(leaf=path_str(path))
+    return ""
+
+
+def batch_leaf_specs(batch: PyTree, rows: PartitionSpec) -> PyTree:
+    """Per batch leaf, its spec: ``rows`` (split by rows), or ``P()`` for a
+    replicated leaf (:func:`is_replicated_leaf`)."""
+    return jax.tree.map(lambda x: PartitionSpec() if is_replicated_leaf(x) else rows, batch)
 
 
 def _listing(leaves: list[str]) -> str:
@@ -80,9 +121,15 @@ def check_batch(
     k = microbatches
     uneven, unsplit, unfit = [], [], []
     split = [] if batch_spec is None or mesh is None else list(enumerate(batch_spec))[1:]
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = tuple(getattr(leaf, "shape", ()))
-        if not shape or shape[0] % n:
+    pairs = jax.tree_util.tree_flatten_with_path(batch)[0]
+    not_arrays = [f"'{path_str(p)}' is a {type(x).__name__}" for p, x in pairs if not is_batch_value(x)]
+    if not_arrays:
+        raise TypeError(BATCH_NOT_ARRAYS.format(where=where, leaves=_listing(not_arrays)))
+    for path, leaf in pairs:
+        if is_replicated_leaf(leaf):
+            continue  # handed to every device whole
+        shape = tuple(leaf.shape)
+        if shape[0] % n:
             uneven.append(f"'{path_str(path)}' has shape {shape}")
         elif shape[0] % (n * k):
             unsplit.append(f"'{path_str(path)}' has shape {shape}")
@@ -92,7 +139,8 @@ def check_batch(
                 unfit.append(f"'{path_str(path)}' has shape {shape} (dimension {dim} over {_axes(entry)}: {size})")
                 break
     if uneven:
-        raise ValueError(BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=axes))
+        message = BATCH_NOT_DIVISIBLE.format(where=where, leaves=_listing(uneven), n=n, axes=axes)
+        raise ValueError(message + legacy_key_hint(batch))
     if unsplit:
         raise ValueError(BATCH_NOT_MICROBATCHED.format(where=where, leaves=_listing(unsplit), k=k, n=n, nk=n * k))
     if unfit:

@@ -36,6 +36,10 @@ BAD_SPECS = (
     "dimension, and each model-sharded dimension divides by its axes' size:\n{lines}"
 )
 NOT_A_SPEC = "'{path}': {value!r} is not a jax.sharding.PartitionSpec; use P(...) (or None for no model sharding)"
+TUPLE_SPEC = (
+    "'{path}': {value!r} is a {kind}, not a jax.sharding.PartitionSpec; write {spelled} "
+    "(from jax.sharding import PartitionSpec as P)"
+)
 TOO_LONG = "'{path}' has shape {shape} but its spec {spec} has {count} entries; give at most one per dimension"
 NOT_MODEL_AXIS = "'{path}': spec {spec} names {axis!r}, {why}"
 REUSED_AXIS = "'{path}': spec {spec} names mesh axis {axis!r} twice; each axis can shard one dimension"
@@ -46,7 +50,18 @@ UNEVEN = (
 
 
 def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
+    return x is None or isinstance(x, PartitionSpec) or _spec_like(x)
+
+
+def _spec_like(x: Any) -> bool:
+    """A plain tuple or list written as a spec, ``(None, "model")``: a leaf of
+    the spec tree (refused by name with its ``P(...)`` spelling), not a node."""
+    if isinstance(x, PartitionSpec) or not isinstance(x, (tuple, list)) or not x:
+        return False
+    names = [e for e in x if e is not None]
+    return bool(names) and all(
+        isinstance(e, str) or (isinstance(e, (tuple, list)) and e and all(isinstance(a, str) for a in e)) for e in names
+    )
 
 
 def spec_leaves(param_specs: Any, params: PyTree) -> list[tuple[KeyPath, Any, Any]]:
@@ -98,6 +113,8 @@ def _entry_axes(entry: Entry) -> tuple[str, ...]:
 
 
 def _problems(path: str, shape: tuple[int, ...], spec: Any, mesh: Mesh, zero_axes: Sequence[str]) -> list[str]:
+    if _spec_like(spec):
+        return [TUPLE_SPEC.format(path=path, value=spec, kind=type(spec).__name__, spelled=PartitionSpec(*spec))]
     if not isinstance(spec, PartitionSpec):
         return [NOT_A_SPEC.format(path=path, value=spec)]
     if len(spec) > len(shape):

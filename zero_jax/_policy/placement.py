@@ -1,4 +1,6 @@
-"""TODO."""
+"""Placing trees of leaves per the policy: state in its stored (padded,
+partitioned) or logical form, inside the programs that make and read it, and
+a batch on the step's layout before the call."""
 
 from __future__ import annotations
 
@@ -47,3 +49,19 @@ def to_logical(
         return place(x, policy, lay, partitioned and lay.dim is not None, axes)
 
     return jax.tree.map(one, tree, layouts)
+
+
+def place_batch(batch: PyTree, shardings: PyTree) -> PyTree:
+    """A batch on the step's layout: each committed array laid out otherwise
+    (put on one device, or split over another mesh) moved to its sharding;
+    anything else (host values, uncommitted arrays, another process's
+    global arrays) left for ``jit`` to place as it would."""
+
+    def one(x: object, sharding: jax.sharding.Sharding) -> object:
+        concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # traced: jit places it
+        if concrete and x.committed and x.is_fully_addressable:
+            if not x.sharding.is_equivalent_to(sharding, x.ndim):
+                return jax.device_put(x, sharding)
+        return x
+
+    return jax.tree.map(one, batch, shardings)

@@ -23,7 +23,7 @@ from zero_jax._comm.collectives import Axes
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, is_float, is_layout, shape_dtype
 from zero_jax._layout.leaf import leaf_layout as layout_of
 from zero_jax._policy.arguments import WHERE, argument_problems, check_quant_block
-from zero_jax._policy.batch import batch_partition_spec
+from zero_jax._policy.batch import batch_leaf_specs, batch_partition_spec, is_replicated_leaf
 from zero_jax._policy.batch import check_batch as check_batch_leaves
 from zero_jax._policy.memory import OffloadOptions, offload_options
 from zero_jax._policy.model_specs import model_entries, spec_key
@@ -69,7 +69,11 @@ def _mesh_key(mesh: Mesh) -> tuple[Any, ...]:
 
 
 #: How a field enters the policy's key (its equality and hash); the rest enter as they are.
-_KEYS: dict[str, Callable[[Any], Any]] = {"mesh": _mesh_key, "param_specs": spec_key}
+_KEYS: dict[str, Callable[[Any], Any]] = {
+    "mesh": _mesh_key,
+    "param_specs": spec_key,
+    "precision": lambda p: p if p is not None else Precision(),  # the default, asked for or not: one layout
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -200,6 +204,9 @@ class ZeroPolicy:
     #: The mesh with every axis Auto: what the step runs on (sharding constraints inside the step are
     #: rejected on Explicit axes, and jit accepts arrays placed on either).
     auto_mesh: Mesh = dataclasses.field(init=False, repr=False, compare=False)
+    #: Whether ``precision=`` was given (``init_state`` warns when it casts other float dtypes to the default's
+    #: float32 without being asked); kept through :meth:`replace`, no part of the policy's identity.
+    precision_chosen: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         raise_problems(argument_problems(**self.arguments), WHERE)
@@ -218,6 +225,7 @@ class ZeroPolicy:
             "quant_block": int(self.quant_block),
         }
         names = self.mesh.axis_names
+        normalised["precision_chosen"] = self.precision is not None
         normalised["auto_mesh"] = Mesh(self.mesh.devices, names, axis_types=(AxisType.Auto,) * len(names))
         for name, value in normalised.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen: the one place fields are set
@@ -227,7 +235,9 @@ class ZeroPolicy:
     @property
     def arguments(self) -> dict[str, Any]:
         """The constructor's arguments (normalised): what :meth:`replace` starts from."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        chosen = getattr(self, "precision_chosen", True)  # unset while __post_init__ checks the raw arguments
+        return {**given, "precision": given["precision"] if chosen else None}
 
     def replace(self, **changes: Any) -> ZeroPolicy:
         """A new policy: this one's arguments with ``changes``.
@@ -240,7 +250,7 @@ class ZeroPolicy:
         unknown = sorted(set(changes) - set(self.arguments))
         if unknown:
             raise TypeError(NOT_ARGUMENTS.format(unknown=unknown, names=list(self.arguments)))
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **{"precision": self.arguments["precision"], **changes})
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -257,7 +267,8 @@ class ZeroPolicy:
         shown = [f"stage={self.stage}", f"axis={self.axis_name!r}", f"N={self.num_shards}",
                  f"mesh={dict(self.mesh.shape)}"]  # fmt: skip
         defaults = {f.name: f.default for f in dataclasses.fields(ZeroPolicy) if f.init}
-        for name, value in self.arguments.items():
+        for name in self.arguments:
+            value = getattr(self, name)
             if name in ("stage", "mesh", "axis") or value == _normalised_default(name, defaults[name]):
                 continue
             shown.append(f"{name}=..., M={self.model_parallel}" if name == "param_specs" else f"{name}={value!r}")
@@ -480,15 +491,22 @@ class ZeroPolicy:
         parameter's layout (needed for ``stacked`` subtrees)."""
         return self.shardings(self.state_layouts(opt_state, params), self.partitions_opt_state, self.state_axes)
 
-    def batch_sharding(self) -> NamedSharding:
+    def batch_sharding(self, batch: PyTree = None) -> Any:
         """Every batch leaf is split along its leading dimension over
         ``replica_axis`` and ``axis`` (and its other dimensions as
-        ``batch_spec`` says)."""
-        return NamedSharding(self.auto_mesh, batch_partition_spec(self.batch_axes, self.batch_spec))
+        ``batch_spec`` says): one ``NamedSharding`` for them all; given a
+        ``batch``, one per leaf, a scalar leaf (a typed RNG key, a step
+        count) replicated."""
+        rows = NamedSharding(self.auto_mesh, batch_partition_spec(self.batch_axes, self.batch_spec))
+        if batch is None:
+            return rows
+        return jax.tree.map(lambda x: self.replicated() if is_replicated_leaf(x) else rows, batch)
 
-    def batch_manual_spec(self) -> PartitionSpec:
-        """The batch's spec over the step's manual (batch) axes only: what its ``shard_map`` takes."""
-        return batch_partition_spec(self.batch_axes, None)
+    def batch_manual_spec(self, batch: PyTree = None) -> Any:
+        """The batch's spec over the step's manual (batch) axes only: what its
+        ``shard_map`` takes (per leaf given a ``batch``: ``P()`` for scalars)."""
+        rows = batch_partition_spec(self.batch_axes, None)
+        return rows if batch is None else batch_leaf_specs(batch, rows)
 
     def check_batch(self, batch: PyTree, *, where: str, microbatches: int = 1) -> None:
         """Raise a ValueError naming every batch leaf whose leading (batch)

@@ -11,12 +11,14 @@ partitioned from stage 1.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zero_jax._base.tree import PyTree, path_str
 from zero_jax._layout.leaf import is_real_float
 
 
@@ -134,3 +136,34 @@ class Precision:
 def cast_floats(tree: Any, dtype: Any) -> Any:
     """Cast the floating leaves of ``tree`` to ``dtype``; leave the rest."""
     return jax.tree.map(lambda x: x.astype(dtype) if is_real_float(x) else x, tree)
+
+
+DEFAULT_CAST = (
+    "init_state: {count} float parameter leaf(s) are not float32 ({listing}), and the policy was given no "
+    "precision=, so they are trained as the default zj.Precision() does: a float32 copy of each ({grown}). To "
+    "train them in their own dtype (no float32 copy, as plain optax on these parameters would), pass "
+    "ZeroPolicy(..., precision=zj.Precision(param_dtype=jnp.{dtype})); for {dtype} compute over a float32 "
+    "master copy and optimizer (ZeRO's mixed precision), precision=zj.Precision(compute_dtype=jnp.{dtype}); "
+    "to keep the float32 copy, precision=zj.Precision(). Any precision= silences this warning."
+)
+
+
+def warn_default_cast(params: PyTree, precision: Precision, chosen: bool) -> None:
+    """Warn, naming every leaf, when the default precision (not asked for)
+    casts float leaves of another dtype (bf16 parameters, float64 under x64)
+    to its float32: the memory and numerics change, and the user did not say."""
+    if chosen:
+        return
+    pairs = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    other = [(p, x) for p, x in pairs if is_real_float(x) and np.dtype(x.dtype) != precision.param_dtype]
+    if not other:
+        return
+    listing = ", ".join(f"'{p}' {tuple(x.shape)} {np.dtype(x.dtype)}" for p, x in other[:8])
+    listing += f", and {len(other) - 8} more" if len(other) > 8 else ""
+    given = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for _, x in other)
+    grown = sum(int(np.prod(x.shape)) * precision.param_dtype.itemsize for _, x in other)
+    ratio = f"{grown / given:.3g}x the bytes given" if given else "no bytes given"
+    dtype = np.dtype(other[0][1].dtype).name
+    warnings.warn(
+        DEFAULT_CAST.format(count=len(other), listing=listing, grown=ratio, dtype=dtype), UserWarning, stacklevel=3
+    )

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from zero_jax._base.units import is_whole_number
 from zero_jax._processes.child import child_log, child_result, importable_path, resolve, start_child
 
 _WHERE = "zj.launch"
@@ -75,9 +76,9 @@ def launch(
       RuntimeError: a process failed; the message carries its error output.
         The others are stopped rather than left waiting in a collective.
     """
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+    if not is_whole_number(processes) or processes < 1:
         raise ValueError(f"zj.launch: processes must be an int >= 1, got {processes!r}.")
-    if isinstance(local_devices, bool) or not isinstance(local_devices, int) or local_devices < 1:
+    if not is_whole_number(local_devices) or local_devices < 1:
         raise ValueError(f"zj.launch: local_devices must be an int >= 1, got {local_devices!r}.")
     target = importable_path(fn, _WHERE)
     port = _free_port()

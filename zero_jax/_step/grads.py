@@ -16,6 +16,7 @@ communicated.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,6 +30,7 @@ from zero_jax._layerwise.pieces import Sharded, check_only_gathered
 from zero_jax._layerwise.scope import manual_gather_scope
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout, is_real_float, shard_shape
 from zero_jax._layout.trees import leaf_values, per_leaf
+from zero_jax._policy.batch import is_replicated_leaf
 from zero_jax._policy.memory import to_device
 from zero_jax._policy.policy import ZeroPolicy
 
@@ -52,6 +54,9 @@ class GradPlan(NamedTuple):
       scale_loss: the loss is multiplied by a (float16) loss scale.
       for_optimizer: gradients come back as the optimizer takes them (cut
         from stage 1), not as the policy holds them.
+      aux_reduce: how each aux leaf combines over devices and microbatches
+        (``make_train_step(aux_reduce=)``; ``None``: floats averaged,
+        integers summed).
     """
 
     loss_fn: Callable[..., Any]
@@ -66,6 +71,7 @@ class GradPlan(NamedTuple):
     stateful: bool
     scale_loss: bool
     for_optimizer: bool
+    aux_reduce: Any = None
 
 
 class Grads(NamedTuple):
@@ -99,6 +105,7 @@ def grad_plan(
     stateful: bool,
     scale_loss: bool,
     for_optimizer: bool,
+    aux_reduce: Any = None,
 ) -> GradPlan:
     local = accum_steps > 1 and accum_mode == "local"
     return GradPlan(
@@ -114,6 +121,7 @@ def grad_plan(
         stateful=stateful,
         scale_loss=scale_loss,
         for_optimizer=for_optimizer,
+        aux_reduce=aux_reduce,
     )
 
 
@@ -137,7 +145,7 @@ def compute_grads(plan: GradPlan, params: PyTree, batch: PyTree, scale: jax.Arra
     out = jax.shard_map(
         lambda *args: tuple(device_grads(plan, *args)),
         mesh=policy.auto_mesh,
-        in_specs=(param_specs, policy.batch_manual_spec(), PartitionSpec(), PartitionSpec()),
+        in_specs=(param_specs, policy.batch_manual_spec(batch), PartitionSpec(), PartitionSpec()),
         out_specs=(grad_specs, PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
         axis_names=policy.manual_axes,
         # JAX 0.10 cannot type a collective over a vmap axis (a batch norm's
@@ -160,9 +168,7 @@ def device_grads(plan: GradPlan, params: PyTree, batch: PyTree, scale: jax.Array
     else:
         grads, loss, aux, new_ms = accumulate(plan, grad_fn, diff, batch, model_state)
     every = plan.policy.comm.all
-    aux = jax.tree.map(
-        lambda a: jax.lax.pmean(a, every) if is_float(a) else jax.lax.psum(a, every), aux
-    )
+    aux = combine_aux(aux, aux_kinds(plan, aux, batch), every)
     if plan.stateful:
         new_ms = combine_model_state(new_ms, model_state, every)
     return Grads(grads, jax.lax.pmean(loss, every), aux, squared_norm(plan, grads, scale), new_ms)
@@ -176,7 +182,8 @@ def check_pieces_are_gathered(
     if not plan.manual or not (plan.slots or plan.pieces):
         return
     k = plan.accum_steps
-    micro_batch = jax.tree.map(lambda x: x[: x.shape[0] // k], batch)
+    stacked, rebuild = split_microbatches(batch, k)
+    micro_batch = rebuild([x[0] for x in stacked])
 
     def loss(p: PyTree, d: PyTree) -> Any:
         return micro_loss_fn(plan, p, scale)(d, micro_batch, model_state)[0]
@@ -207,12 +214,12 @@ def diff_var(plan: GradPlan, p: jax.Array, lay: LeafLayout, frozen: bool) -> jax
     return coll.to_varying(p, policy.comm)
 
 
-def handed(plan: GradPlan, p: jax.Array, d: jax.Array | None, lay: LeafLayout) -> Any:
-    """What ``loss_fn`` receives for one leaf."""
+def handed(plan: GradPlan, p: jax.Array, d: jax.Array | None, lay: LeafLayout, path: str) -> Any:
+    """What ``loss_fn`` receives for one leaf (at key ``path``)."""
     if not (lay.dim is not None and (plan.slots or (plan.pieces and d is None))):
         return d if d is not None else p
     if plan.manual:
-        return Sharded((p,) if d is None else (p, d), lay, plan.policy)
+        return Sharded((p,) if d is None else (p, d), lay, plan.policy, path)
     if d is None:
         return coll.fetch(p, lay, plan.policy.comm, gather=plan.pieces)
     return coll.fetch_with_grad_slot(p, d, lay, plan.policy.comm, gather=plan.pieces)
@@ -228,13 +235,14 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
     divisor = policy.num_batch_shards * plan.accum_steps
 
     def micro(d: PyTree, mb: PyTree, ms: PyTree) -> tuple[jax.Array, tuple[jax.Array, Any, PyTree]]:
-        tree = per_leaf(lambda p, di, lay: handed(plan, p, di, lay), plan.layouts, params, d)
+        paths = jax.tree_util.tree_map_with_path(lambda k, _: path_str(k), plan.layouts, is_leaf=is_layout)
+        tree = per_leaf(lambda p, di, k, lay: handed(plan, p, di, lay, k), plan.layouts, params, d, paths)
         args = (tree, ms, mb) if plan.stateful else (tree, mb)
         if plan.manual:
             with manual_gather_scope(policy, pieces=plan.slots or plan.pieces):
-                out = plan.loss_fn(*args)
+                out = call_loss(plan.loss_fn, args)
         else:
-            out = plan.loss_fn(*args)
+            out = call_loss(plan.loss_fn, args)
         new_ms = None
         if plan.stateful:
             out, new_ms = split_stateful(out)
@@ -256,6 +264,35 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
         # produce unnamed whole-parameter values that get saved instead.)
         return jax.checkpoint(micro, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     return micro
+
+
+LOSS_RAISED = (
+    "zero_jax: raised inside loss_fn({names}), called by the step on each device's slice of the batch; the "
+    "batch it got: {batch}."
+)
+
+
+def call_loss(loss_fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``loss_fn(*args)``; an exception from inside it gets a note (Python
+    3.11+) that says where it came from and what the batch held: a batch
+    passed as a list to a loss that indexes it by name fails in the user's
+    own code, and the note shows the mismatch."""
+    try:
+        return loss_fn(*args)
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            names = "params, model_state, batch" if len(args) == 3 else "params, batch"
+            e.add_note(LOSS_RAISED.format(names=names, batch=describe_batch(args[-1])))
+        raise
+
+
+def describe_batch(batch: PyTree) -> str:
+    """A batch in a few words: its container and its leaves' paths, shapes and dtypes."""
+    pairs = jax.tree_util.tree_flatten_with_path(batch)[0]
+    shown = ", ".join(f"'{path_str(p)}' {tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', type(x).__name__)}"
+                      for p, x in pairs[:6])  # fmt: skip
+    more = f", and {len(pairs) - 6} more" if len(pairs) > 6 else ""
+    return f"a {type(batch).__name__} of {len(pairs)} leaves ({shown}{more})"
 
 
 def reduce_grads(plan: GradPlan, g: PyTree) -> PyTree:
@@ -308,17 +345,17 @@ def accumulate(
     (whole with local accumulation, reduced every microbatch otherwise); the
     model state flows through the microbatches in order."""
     k, axis = plan.accum_steps, plan.policy.comm
-    micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    micro_batches, rebuild = split_microbatches(batch, k)
     acc_dtype = plan.policy.precision.param_dtype
 
-    def step(carry: tuple[PyTree, PyTree], mb: PyTree) -> tuple[tuple[PyTree, PyTree], Any]:
+    def step(carry: tuple[PyTree, PyTree], rows: list[jax.Array]) -> tuple[tuple[PyTree, PyTree], Any]:
         acc, ms = carry
-        (_, (loss, aux, new_ms)), g = grad_fn(diff, mb, ms)
+        (_, (loss, aux, new_ms)), g = grad_fn(diff, rebuild(rows), ms)
         g = g if plan.local else reduce_grads(plan, g)
         acc = jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
         return (acc, keep_untouched(new_ms, ms)), (loss, aux)
 
-    first = jax.tree.map(lambda x: x[0], micro_batches)
+    first = rebuild([x[0] for x in micro_batches])
     example = jax.eval_shape(lambda: grad_fn(diff, first, model_state))
     kept = example[0][1][2]  # which model-state leaves the loss returns untouched
     example = example[1] if plan.local else reduced_shapes(plan, example[1])
@@ -334,11 +371,26 @@ def accumulate(
 
     acc0 = per_leaf(zeros, plan.layouts, example)
     ms0 = jax.tree.map(lambda x: coll.to_varying(x, axis), model_state) if plan.stateful else None
-    (acc, new_ms), (losses, auxes) = jax.lax.scan(step, (acc0, ms0), micro_batches)
+    (acc, new_ms), (losses, auxes) = jax.lax.scan(step, (acc0, ms0), micro_batches, length=k)
     grads = across_replicas(plan, reduce_grads(plan, acc) if plan.local else acc)
-    aux = jax.tree.map(lambda a: jnp.mean(a, 0) if is_float(a) else jnp.sum(a, 0), auxes)
+    aux = jax.tree.map(over_microbatches, aux_kinds(plan, jax.tree.map(lambda a: a[0], auxes)), auxes)
     new_ms = None if kept is None else mark_untouched(new_ms, kept)
     return grads, jnp.mean(losses), aux, new_ms
+
+
+def split_microbatches(batch: PyTree, k: int) -> tuple[list[jax.Array], Callable[[list[jax.Array]], PyTree]]:
+    """A device's batch as ``k`` microbatches: its row leaves reshaped to
+    ``(k, rows / k, ...)`` (what ``lax.scan`` runs over) and ``rebuild(rows)``,
+    one microbatch with the replicated leaves (scalars, keys) as they are."""
+    leaves, treedef = jax.tree.flatten(batch)
+    split = [not is_replicated_leaf(x) for x in leaves]
+    stacked = [x.reshape(k, x.shape[0] // k, *x.shape[1:]) for x, s in zip(leaves, split, strict=True) if s]
+
+    def rebuild(rows: list[jax.Array]) -> PyTree:
+        it = iter(rows)
+        return jax.tree.unflatten(treedef, [next(it) if s else x for x, s in zip(leaves, split, strict=True)])
+
+    return stacked, rebuild
 
 
 def squared_norm(plan: GradPlan, grads: PyTree, scale: jax.Array) -> jax.Array:
@@ -363,6 +415,104 @@ def squared_norm(plan: GradPlan, grads: PyTree, scale: jax.Array) -> jax.Array:
 
 
 # -- the loss's outputs --------------------------------------------------------------------
+
+#: How an aux leaf combines over the devices (and microbatches): ``make_train_step(aux_reduce=)``.
+AUX_REDUCTIONS = ("mean", "sum", "max", "min", "gather")
+
+AUX_REDUCE_TREE = (
+    "make_train_step(aux_reduce=...): at {where}, aux_reduce {given!r} does not fit the aux loss_fn returns "
+    "({aux}): give one of {kinds} for a whole subtree, a dict naming some keys of an aux dict, or a list / "
+    "tuple as long as the aux one."
+)
+AUX_REDUCE_KEYS = (
+    "make_train_step(aux_reduce=...): {extra} at {where} are not keys of the aux loss_fn returns (its keys: "
+    "{keys}); name only keys the aux has."
+)
+AUX_PER_EXAMPLE = (
+    "make_train_step: aux leaf {listing} has as many rows as each device's batch ({rows}): if it holds one "
+    "value per example, averaging it elementwise over the {devices} devices (the default for float aux) mixes "
+    "different examples. Say how it combines: make_train_step(..., aux_reduce={{{key!r}: 'gather'}}) gives the "
+    "whole batch's rows in batch order, 'mean' keeps the elementwise average (and silences this warning); "
+    "'sum', 'max' and 'min' are there too."
+)
+
+
+def aux_kinds(plan: GradPlan, aux: Any, batch: PyTree = None) -> Any:
+    """Per aux leaf, its reduction (one of :data:`AUX_REDUCTIONS`): the
+    user's ``aux_reduce`` (a prefix of aux's tree, or one string), else
+    floats ``"mean"`` and the rest ``"sum"``. Without ``aux_reduce``, a
+    float leaf with a row per example of the device's (micro)batch is
+    averaged with a warning that says how to gather it instead (given the
+    device's ``batch``)."""
+    given = plan.aux_reduce
+    if given is None:
+        if batch is not None:
+            warn_per_example_aux(plan, aux, batch)
+        return default_kinds(aux)
+    return kinds_as_given(given, aux, ())
+
+
+def kinds_as_given(given: Any, aux: Any, where: tuple[str, ...]) -> Any:
+    """``aux_reduce`` laid over the aux tree: a string covers its whole
+    subtree; a dict names some keys of an aux dict (the others take the
+    defaults); a list or tuple mirrors one of the same length."""
+    if isinstance(given, str):
+        return jax.tree.map(lambda _: given, aux)
+    if isinstance(given, dict) and isinstance(aux, dict):
+        extra = sorted(map(str, set(given) - set(aux)))
+        if extra:
+            raise ValueError(AUX_REDUCE_KEYS.format(extra=extra, where="/".join(where) or "aux", keys=sorted(aux)))
+        return {k: kinds_as_given(given[k], v, (*where, str(k))) if k in given else default_kinds(v)
+                for k, v in aux.items()}  # fmt: skip
+    if isinstance(given, (list, tuple)) and isinstance(aux, (list, tuple)) and len(given) == len(aux):
+        pairs = enumerate(zip(given, aux, strict=True))
+        return type(aux)(kinds_as_given(g, a, (*where, str(i))) for i, (g, a) in pairs)
+    raise ValueError(AUX_REDUCE_TREE.format(kinds=AUX_REDUCTIONS, aux=jax.tree.structure(aux), given=given,
+                                            where="/".join(where) or "aux"))  # fmt: skip
+
+
+def default_kinds(aux: Any) -> Any:
+    """Floats averaged, the rest (counts) summed."""
+    return jax.tree.map(lambda a: "mean" if is_float(a) else "sum", aux)
+
+
+def warn_per_example_aux(plan: GradPlan, aux: Any, batch: PyTree) -> None:
+    rows = {x.shape[0] // plan.accum_steps for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)}
+    devices = plan.policy.num_batch_shards
+    if len(rows) != 1 or devices == 1:
+        return
+    (row,) = rows
+    hits = [(p, a) for p, a in jax.tree_util.tree_flatten_with_path(aux)[0]
+            if is_float(a) and a.ndim and a.shape[0] == row]  # fmt: skip
+    if hits:
+        listing = ", ".join(f"'{path_str(p)}' {tuple(a.shape)}" for p, a in hits)
+        key = path_str(hits[0][0]) if len(hits[0][0]) == 1 else "name"
+        warnings.warn(AUX_PER_EXAMPLE.format(listing=listing, rows=row, devices=devices, key=key), UserWarning,
+                      stacklevel=2)  # fmt: skip
+
+
+def combine_aux(aux: Any, kinds: Any, axes: tuple[str, ...]) -> Any:
+    """Each device's aux -> one value, per leaf as its kind says (``gather``:
+    the devices' rows concatenated in batch order)."""
+
+    def one(kind: str, a: jax.Array) -> jax.Array:
+        if kind == "mean":
+            return jax.lax.pmean(a if is_float(a) else a.astype(jnp.float32), axes)
+        if kind == "gather":
+            return jax.lax.all_gather(a if a.ndim else a[None], axes, axis=0, tiled=True, to="invarying")
+        return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kind](a, axes)
+
+    return jax.tree.map(one, kinds, aux)
+
+
+def over_microbatches(kind: str, a: jax.Array) -> jax.Array:
+    """One device's aux over its microbatches (stacked on axis 0), as its kind says."""
+    if kind == "gather":
+        return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) if a.ndim > 1 else a
+    if kind == "mean":
+        return jnp.mean(a if is_float(a) else a.astype(jnp.float32), 0)
+    return {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind](a, 0)
+
 
 
 def split_loss(out: Any) -> tuple[jax.Array, Any]:

@@ -17,7 +17,7 @@ from zero_jax._base.tree import PyTree, check_live, path_str
 from zero_jax._layout.trees import TreeLayouts, with_dtype
 from zero_jax._policy.placement import store, to_logical
 from zero_jax._policy.policy import ZeroPolicy
-from zero_jax._policy.precision import LossScaleState, cast_floats
+from zero_jax._policy.precision import LossScaleState, cast_floats, warn_default_cast
 from zero_jax._processes.multihost import check_same_on_all_processes, policy_fingerprint
 from zero_jax._step import offload as _offload
 from zero_jax._step.optimizer import ShardedOptState, ShardedTransformation
@@ -136,7 +136,11 @@ def init_state(
     or a pytree of ``jax.ShapeDtypeStruct`` (then the result is abstract:
     ``ShapeDtypeStruct``s carrying their shardings, for planning). Floating
     leaves are cast to the policy's ``param_dtype`` (the master copy) and
-    ``compute_dtype`` (``state.params``). A Python number leaf is converted
+    ``compute_dtype`` (``state.params``); without ``precision=`` both are
+    float32, and float leaves of another dtype (bf16 parameters) are cast up
+    with a warning that names them and says how to keep their dtype
+    (``zj.Precision(param_dtype=jnp.bfloat16)``) or ask for mixed precision
+    (``zj.Precision(compute_dtype=jnp.bfloat16)``). A Python number leaf is converted
     to a scalar array (``int`` -> ``int32``, ``bool`` -> ``bool``, ``float``
     -> the float dtypes above); any other non-array leaf is refused, naming
     it; ``None`` is an empty subtree, as everywhere in JAX. Non-float leaves
@@ -163,9 +167,11 @@ def init_state(
     # Several processes: agree on the policy before the first collective, so
     # a mismatch is an error on every process rather than a hang.
     check_same_on_all_processes("zj.init_state", policy_fingerprint(policy))
-    make, abstract_only = _params_maker(params)
+    make, abstract_only = _params_maker(params, policy)
     prec = policy.precision
-    layouts = with_dtype(policy.layouts(jax.eval_shape(make)), prec.param_dtype)
+    shapes = jax.eval_shape(make)
+    warn_default_cast(shapes, prec, policy.precision_chosen)
+    layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)
     model_state = _model_state_values(model_state)
 
     def build() -> TrainState:
@@ -193,9 +199,11 @@ def init_state(
     return jax.jit(build, out_shardings=shardings)()
 
 
-def _params_maker(params: PyTree | Callable[[], PyTree]) -> tuple[Callable[[], PyTree], bool]:
+def _params_maker(params: PyTree | Callable[[], PyTree], policy: ZeroPolicy) -> tuple[Callable[[], PyTree], bool]:
     """``init_state``'s parameters as a zero-argument function (traced inside
-    the init program) and whether they are abstract (``ShapeDtypeStruct``s)."""
+    the init program) and whether they are abstract (``ShapeDtypeStruct``s).
+    Arrays laid out on another mesh enter as host values (the init program
+    runs on the policy's mesh)."""
     # A factory is a callable with no array leaves: an Equinox module is callable
     # too, but it is a pytree of parameters.
     factory = callable(params) and not any(hasattr(x, "shape") for x in jax.tree.leaves(params))
@@ -206,7 +214,7 @@ def _params_maker(params: PyTree | Callable[[], PyTree]) -> tuple[Callable[[], P
         _check_zero_arguments(params)
         make = lambda: _param_values(params())  # noqa: E731
     else:
-        params = _param_values(params)
+        params = _from_other_meshes(_param_values(params), policy)
         if jax.process_count() > 1:
             # Arrays on this process's devices cannot enter a program over every
             # process's devices: pass them as host values (each process holds them).
@@ -215,6 +223,38 @@ def _params_maker(params: PyTree | Callable[[], PyTree]) -> tuple[Callable[[], P
             )
         make = lambda: params  # noqa: E731
     return make, abstract_only
+
+
+OTHER_MESH = (
+    "init_state: {count} parameter(s) are laid out on another mesh than the policy's {mesh} and span other "
+    "processes' devices: {listing}. Move them first, e.g. jax.device_put(params, "
+    "NamedSharding(policy.mesh, P())), or pass a zero-argument function that makes them."
+)
+
+
+def _on_other_mesh(x: Any, policy: ZeroPolicy) -> bool:
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.NamedSharding):
+        return False
+    mesh = sharding.mesh
+    return mesh.axis_names != policy.mesh.axis_names or mesh.devices.shape != policy.mesh.devices.shape or not (
+        np.array_equal(np.vectorize(lambda d: d.id)(mesh.devices), np.vectorize(lambda d: d.id)(policy.mesh.devices))
+    )
+
+
+def _from_other_meshes(params: PyTree, policy: ZeroPolicy) -> PyTree:
+    """Parameters sharded on another mesh (their own model-parallel mesh, one
+    with other axis names) as host values, which the init program places per
+    the policy; those that span other processes are named in an error."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
+    foreign = [(p, x) for p, x in pairs if _on_other_mesh(x, policy)]
+    if not foreign:
+        return params
+    remote = [f"'{path_str(p)}' {x.sharding.spec} on {dict(x.sharding.mesh.shape)}" for p, x in foreign
+              if not x.is_fully_addressable]  # fmt: skip
+    if remote:
+        raise ValueError(OTHER_MESH.format(count=len(remote), mesh=dict(policy.mesh.shape), listing="; ".join(remote)))
+    return jax.tree.unflatten(treedef, [np.asarray(x) if _on_other_mesh(x, policy) else x for _, x in pairs])
 
 
 FACTORY_WITH_ARGUMENTS = (

@@ -52,11 +52,14 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax._base.tree import PyTree, check_live, path_str
+from zero_jax._base.units import is_real_number, is_whole_number
 from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, is_float, is_layout
 from zero_jax._layout.trees import TreeLayouts, full_shapes
+from zero_jax._policy.batch import is_replicated_leaf, legacy_key_hint
+from zero_jax._policy.placement import place_batch
 from zero_jax._policy.policy import ZeroPolicy
-from zero_jax._step.grads import Grads, compute_grads, grad_plan
+from zero_jax._step.grads import AUX_REDUCTIONS, Grads, compute_grads, grad_plan
 from zero_jax._step.optimizer import ShardedOptState, ShardedTransformation, check_tree, frozen_leaves
 from zero_jax._step.state import TrainState, check_tx, state_shardings
 from zero_jax._step.update import (
@@ -91,7 +94,7 @@ def check_batch_sizes(batch: PyTree) -> None:
     sizes = {shape[0] for _, shape in pairs if shape}
     if len(sizes) > 1:
         listing = ", ".join(f"'{p}' {shape}" for p, shape in pairs)
-        raise ValueError(BATCH_SIZES_DIFFER.format(listing=listing))
+        raise ValueError(BATCH_SIZES_DIFFER.format(listing=listing) + legacy_key_hint(batch))
 
 
 class StepFacts(NamedTuple):
@@ -129,8 +132,10 @@ class TrainStep:
         donate: bool,
         stateful: bool = False,
         compiler_options: dict[str, Any] | None = None,
+        aux_reduce: Any = None,
     ) -> None:
         self.loss_fn = loss_fn
+        self.aux_reduce = aux_reduce
         self.stateful = stateful
         self.tx = tx
         self.policy = policy
@@ -138,6 +143,7 @@ class TrainStep:
         self.accum_steps = accum_steps
         self.accum_mode = accum_mode
         self.clip_norm = clip_norm
+        self.donate = donate
         batch_sharding = policy.batch_sharding()
         #: What the step compiles with: the backend's options (the schedule seam; none on XLA:CPU), then the caller's.
         self.compiler_options = {**dict(schedule_for(policy).compiler_options), **(compiler_options or {})} or None
@@ -152,29 +158,50 @@ class TrainStep:
     # -- the public face -------------------------------------------------------------
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        self._validate(state, batch)
-        return self.jitted(state, batch)
+        batch = self._validate(state, batch)
+        return self._programs(batch)[0](state, batch)
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
-        self._validate(state, batch)
-        return self.jitted.lower(state, batch)
+        batch = self._validate(state, batch)
+        return self._programs(batch)[0].lower(state, batch)
 
     def grads(self, state: TrainState, batch: PyTree) -> PyTree:
         """The batch-mean gradient as the policy holds it: in the reduce dtype
         (float32 accumulators when accumulating), partitioned and padded in
         stages 2–3, whole in stages 0–1; ``None`` for frozen and non-float
         leaves. Loss scaling is not undone here."""
-        self._validate(state, batch)
-        return self._grads_jitted(state, batch).grads
+        batch = self._validate(state, batch)
+        return self._programs(batch)[1](state, batch).grads
 
     @property
     def facts(self) -> StepFacts:
         """What this step is (see :class:`StepFacts`)."""
         return StepFacts(self.policy, self.gather, self.accum_mode, self.accum_steps, self.tx.inner)
 
+    def _programs(self, batch: PyTree) -> tuple[Any, Any]:
+        """The jitted step and gradient program for this batch: :attr:`jitted`
+        for a batch split by rows; one with those leaves replicated for a
+        batch that holds scalars (a step count, a typed RNG key)."""
+        leaves, treedef = jax.tree.flatten(batch)
+        scalars = tuple(is_replicated_leaf(x) for x in leaves)
+        if not any(scalars):
+            return self.jitted, self._grads_jitted
+        return self._with_scalars(treedef, scalars)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a step object lives as long as its training run
+    def _with_scalars(self, treedef: Any, scalars: tuple[bool, ...]) -> tuple[Any, Any]:
+        rows = self.policy.batch_sharding()
+        shardings = treedef.unflatten([self.policy.replicated() if s else rows for s in scalars])
+        step = jax.jit(self._step, in_shardings=(None, shardings), donate_argnums=(0,) if self.donate else (),
+                       compiler_options=self.compiler_options)  # fmt: skip
+        grads = jax.jit(functools.partial(self._grads, for_optimizer=False), in_shardings=(None, shardings))
+        return step, grads
+
     # -- checks with errors that say what to do -----------------------------------------
 
-    def _validate(self, state: Any, batch: PyTree) -> None:
+    def _validate(self, state: Any, batch: PyTree) -> PyTree:
+        """Check the state and batch, naming every bad leaf; returns the batch
+        placed on the step's layout (see ``_policy.placement.place_batch``)."""
         policy = self.policy
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -231,6 +258,7 @@ class TrainStep:
             raise TypeError(MODEL_STATE_LEAVES.format(listing=", ".join(bad)))
         check_batch_sizes(batch)
         policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
+        return place_batch(batch, policy.batch_sharding(batch))
 
     def _check_stored_shapes(self, state: TrainState) -> None:
         pairs = jax.tree_util.tree_flatten_with_path(state.params)[0]
@@ -279,6 +307,7 @@ class TrainStep:
             stateful=self.stateful,
             scale_loss=state.loss_scale is not None,
             for_optimizer=for_optimizer,
+            aux_reduce=self.aux_reduce,
         )
         scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)
         return compute_grads(plan, state.params, batch, scale, state.model_state)
@@ -321,15 +350,19 @@ def make_train_step(
     donate: bool = True,
     stateful: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    aux_reduce: Any = None,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``: the mean
-        loss over the batch it is given (each device gives it its slice of
-        the global batch). It receives ordinary, whole parameters in every
-        stage. Float aux leaves are averaged over the data axis, integer ones
-        summed.
+      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``: the
+        **mean** loss over the batch it is given. Each device gives it its
+        slice of the global batch and the step averages the devices' losses
+        and gradients, so a loss that returns the batch *sum* trains with
+        gradients 1/N of the unsharded sum's (N devices x accum_steps) and
+        reports a loss N times smaller: divide by the rows it was given
+        (``jnp.mean``). It receives ordinary, whole parameters in every
+        stage. Aux: see ``aux_reduce``.
       tx: the optimizer, wrapped by :func:`shard_optimizer` for ``policy``.
       policy: the :class:`ZeroPolicy`.
       gather: ``"all"``: the step hands ``loss_fn`` whole parameters (in
@@ -370,6 +403,18 @@ def make_train_step(
         integer, boolean and key leaves must agree across devices and their
         maximum is taken (``pmax``). A float16 step skipped for overflow keeps
         the old model state.
+      aux_reduce: how each leaf of the loss's aux combines over the devices
+        (and microbatches), which each computed it on their own rows:
+        ``"mean"`` (the default for float leaves: right for a per-device
+        mean such as an accuracy), ``"sum"`` (the default for integer leaves:
+        counts), ``"max"``, ``"min"``, or ``"gather"`` (the devices' rows
+        concatenated in batch order: a per-example array comes back with
+        one row per example of the global batch; a scalar, one value per
+        device and microbatch). One string for every leaf, or a dict naming
+        some keys of an aux dict (``{"per_example": "gather", "worst":
+        "max"}``; the other keys take the defaults). Without it, a float aux
+        leaf with a row per example of each device's batch is averaged with
+        a warning that says so.
       compiler_options: XLA options the step compiles with, over the ones
         zero_jax picks for the mesh's backend (on TPU, libtpu's async
         all-gather: ``zero_jax._layerwise.schedule``); e.g.
@@ -408,12 +453,13 @@ def make_train_step(
         tx,
         policy,
         gather=gather,
-        accum_steps=accum_steps,
+        accum_steps=int(accum_steps),
         accum_mode=accum_mode,
         clip_norm=None if clip_norm is None else float(clip_norm),
         donate=donate,
         stateful=stateful,
         compiler_options=_checked_compiler_options(compiler_options),
+        aux_reduce=_checked_aux_reduce(aux_reduce),
     )
 
 
@@ -421,6 +467,22 @@ COMPILER_OPTIONS = (
     "make_train_step: compiler_options must be a dict of XLA option names to values (strings, bools or numbers), "
     "e.g. {{'xla_enable_async_all_gather': 'false'}}; got {got}."
 )
+
+
+AUX_REDUCE = (
+    "make_train_step: aux_reduce must be None, one of {kinds} (for every aux leaf), or a dict of them "
+    "mirroring a prefix of the aux tree; {listing}."
+)
+
+
+def _checked_aux_reduce(aux_reduce: Any) -> Any:
+    if aux_reduce is None:
+        return None
+    pairs = jax.tree_util.tree_flatten_with_path(aux_reduce)[0]
+    bad = [f"'{path_str(p) or '(the value)'}' is {v!r}" for p, v in pairs if v not in AUX_REDUCTIONS]
+    if bad or not pairs:
+        raise ValueError(AUX_REDUCE.format(kinds=AUX_REDUCTIONS, listing="; ".join(bad) or "got an empty tree"))
+    return aux_reduce
 
 
 def _checked_compiler_options(options: Any) -> dict[str, Any] | None:
@@ -443,7 +505,7 @@ def _check_options(
         )
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+    if not is_whole_number(accum_steps) or accum_steps < 1:
         raise ValueError(f"make_train_step: accum_steps must be an int >= 1, got {accum_steps!r}.")
     if accum_mode is None:
         accum_mode = policy.default_accum_mode
@@ -453,7 +515,7 @@ def _check_options(
             f"(reduce every microbatch into a partitioned accumulator), got {accum_mode!r}."
         )
     if clip_norm is not None and not (
-        isinstance(clip_norm, (int, float)) and math.isfinite(clip_norm) and clip_norm > 0
+        is_real_number(clip_norm) and math.isfinite(clip_norm) and clip_norm > 0
     ):
         raise ValueError(f"make_train_step: clip_norm must be a positive number or None, got {clip_norm!r}.")
     if not isinstance(stateful, bool):

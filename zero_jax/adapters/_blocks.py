@@ -52,7 +52,7 @@ import jax
 import numpy as np
 
 from zero_jax._base.tree import PyTree, key_name
-from zero_jax._base.units import fmt_bytes
+from zero_jax._base.units import fmt_bytes, is_whole_number
 from zero_jax._layerwise.pieces import gather
 from zero_jax._layerwise.scope import current_scope
 from zero_jax.adapters._groups import (
@@ -356,7 +356,7 @@ def check_layer_options(blocks: Blocks, stacked: tuple[str, ...], prefetch: Any,
             names, pre = split_path(path), split_path(prefix)
             if names[: len(pre)] == pre or pre[: len(names)] == names:
                 raise ValueError(LAYERS_STACKED.format(where=where, block=path, prefix=prefix))
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= blocks.count:
+    if not is_whole_number(prefetch) or not 0 <= prefetch <= blocks.count:
         raise ValueError(BAD_PREFETCH.format(where=where, count=blocks.count, got=prefetch))
 
 
