@@ -25,31 +25,26 @@ per second.
 
 from __future__ import annotations
 
-import jax
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-# Before anything makes an array: the process sees 8 CPU devices.
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+common.setup(devices=8)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax.checkpoint._record import state_entries as _entries  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
 
 MB = 1e6
 
@@ -69,6 +64,20 @@ def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def logical_bytes(state: zj.TrainState) -> int:
+    """Bytes of every array of ``state`` at its logical (unpadded) shape, what a checkpoint records:
+    the parameters, optimizer state and master copy at their layouts' shapes, the rest as stored."""
+
+    def of(tree: Any, layouts: Any = None) -> int:
+        leaves = jax.tree.leaves(tree)
+        shapes = [x.shape for x in leaves] if layouts is None else [lay.shape for lay in layouts]
+        return sum(math.prod(s) * x.dtype.itemsize for s, x in zip(shapes, leaves, strict=True))
+
+    total = of(state.step) + of(state.params, state.layouts.layouts) + of(state.loss_scale) + of(state.model_state)
+    total += of(state.opt_state.inner_state, state.opt_state.layouts.layouts)
+    return total + (of(state.master, state.layouts.layouts) if state.master is not None else 0)
+
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
@@ -78,10 +87,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint.txt"))
+    parser.add_argument("--out", default=common.RESULTS, help="the folder for checkpoint.txt")
     args = parser.parse_args()
-    start = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    record = common.Record()
 
     cfg = TransformerConfig(vocab=256, dim=args.dim, depth=args.depth, heads=8, seq=64)
     opt = optax.adamw(1e-3)
@@ -91,7 +99,7 @@ def main() -> None:
     step = zj.make_train_step(make_loss_fn(cfg, policy), tx, policy, gather="manual")
     state, _ = step(state, synthetic_batch(cfg, 8, jax.random.key(1)))
     jax.block_until_ready(state)
-    state_bytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in _entries(state))
+    state_bytes = logical_bytes(state)
     param_bytes = sum(math.prod(lay.shape) * 4 for lay in state.layouts.layouts)
 
     rows: list[tuple[str, float, float]] = []
@@ -142,29 +150,25 @@ def main() -> None:
     import orbax.checkpoint as ocp
     import safetensors
 
-    lines = [
+    header = record.header(
         "Checkpoint save / restore / export (benchmarks/checkpoint.py)",
-        f"command: {shlex.join(['python', *sys.argv])}",
-        f"date: {datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()}",
-        f"jax {jax.__version__}, optax {optax.__version__}, orbax-checkpoint {ocp.__version__}, "
-        f"safetensors {safetensors.__version__}, zero_jax {zj.__version__}",
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         f"model: reference transformer dim {cfg.dim}, depth {cfg.depth}, mlp {cfg.mlp_dim}, vocab {cfg.vocab}: "
         f"{cfg.num_params() / 1e6:.1f}M fp32 parameters ({param_bytes / MB:.0f} MB), optax.adamw",
         f"state: ZeRO-3 on 8 simulated CPU devices, {state_bytes / MB:.0f} MB logical "
         f"(params + Adam mu, nu); checkpoint on disk {disk / MB:.0f} MB (orbax OCDBT)",
-        f"times: median of {args.repeat}, local disk; wall time {time.perf_counter() - start:.0f} s",
+        f"times: median of {args.repeat}, local disk",
+        versions=f"orbax-checkpoint {ocp.__version__}, safetensors {safetensors.__version__}",
+    )
+    lines = [
+        header,
         "",
         f"{'operation':<40} {'seconds':>8} {'MB/s':>8}",
         "-" * 58,
         *(f"{name:<40} {t:>8.3f} {rate:>8.0f}" for name, t, rate in rows),
     ]
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines)
     print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    common.write_results("checkpoint", text, out=args.out)
 
 
 if __name__ == "__main__":

@@ -71,39 +71,32 @@ SIMULATED = DRY_RUN and not accelerator_installed()
 if not DRY_RUN:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
 
-import jax  # noqa: E402
+import _common as common  # noqa: E402, I001
 
-if SIMULATED:  # the dry run's 8 simulated devices, before anything makes an array
-    jax.config.update("jax_num_cpu_devices", 8)
-    jax.config.update("jax_platforms", "cpu")
+common.setup(devices=8 if SIMULATED else None)  # the dry run's 8 simulated devices, before anything makes an array
 
 import argparse  # noqa: E402
 import concurrent.futures  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import measure as _measure  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
-from zero_jax.models.transformer import block
+from zero_jax import measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch, unstack_params  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BF16 = jnp.bfloat16
 LR = 1e-4
 #: The flags every program of the run is compiled with (compiler options), and section 4's variants.
@@ -261,35 +254,6 @@ class Run:
 # -- models, states and steps ----------------------------------------------------------------------
 
 
-def layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
-
-
-def unstacked_params(cfg: TransformerConfig, key: jax.Array) -> dict[str, Any]:
-    """The reference parameters with ``layers`` as a list of blocks (the model written as a loop)."""
-    p = init_params(cfg, key)
-    blocks = [jax.tree.map(lambda a, i=i: a[i], p["layers"]) for i in range(cfg.depth)]
-    return {"embed": p["embed"], "blocks": blocks, "final_norm": p["final_norm"], "head": p["head"]}
-
-
-def blockwise_loss(cfg: TransformerConfig, policy: zj.ZeroPolicy, prefetch: int) -> Callable[..., jax.Array]:
-    """The reference transformer's loss, its blocks run by ``zj.apply_layers`` (unscanned)."""
-
-    def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
-        tokens = batch["tokens"][:, :-1]
-        embed = zj.gather(params["embed"], policy)
-        x = embed["tokens"][tokens] + embed["positions"][: tokens.shape[1]]
-        x = zj.apply_layers(lambda p, h: block(p, h, heads=cfg.heads), params["blocks"], x, policy, prefetch=prefetch)
-        x = layer_norm(x, zj.gather(params["final_norm"], policy))
-        logits = jax.checkpoint(lambda h, head: h @ zj.gather(head, policy))(x, params["head"]).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, batch["tokens"][:, 1:, None], axis=-1))
-
-    return loss_fn
-
-
 HOST_GROUP_BYTES = 8 << 30  # host-resident leaves are made in groups of at most this many bytes
 #: XLA:CPU in the dry run: LLVM optimisation off for the programs that make states too.
 MAKER_OPTIONS = (("xla_backend_optimization_level", 0),) if SIMULATED else ()
@@ -381,9 +345,10 @@ def zero_variant(
         stage, mesh, stacked=() if blockwise else "layers", precision=zj.Precision(compute_dtype=BF16), **offload
     )
     tx = zj.shard_optimizer(optax.adam(LR), policy)
-    make = functools.partial(unstacked_params if blockwise else init_params, cfg)
+    # blockwise: the unscanned form, a Python list of blocks that make_loss_fn runs with zj.apply_layers
+    make = (lambda key: unstack_params(init_params(cfg, key))) if blockwise else functools.partial(init_params, cfg)
     abstract = zj.init_state(jax.eval_shape(make, jax.random.key(0)), tx, policy)
-    loss = blockwise_loss(cfg, policy, prefetch) if blockwise else make_loss_fn(cfg, policy, prefetch=prefetch)
+    loss = make_loss_fn(cfg, policy, prefetch=prefetch)
     step = zj.make_train_step(loss, tx, policy, gather="manual")
     return Variant(policy, step, abstract, abstract_batch(cfg, batch, policy.batch_sharding()))
 
@@ -411,16 +376,6 @@ def plain_variant(cfg: TransformerConfig, batch: int, device: Any) -> tuple[Call
     abstract = (master, with_sharding(jax.eval_shape(tx.init, master)))
     jitted = jax.jit(step, donate_argnums=0)
     return (lambda: jitted.lower(abstract, abstract_batch(cfg, batch, one))), abstract
-
-
-def memory(compiled: Any) -> dict[str, int]:
-    """``memory_analysis()``: device peak = argument + output + temp - alias; the host figures alike."""
-    m = compiled.memory_analysis()
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    host = {k: int(getattr(m, f"host_{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
-    out["host_peak"] = host["argument"] + host["output"] + host["temp"] - host["alias"]
-    return out
 
 
 def host_state_bytes(abstract: Any) -> int:
@@ -502,7 +457,7 @@ def section_overhead(run: Run) -> None:
         state, times, loss = timed_steps(exe, state, batch, sz.warmup, sz.steps)
         free(state)
         step_s = statistics.median(times)
-        mem = memory(exe)
+        mem = common.memory(exe)
         out["rows"].append(
             {
                 "variant": name,
@@ -606,7 +561,7 @@ def block_order(instrs: list[Any], unit: Callable[..., Any], depth: int) -> dict
 
 
 def schedule(hlo: str, depth: int, scanned: bool) -> dict[str, Any]:
-    comps, entry, _ = _measure.scheduled_computations(hlo)
+    comps, entry, _ = measure.scheduled_computations(hlo)
     unit = _unit_facts(comps)
     bodies = {  # every loop body, wherever the loop sits (the entry, a call, a command buffer)
         n for c in comps.values() for ins in c if ins.op == "while" for n in re.findall(r"body=%?([\w.\-]+)", ins.attrs)
@@ -682,7 +637,7 @@ def section_overlap(run: Run, variants: dict[tuple[str, int], Variant]) -> dict[
             "step_s": statistics.median(times),
             "step_s_all": times,
             "compile_s": compile_s,
-            "peak_bytes": memory(exe)["peak"],
+            "peak_bytes": common.memory(exe)["peak"],
         }
         row.update(schedule(exe.as_text(), cfg.depth, scanned=path == "scan"))
         out["rows"].append(row)
@@ -784,7 +739,7 @@ def probe_round(run: Run, searches: list[Search], depths: dict[int, list[int]], 
     made = {k: make() for k, make in items.items()}
     compiled = run.compile_many({k: v.lower for k, v in made.items()})
     for (i, d), (exe, seconds) in compiled.items():
-        mem = memory(exe)
+        mem = common.memory(exe)
         # host memory: what memory_analysis reports for the host (GPU/TPU), else the state's host bytes (CPU)
         need = mem["host_peak"] if mem["host_peak"] > 0 else host_state_bytes(made[(i, d)].abstract)
         searches[i].probes[d] = {
@@ -863,16 +818,6 @@ def common_costs(run: Run, searches: list[Search], depth: int) -> list[dict[str,
     return rows
 
 
-def largest_chunk(abstract: zj.TrainState) -> int:
-    """Bytes of the largest chunk the streamed update moves: one parameter's offloaded master and moments."""
-    per: dict[str, int] = {}
-    for leaf in zj.offload_plan(abstract).leaves:
-        if leaf.host and not leaf.path.startswith("params/"):
-            key = re.sub(r"^(master/|opt_state/.*?/(mu|nu)/)", "", leaf.path)
-            per[key] = per.get(key, 0) + leaf.nbytes
-    return max(per.values(), default=0)
-
-
 def confirm(run: Run, s: Search, cap: dict[str, int]) -> dict[str, Any]:
     """One real step at the largest depth that fits (stepping down on an out-of-memory error)."""
     lo, hi = s.bracket(run.sizes.s2_max_depth)
@@ -939,8 +884,9 @@ def section_offload(run: Run) -> None:
     judge(searches, cap)
     out["capacity"] = cap
     out["common"] = common_costs(run, searches, d0)
+    streaming = searches[1].probes[d0]["variant"]
     out["chunk"] = {
-        "largest_chunk_bytes": largest_chunk(searches[1].probes[d0]["variant"].abstract),
+        "largest_chunk_bytes": max(common.offload_chunks(streaming.abstract).values(), default=0),
         "temp_streaming": searches[1].probes[d0]["temp"],
         "temp_no_offload": searches[0].probes[d0]["temp"],
         "depth": d0,
@@ -975,17 +921,8 @@ def meta(run: Run) -> dict[str, Any]:
         platform_version = dev.client.platform_version
     except Exception:  # a backend that does not say
         platform_version = "?"
-    where = os.path.dirname(os.path.dirname(zj.__file__))
-    try:
-        import subprocess
-
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=where
-        ).stdout.strip()
-    except OSError:
-        commit = "?"
     return {
-        "command": " ".join(["python", "benchmarks/gpu.py", *map(shlex.quote, sys.argv[1:])]),
+        "command": common.command(),
         "dry_run": DRY_RUN,
         "simulated_devices": SIMULATED,
         "device": getattr(dev, "device_kind", str(dev)),
@@ -995,14 +932,13 @@ def meta(run: Run) -> dict[str, Any]:
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "optax": optax.__version__,
-        "zero_jax": f"{zj.__version__} at {commit}",
-        "python": platform.python_version(),
-        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs",
+        "zero_jax": f"{zj.__version__} from {common.library_source()}",
+        "machine": common.machine(),
         "env_XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
         "env_XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""),
         "compiler_options": dict(run.options),
         "rejected_flags": run.rejected,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": common.utc_now(),
         "budget_s": run.args.budget,
         "wall_s": run.elapsed(),
         "section_s": dict(run.section_s),
@@ -1126,11 +1062,7 @@ def write(run: Run, final: bool) -> None:
     body += [f"ERROR in section {k}: {v}" for k, v in run.errors.items()]
     if not final:
         body.append("INCOMPLETE: the run has not finished (or was cut short).")
-    os.makedirs(run.args.out, exist_ok=True)
-    with open(os.path.join(run.args.out, "gpu.json"), "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    with open(os.path.join(run.args.out, "gpu.txt"), "w") as f:
-        f.write("\n".join(head + body) + "\n")
+    common.write_results("gpu", "\n".join(head + body), data, run.args.out)
 
 
 def main() -> None:
@@ -1153,8 +1085,8 @@ def main() -> None:
     parser.add_argument("--host-fraction", type=float, default=0.8, help="share of MemAvailable offload may fill")
     args = parser.parse_args()
     if args.out is None:
-        args.out = tempfile.mkdtemp(prefix="zero_jax_gpu_dry_") if args.dry_run else os.path.join(HERE, "results")
-    if args.dry_run and os.path.realpath(args.out) == os.path.realpath(os.path.join(HERE, "results")):
+        args.out = tempfile.mkdtemp(prefix="zero_jax_gpu_dry_") if args.dry_run else common.RESULTS
+    if args.dry_run and os.path.realpath(args.out) == os.path.realpath(common.RESULTS):
         parser.error(
             "a dry run never writes to benchmarks/results (its figures are not measurements); pass another --out"
         )

@@ -22,26 +22,20 @@ group spans, beside ``zj.comm_bytes_per_axis``. On a real pod ``replica`` is the
 
 from __future__ import annotations
 
-import jax
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+common.setup(devices=8)
 
-import datetime  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = TransformerConfig(vocab=256, dim=256, depth=4, heads=4, seq=64)
 MIB = 2**20
 
@@ -50,17 +44,17 @@ def _policies(stage: int) -> dict[str, zj.ZeroPolicy]:
     devices = np.asarray(jax.devices())
     flat = jax.sharding.Mesh(devices, ("data",))
     mesh = jax.sharding.Mesh(devices.reshape(2, 4), ("replica", "data"))
-    common = {"stacked": "layers"}
+    shared = {"stacked": "layers"}
     return {
-        "flat": zj.ZeroPolicy(stage, flat, "data", **common),
-        "hsdp": zj.ZeroPolicy(stage, mesh, "data", replica_axis="replica", **common),
-        "hpz": zj.ZeroPolicy(stage, mesh, "data", replica_axis="replica", optimizer_over_replicas=True, **common),
+        "flat": zj.ZeroPolicy(stage, flat, "data", **shared),
+        "hsdp": zj.ZeroPolicy(stage, mesh, "data", replica_axis="replica", **shared),
+        "hpz": zj.ZeroPolicy(stage, mesh, "data", replica_axis="replica", optimizer_over_replicas=True, **shared),
     }
 
 
 def main() -> None:
     assert jax.device_count() == 8
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    record = common.Record()
     params = init_params(CFG, jax.random.key(0))
     batch = synthetic_batch(CFG, 16, jax.random.key(1))
     phi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
@@ -91,17 +85,14 @@ def main() -> None:
     def axis(row: dict, key: str) -> float:
         return row["comm_per_axis"].get(key, 0.0) / MIB
 
-    lines = [
+    header = record.header(
         "Hybrid meshes: bytes per device and ring bytes per mesh axis (benchmarks/hybrid.py)",
-        f"command: python {' '.join(sys.argv)}",
-        f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__}",
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         f"model: reference transformer vocab {CFG.vocab}, dim {CFG.dim}, depth {CFG.depth}, seq {CFG.seq}, fp32, "
         f"Φ = {phi:,}; Adam; gather='manual'; 8 simulated CPU devices; flat = 1-D mesh of 8, "
         "hsdp / hpz = (replica, data) = (2, 4)",
-        f"wall time: {time.perf_counter() - start:.0f} s",
+    )
+    lines = [
+        header,
         "",
         "MiB per device (measured / formula); ring MiB per device per step by the axes a collective spans",
         f"{'stage':>5} {'policy':<6} {'params':>15} {'grads':>15} {'optimizer':>15} | {'data':>7} {'replica':>8} "
@@ -126,11 +117,7 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "hybrid.txt"), "w") as fh:
-        fh.write(text + "\n")
-    with open(os.path.join(HERE, "results", "hybrid.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+    common.write_results("hybrid", text, {"meta": record.meta(), "rows": rows})
 
 
 if __name__ == "__main__":

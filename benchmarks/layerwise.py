@@ -27,7 +27,7 @@ Measured for each variant and depth:
   backend's ``peak_memory_in_bytes`` leaves out temp), and temp on its own.
 * **Communication**: the collectives of the program right after SPMD partitioning (dtypes still
   the logical ones), each counted as a ring moves it, per device per step, multiplied by the trip
-  count of the loop it sits in (``zj._measure``). The theory is 2Ψ(N-1)/N for DP and stages 1-2 and
+  count of the loop it sits in (``zero_jax.measure``). The theory is 2Ψ(N-1)/N for DP and stages 1-2 and
   3Ψ(N-1)/N for ZeRO-3 (Ψ = parameter bytes, padded). The ``accounted`` expectation for stage 3
   counts what the theory rounds away: leaves kept whole (all-reduced: 2 passes instead of 3) and
   leaves whose backward pass does not need the value, which are gathered once (the embedding
@@ -45,39 +45,28 @@ Measured for each variant and depth:
 
 from __future__ import annotations
 
-import os
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-import jax  # noqa: E402
-
-# First, before jax: every compilation of the process dumps the HLO this benchmark reads.
-from _hlo_dump import compile_with_hlo  # noqa: I001
-
-# Before anything makes an array: the process sees 8 CPU devices.
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+# Every compilation of the process dumps the HLO this benchmark reads.
+common.setup(devices=8, hlo_dump=True)
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numpy as np  # noqa: E402
+import jax  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import measure as _measure  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+from zero_jax import measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
 
 PyTree = Any
 
@@ -212,7 +201,7 @@ def from_scan_layers(hlo: str) -> set[str]:
 def stacked_schedule(hlo: str, sizes: Sizes) -> dict[str, dict[str, Any]]:
     """Per group of stacked leaves sharing a shape: all-gathers and reduce-scatters per layer and
     leaf that ``scan_layers`` left in the compiled program (trip counts included)."""
-    colls = _measure.parse_collectives(hlo, N)
+    colls = measure.parse_collectives(hlo, N)
     ours = from_scan_layers(hlo)
     counts: collections.Counter[tuple[str, tuple[int, ...]]] = collections.Counter()
     for c in colls:
@@ -238,10 +227,6 @@ def stacked_schedule(hlo: str, sizes: Sizes) -> dict[str, dict[str, Any]]:
     return out
 
 
-def kind_counts(colls: list[_measure.Collective]) -> dict[str, int]:
-    return {k: int(v["count"]) for k, v in _measure.summarize(colls).items()}
-
-
 # -- the variants ----------------------------------------------------------------------------------
 
 
@@ -253,8 +238,8 @@ class Run:
     depth: int
     step: Callable[[], Any]
     memory: dict[str, int]
-    spmd: list[_measure.Collective]
-    compiled: list[_measure.Collective]
+    spmd: list[measure.Collective]
+    compiled: list[measure.Collective]
     schedule: dict[str, dict[str, Any]] | None = None
     times: list[float] = dataclasses.field(default_factory=list)
     final_loss: float = float("nan")
@@ -268,21 +253,15 @@ def zero_run(variant: str, depth: int, mesh: Mesh, sizes: Sizes) -> Run:
     state = zj.init_state(lambda: init_params(cfg, jax.random.key(0)), tx, policy)
     batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), policy.batch_sharding())
     train_step = zj.make_train_step(make_loss_fn(cfg, policy), tx, policy, gather="manual")
-    compiled, spmd_hlo, _ = compile_with_hlo(train_step, state, batch)
+    compiled, spmd_hlo, _ = common.compile_once(train_step, state, batch)
     final_hlo = compiled.as_text()
-    holder: dict[str, Any] = {"state": state}
-
-    def step() -> Any:
-        holder["state"], metrics = train_step(holder["state"], batch)
-        return metrics["loss"]
-
     return Run(
         variant,
         depth,
-        step,
-        _measure.memory(compiled),
-        _measure.parse_collectives(spmd_hlo, N),
-        _measure.parse_collectives(final_hlo, N),
+        common.stepper(train_step, state, batch),
+        measure.memory(compiled),
+        measure.parse_collectives(spmd_hlo, N),
+        measure.parse_collectives(final_hlo, N),
         stacked_schedule(final_hlo, sizes) if STAGE[variant] == 3 else None,
     )
 
@@ -295,7 +274,7 @@ def zero3_peak(depth: int, mesh: Mesh, prefetch: int) -> dict[str, int]:
     state = zj.init_state(lambda: init_params(cfg, jax.random.key(0)), tx, policy)
     batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), policy.batch_sharding())
     train_step = zj.make_train_step(make_loss_fn(cfg, policy, prefetch=prefetch), tx, policy, gather="manual")
-    return _measure.memory(train_step.lower(state, batch).compile())
+    return measure.memory(train_step.lower(state, batch).compile())
 
 
 def gspmd_spec(path: Any, leaf: Any) -> PartitionSpec:
@@ -320,56 +299,20 @@ def gspmd_run(depth: int, mesh: Mesh) -> Run:
 
     abstract = jax.eval_shape(make)
     param_sh = jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, gspmd_spec(p, x)), abstract)
-    replicated = NamedSharding(mesh, PartitionSpec())
     # Adam's mu and nu mirror the parameters; everything else (the step count) is replicated.
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), param_sh, transform_non_params=lambda _: replicated
-    )
+    recipe = common.gspmd_recipe(loss_fn, tx, mesh, abstract, param_sh, param_sh)
     params = jax.jit(make, out_shardings=param_sh)()
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    batch_sh = NamedSharding(mesh, PartitionSpec("data"))
-    batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), batch_sh)
-
-    def train_step(p: PyTree, o: PyTree, b: PyTree) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
-        loss, grads = jax.value_and_grad(loss_fn)(p, b)
-        updates, o = tx.update(grads, o, p)
-        # The library's step reports the global gradient norm too: same work on both sides.
-        return optax.apply_updates(p, updates), o, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-    jitted = jax.jit(
-        train_step,
-        in_shardings=(param_sh, opt_sh, batch_sh),
-        out_shardings=(param_sh, opt_sh, replicated),
-        donate_argnums=(0, 1),
-    )
-    compiled, spmd_hlo, _ = compile_with_hlo(jitted, params, opt_state, batch)
-    holder: dict[str, Any] = {"p": params, "o": opt_state}
-
-    def step() -> Any:
-        holder["p"], holder["o"], metrics = jitted(holder["p"], holder["o"], batch)
-        return metrics["loss"]
-
+    opt_state = jax.jit(tx.init, out_shardings=recipe.opt_sharding)(params)
+    batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), recipe.batch_sharding)
+    compiled, spmd_hlo, _ = common.compile_once(recipe.jitted, params, opt_state, batch)
     return Run(
         "GSPMD-3",
         depth,
-        step,
-        _measure.memory(compiled),
-        _measure.parse_collectives(spmd_hlo, N),
-        _measure.parse_collectives(compiled.as_text(), N),
+        common.stepper(recipe, (params, opt_state), batch),
+        measure.memory(compiled),
+        measure.parse_collectives(spmd_hlo, N),
+        measure.parse_collectives(compiled.as_text(), N),
     )
-
-
-def time_round_robin(runs: list[Run], steps: int, warmup: int) -> None:
-    """Warm up each run, then one step of each per round, so load from elsewhere hits all alike."""
-    for r in runs:
-        for _ in range(warmup):
-            jax.block_until_ready(r.step())
-    for _ in range(steps):
-        for r in runs:
-            t0 = time.perf_counter()
-            loss = jax.block_until_ready(r.step())
-            r.times.append(time.perf_counter() - t0)
-            r.final_loss = float(loss)
 
 
 # -- report ------------------------------------------------------------------------------------------
@@ -380,7 +323,7 @@ def build_rows(runs: list[Run], sizes: dict[int, Sizes]) -> list[dict[str, Any]]
     for r in runs:
         s = sizes[r.depth]
         stage = STAGE[r.variant]
-        comm = _measure.ring_bytes(r.spmd)
+        comm = measure.ring_bytes(r.spmd)
         row: dict[str, Any] = {
             "variant": r.variant,
             "depth": r.depth,
@@ -388,9 +331,9 @@ def build_rows(runs: list[Run], sizes: dict[int, Sizes]) -> list[dict[str, Any]]
             "memory_bytes": r.memory,
             "comm_bytes": comm,
             "comm_theory_bytes": s.comm_theory(stage),
-            "comm_by_kind": _measure.summarize(r.spmd),
-            "compiled_counts": kind_counts(r.compiled),
-            "compiled_comm_bytes": _measure.ring_bytes(r.compiled),
+            "comm_by_kind": measure.summarize(r.spmd),
+            "compiled_counts": common.kind_counts(r.compiled),
+            "compiled_comm_bytes": measure.ring_bytes(r.compiled),
             "step_ms_median": 1e3 * statistics.median(r.times),
             "step_ms_all": [1e3 * t for t in r.times],
             "final_loss": r.final_loss,
@@ -402,10 +345,6 @@ def build_rows(runs: list[Run], sizes: dict[int, Sizes]) -> list[dict[str, Any]]
     return rows
 
 
-def cell(rows: list[dict[str, Any]], variant: str, depth: int) -> dict[str, Any]:
-    return next(r for r in rows if r["variant"] == variant and r["depth"] == depth)
-
-
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'variant':<8} {'L':>2} | {'peak':>7} {'temp':>7} | {'comm':>7} {'/theory':>7} {'/acct':>6} | "
@@ -415,12 +354,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [units, head, "-" * len(head)]
     for depth in sorted({r["depth"] for r in rows}):
         for v in VARIANTS:
-            r = cell(rows, v, depth)
+            r = common.cell(rows, v, depth)
             m = r["memory_bytes"]
             cc = r["compiled_counts"]
             acct = f"{r['comm_bytes'] / r['comm_accounted_bytes']:6.3f}" if "comm_accounted_bytes" in r else f"{'':>6}"
-            dp = cell(rows, "DP", depth)["step_ms_median"]
-            gs = cell(rows, "GSPMD-3", depth)["step_ms_median"]
+            dp = common.cell(rows, "DP", depth)["step_ms_median"]
+            gs = common.cell(rows, "GSPMD-3", depth)["step_ms_median"]
             vs_g = f"{r['step_ms_median'] / gs:6.2f}" if v == "ZeRO-3" else f"{'':>6}"
             lines.append(
                 f"{v:<8} {depth:>2} | {m['peak'] / MiB:7.1f} {m['temp'] / MiB:7.1f} | {r['comm_bytes'] / MiB:7.2f} "
@@ -458,11 +397,11 @@ def format_targets(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple
         added = FLAT_TO - FLAT_FROM
         allowance = added * (s.per_layer / N * 3 + s.carry)
         delta = (
-            cell(rows, "ZeRO-3", FLAT_TO)["memory_bytes"]["peak"]
-            - cell(rows, "ZeRO-3", FLAT_FROM)["memory_bytes"]["peak"]
+            common.cell(rows, "ZeRO-3", FLAT_TO)["memory_bytes"]["peak"]
+            - common.cell(rows, "ZeRO-3", FLAT_FROM)["memory_bytes"]["peak"]
         )
         ok = delta <= allowance
-        hi, lo = (cell(rows, "ZeRO-3", d)["memory_bytes"] for d in (FLAT_TO, FLAT_FROM))
+        hi, lo = (common.cell(rows, "ZeRO-3", d)["memory_bytes"] for d in (FLAT_TO, FLAT_FROM))
         d_arg = hi["argument"] - lo["argument"]
         d_temp = hi["temp"] - lo["temp"]
         grad_piece = s.per_layer / N  # ZeRO-3 keeps each layer's gradient too, partitioned
@@ -490,7 +429,7 @@ def format_targets(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple
 
     # 2. At the headline depth, stage 3 against DP and the GSPMD recipe.
     if HEADLINE_DEPTH in sizes:
-        z3, dp, gs = (cell(rows, v, HEADLINE_DEPTH)["memory_bytes"]["peak"] for v in ("ZeRO-3", "DP", "GSPMD-3"))
+        z3, dp, gs = (common.cell(rows, v, HEADLINE_DEPTH)["memory_bytes"]["peak"] for v in ("ZeRO-3", "DP", "GSPMD-3"))
         ok_dp, ok_gs = z3 <= 0.20 * dp, z3 <= 0.7 * gs
         verdicts["stage3_vs_dp_peak"] = {"ratio": z3 / dp, "met": ok_dp}
         verdicts["stage3_vs_gspmd_peak"] = {"ratio": z3 / gs, "met": ok_gs}
@@ -513,8 +452,8 @@ def format_targets(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple
     s2 = []
     for d in depths:
         s = sizes[d]
-        t1 = cell(rows, "ZeRO-1", d)["memory_bytes"]["temp"]
-        t2 = cell(rows, "ZeRO-2", d)["memory_bytes"]["temp"]
+        t1 = common.cell(rows, "ZeRO-1", d)["memory_bytes"]["temp"]
+        t2 = common.cell(rows, "ZeRO-2", d)["memory_bytes"]["temp"]
         need = s.psi * s.ring
         short = need - (t1 - t2)
         ok = t1 - t2 >= need
@@ -530,8 +469,8 @@ def format_targets(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple
     verdicts["stage2_temp"] = s2
 
     # 4. Stage 3 communication on the post-SPMD program.
-    ratios = [cell(rows, "ZeRO-3", d)["comm_bytes"] / sizes[d].comm_theory(3) for d in depths]
-    accts = [cell(rows, "ZeRO-3", d)["comm_bytes"] / sizes[d].comm_accounted() for d in depths]
+    ratios = [common.cell(rows, "ZeRO-3", d)["comm_bytes"] / sizes[d].comm_theory(3) for d in depths]
+    accts = [common.cell(rows, "ZeRO-3", d)["comm_bytes"] / sizes[d].comm_accounted() for d in depths]
     ok = all(abs(x - 1) <= 0.02 for x in ratios)
     verdicts["stage3_comm"] = {"ratio_theory": ratios, "ratio_accounted": accts, "met": ok}
     out.append(
@@ -548,7 +487,7 @@ def format_targets(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple
     )
     by_depth = {}
     for d in depths:
-        sched = cell(rows, "ZeRO-3", d)["stacked_schedule"]
+        sched = common.cell(rows, "ZeRO-3", d)["stacked_schedule"]
         parts = [
             f"{names} {g['all_gather_per_layer']:.2f}/{g['reduce_scatter_per_layer']:.2f}" for names, g in sched.items()
         ]
@@ -567,8 +506,8 @@ def format_targets(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple
     )
     st = []
     for d in depths:
-        z3, dp, gs = (cell(rows, v, d)["step_ms_median"] for v in ("ZeRO-3", "DP", "GSPMD-3"))
-        z3m, dpm, gsm = (min(cell(rows, v, d)["step_ms_all"]) for v in ("ZeRO-3", "DP", "GSPMD-3"))
+        z3, dp, gs = (common.cell(rows, v, d)["step_ms_median"] for v in ("ZeRO-3", "DP", "GSPMD-3"))
+        z3m, dpm, gsm = (min(common.cell(rows, v, d)["step_ms_all"]) for v in ("ZeRO-3", "DP", "GSPMD-3"))
         ok_dp, ok_gs = z3 <= 1.2 * dp, z3 <= 0.7 * gs
         st.append(
             {
@@ -596,7 +535,7 @@ def format_notes(rows: list[dict[str, Any]], sizes: dict[int, Sizes], prefetch0:
     losses = [r["final_loss"] for r in rows if r["depth"] == d12]
     spread = (max(losses) - min(losses)) / abs(statistics.median(losses))
     repl = [k for k, lay in s.layouts.items() if not lay.partitioned]
-    z3 = cell(rows, "ZeRO-3", d12)["memory_bytes"]
+    z3 = common.cell(rows, "ZeRO-3", d12)["memory_bytes"]
     out = [
         "Notes:",
         f"  Psi (fp32, padded) at L={d12}: {s.psi / MiB:.2f} MiB; one layer {s.per_layer / MiB:.3f} MiB; "
@@ -614,10 +553,10 @@ def format_notes(rows: list[dict[str, Any]], sizes: dict[int, Sizes], prefetch0:
         "gathered from forward to backward.",
     ]
     small = min(depths)
-    if not schedule_ok(cell(rows, "ZeRO-3", small)["stacked_schedule"]):
-        r = cell(rows, "ZeRO-3", small)
+    if not schedule_ok(common.cell(rows, "ZeRO-3", small)["stacked_schedule"]):
+        r = common.cell(rows, "ZeRO-3", small)
         spmd_ag = int(r["comm_by_kind"].get("all-gather", {}).get("count", 0))
-        t_next = [cell(rows, "ZeRO-3", d)["memory_bytes"]["temp"] for d in depths if d > small][:1]
+        t_next = [common.cell(rows, "ZeRO-3", d)["memory_bytes"]["temp"] for d in depths if d > small][:1]
         out.append(
             f"  ZeRO-3 at L={small}: {spmd_ag} all-gathers after SPMD partitioning, "
             f"{r['compiled_counts'].get('all-gather', 0)} compiled. With depth = prefetch + 1 the layer loops run "
@@ -630,14 +569,14 @@ def format_notes(rows: list[dict[str, Any]], sizes: dict[int, Sizes], prefetch0:
         span = FLAT_TO - FLAT_FROM
 
         def per_layer(variant: str, kind: str) -> float:
-            hi, lo = (cell(rows, variant, d)["compiled_counts"].get(kind, 0) for d in (FLAT_TO, FLAT_FROM))
+            hi, lo = (common.cell(rows, variant, d)["compiled_counts"].get(kind, 0) for d in (FLAT_TO, FLAT_FROM))
             return (hi - lo) / span
 
         def temp_slope(variant: str) -> float:
-            hi, lo = (cell(rows, variant, d)["memory_bytes"]["temp"] for d in (FLAT_TO, FLAT_FROM))
+            hi, lo = (common.cell(rows, variant, d)["memory_bytes"]["temp"] for d in (FLAT_TO, FLAT_FROM))
             return (hi - lo) / span / MiB
 
-        g = cell(rows, "GSPMD-3", d12)
+        g = common.cell(rows, "GSPMD-3", d12)
         out.append(
             f"  GSPMD-3 is layer-wise too: jit partitions the scan body, so each layer is gathered inside the loop "
             f"(compiled, per added layer: {per_layer('GSPMD-3', 'all-gather'):.0f} all-gathers, "
@@ -650,7 +589,10 @@ def format_notes(rows: list[dict[str, Any]], sizes: dict[int, Sizes], prefetch0:
         )
     short = {
         d: sizes[d].psi * sizes[d].ring
-        - (cell(rows, "ZeRO-1", d)["memory_bytes"]["temp"] - cell(rows, "ZeRO-2", d)["memory_bytes"]["temp"])
+        - (
+            common.cell(rows, "ZeRO-1", d)["memory_bytes"]["temp"]
+            - common.cell(rows, "ZeRO-2", d)["memory_bytes"]["temp"]
+        )
         for d in depths
     }
     if any(v > 0 for v in short.values()):
@@ -677,16 +619,12 @@ def format_notes(rows: list[dict[str, Any]], sizes: dict[int, Sizes], prefetch0:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     depths = sorted({r["depth"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"DP": "o-", "GSPMD-3": "s-", "ZeRO-1": "^--", "ZeRO-2": "v--", "ZeRO-3": "D-"}
     for i, v in enumerate(VARIANTS):
-        peak = [cell(rows, v, d)["memory_bytes"]["peak"] / MiB for d in depths]
+        peak = [common.cell(rows, v, d)["memory_bytes"]["peak"] / MiB for d in depths]
         axes[0].plot(depths, peak, styles[v], color=f"C{i}", label=v)
         # GSPMD-3 and ZeRO-3 nearly overlap: print the last value of every line.
         axes[0].annotate(
@@ -697,7 +635,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             color=f"C{i}",
             fontsize=8,
         )
-        ms = [cell(rows, v, d)["step_ms_median"] for d in depths]
+        ms = [common.cell(rows, v, d)["step_ms_median"] for d in depths]
         axes[1].plot(depths, ms, styles[v], color=f"C{i}", label=v)
     axes[0].set(title=f"compiled peak per device (N={N}, Adam fp32)", xlabel="depth L", ylabel="MiB", xticks=depths)
     axes[1].set(title="step time, median", xlabel="depth L", ylabel="ms", xticks=depths)
@@ -705,24 +643,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def library_source() -> str:
-    """Where zero_jax was imported from, and its commit when that is a git work tree."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(zj.__file__)))
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--", "zero_jax")
-    except (OSError, subprocess.CalledProcessError):
-        return root
-    return f"{root} at {commit}" + (" with uncommitted changes in zero_jax/" if dirty else "")
+    common.save_figure(fig, path)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -733,59 +654,36 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=common.RESULTS)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
 
-    started = time.perf_counter()
-    load_before = os.getloadavg()
+    record = common.Record()
     mesh = jax.make_mesh((N,), ("data",))
     sizes: dict[int, Sizes] = {}
     runs: list[Run] = []
     for depth in args.depths:
         sizes[depth] = sizes_for(depth, mesh)
         group = [gspmd_run(depth, mesh) if v == "GSPMD-3" else zero_run(v, depth, mesh, sizes[depth]) for v in VARIANTS]
-        time_round_robin(group, args.steps, args.warmup)
+        common.time_round_robin(group, args.steps, args.warmup)
         for r in group:
             r.step = lambda: None  # drop the state: the next depth needs the memory
         runs += group
-        print(f"L={depth} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        print(f"L={depth} done ({record.wall_s():.0f} s)", file=sys.stderr)
 
     prefetch0 = zero3_peak(HEADLINE_DEPTH, mesh, 0) if HEADLINE_DEPTH in sizes else None
     rows = build_rows(runs, sizes)
     targets, verdicts = format_targets(rows, sizes)
-    command = shlex.join(["python", *sys.argv])
-    header = "\n".join(
-        [
-            "Layer-wise ZeRO-3 against depth (benchmarks/layerwise.py)",
-            f"command: {command}",
-            f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-            f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__}, numpy {np.__version__}",
-            f"zero_jax from {library_source()}",
-            f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-            f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}",
-            f"devices: {jax.device_count()} simulated {jax.devices()[0].platform} devices, mesh ('data',) = {N}",
-            f"model: transformer {MODEL}, mlp 4 x dim, fp32, optax.adam({LEARNING_RATE}), global batch "
-            f"{GLOBAL_BATCH} ({GLOBAL_BATCH // N} per device); step time: median of {args.steps} "
-            f"(after {args.warmup} warm-up), variants of one depth taking turns",
-            f"wall time: {time.perf_counter() - started:.0f} s",
-        ]
+    header = record.header(
+        "Layer-wise ZeRO-3 against depth (benchmarks/layerwise.py)",
+        f"devices: {jax.device_count()} simulated {jax.devices()[0].platform} devices, mesh ('data',) = {N}",
+        f"model: transformer {MODEL}, mlp 4 x dim, fp32, optax.adam({LEARNING_RATE}), global batch "
+        f"{GLOBAL_BATCH} ({GLOBAL_BATCH // N} per device); step time: median of {args.steps} "
+        f"(after {args.warmup} warm-up), variants of one depth taking turns",
     )
     text = "\n\n".join([header, format_table(rows), targets, format_notes(rows, sizes, prefetch0)])
     print(text)
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "layerwise.txt"), "w") as f:
-        f.write(text + "\n")
-    meta = {
-        "command": command,
-        "jax": jax.__version__,
-        "optax": optax.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "zero_jax": library_source(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+    meta = record.meta() | {
         "model": MODEL,
         "global_batch": GLOBAL_BATCH,
         "n": N,
@@ -794,8 +692,8 @@ def main() -> None:
             for d, s in sizes.items()
         },
     }
-    with open(os.path.join(args.out, "layerwise.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "targets": verdicts, "zero3_prefetch0": prefetch0}, f, indent=1)
+    data = {"meta": meta, "rows": rows, "targets": verdicts, "zero3_prefetch0": prefetch0}
+    common.write_results("layerwise", text, data, args.out)
     if not args.no_plot:
         plot(rows, os.path.join(args.out, "layerwise.png"))
 

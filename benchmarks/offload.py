@@ -17,7 +17,8 @@ Measured for each variant:
   over devices.
 * **compiled**: ``compiled.memory_analysis()`` argument, temp and the peak estimate argument +
   output + temp - alias, and its ``host_argument_size_in_bytes``.
-* **chunks**: how many chunks the update streams the offloaded state in.
+* **chunks**: how many chunks the update streams the offloaded state in: one per parameter whose
+  master copy or Adam moments are offloaded (Adam updates each parameter from its own leaves only).
 * **step time**: median of ``--steps`` steps after one warm-up, the variants taking turns.
 * **bitwise**: whether the parameters after the timed steps equal the same stage's run without
   offload exactly.
@@ -29,30 +30,22 @@ costs in bookkeeping here, not what a GPU's host link costs.
 
 from __future__ import annotations
 
-import jax
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+common.setup(devices=8)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import measure as _measure
-from zero_jax._step import offload as _offload  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
+from zero_jax import measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = [
     (1, 0.0, False),
     (1, 0.5, False),
@@ -73,8 +66,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--depth", type=int, default=4)
     args = parser.parse_args()
-    start = time.time()
-    load_before = os.getloadavg()[0]
+    record = common.Record()
     cfg = TransformerConfig(vocab=256, dim=256, depth=args.depth, heads=4, seq=64)
     mesh = jax.make_mesh((8,), ("data",))
     params = init_params(cfg, jax.random.key(0))
@@ -88,22 +80,9 @@ def main() -> None:
         tx = zj.shard_optimizer(optax.adam(1e-3), policy)
         state = zj.init_state(params, tx, policy)
         step = zj.make_train_step(make_loss_fn(cfg, policy), tx, policy, gather="manual")
-        held = _measure.resident_bytes_by_kind(state)
-        seen: list[int] = []
-        real = _offload.chunks
-
-        def spy(fn, xs, host, real=real, seen=seen):  # noqa: ANN001, ANN202
-            groups = real(fn, xs, host)
-            seen.append(len(groups))
-            return groups
-
-        _offload.chunks = spy
-        try:
-            compiled = step.lower(state, batch).compile()
-        finally:
-            _offload.chunks = real
-        mem = _measure.memory(compiled)
-        analysis = compiled.memory_analysis()
+        held = measure.resident_bytes_by_kind(state)
+        compiled = step.lower(state, batch).compile()
+        mem = measure.memory(compiled)
         state, _ = step(state, batch)  # warm-up (the executable above is reused)
         jax.block_until_ready(state)
         runs[(stage, fraction, off_params)] = {
@@ -113,8 +92,8 @@ def main() -> None:
             "device": max(b for (_, kind), b in held.items() if kind == "device"),
             "host": max((b for (_, kind), b in held.items() if kind == "pinned_host"), default=0),
             "memory": mem,
-            "host_argument": analysis.host_argument_size_in_bytes,
-            "chunks": seen[-1] if seen else 0,
+            "host_argument": compiled.memory_analysis().host_argument_size_in_bytes,
+            "chunks": len(common.offload_chunks(state)),
         }
     for _ in range(args.steps):
         for run in runs.values():
@@ -160,29 +139,13 @@ def main() -> None:
                 "bitwise_equal_to_no_offload": same,
             }
         )
-    try:
-        where = os.path.dirname(zj.__file__)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=where)
-        commit_s = commit.stdout.strip()
-    except OSError:
-        commit_s = "?"
-    meta = [
+    header = record.header(
         "Offload: device bytes, host bytes and step time (benchmarks/offload.py)",
-        "command: "
-        + ("PYTHONPATH=" + os.environ["PYTHONPATH"] + " " if os.environ.get("PYTHONPATH") else "")
-        + " ".join(["python", "benchmarks/offload.py", *sys.argv[1:]]),
-        f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__} from "
-        f"{os.path.dirname(os.path.dirname(zj.__file__))} at {commit_s}",
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         "devices: 8 simulated cpu devices, mesh ('data',) = 8",
         f"model: transformer vocab 256, dim 256, depth {args.depth}, 4 heads, seq 64, mlp 1024, fp32 "
         f"({cfg.num_params():,} parameters), optax.adam(1e-3), global batch 16, gather='manual'; "
         f"step time: median of {args.steps} after 1 warm-up, variants taking turns",
-        f"wall time: {time.time() - start:.0f} s",
-        "",
-    ]
+    )
     notes = [
         "",
         "state MiB/device: measured from the arrays (shard bytes per sharding memory kind), max over devices.",
@@ -190,14 +153,9 @@ def main() -> None:
         "arguments (host_argument_size_in_bytes is 0) and compiles in-jit transfers to nothing, so these",
         "columns do not move with offload on CPU; on GPU/TPU the offloaded bytes leave the device columns.",
     ]
-    text = "\n".join(meta + lines + notes) + "\n"
+    text = "\n".join([header, "", *lines, *notes])
     print(text)
-    out = os.path.join(HERE, "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "offload.txt"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, "offload.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    common.write_results("offload", text, {"meta": record.meta(), "rows": rows})
 
 
 if __name__ == "__main__":

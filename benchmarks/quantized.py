@@ -15,7 +15,7 @@ bf16-compute run (``zj.Precision(compute_dtype=bfloat16)``) of ``off`` and ``qwZ
 
 * **Bytes**: every collective right after SPMD partitioning (logical dtypes) and in the final
   compiled program (after every XLA pass: XLA has moved a cast after an all-gather before, jax
-  issue 23543, so the int8 must be seen to stay int8), read by ``_measure.parse_collectives``,
+  issue 23543, so the int8 must be seen to stay int8), read by ``zero_jax.measure.parse_collectives``,
   ring-counted per device per step with loop trip counts, by kind and dtype. "Reduction" is what
   reduces gradients: reduce-scatter, all-to-all (qgZ's) and all-reduce (leaves kept whole, the loss).
 * **Quality**: a fixed random bigram table (each token has 8 successors, Dirichlet weights) makes
@@ -31,37 +31,29 @@ bf16-compute run (``zj.Precision(compute_dtype=bfloat16)``) of ``off`` and ``qwZ
 
 from __future__ import annotations
 
-import os
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-import jax
-
-# First, before jax compiles anything: every compilation of the process dumps its post-SPMD HLO.
-from _hlo_dump import compile_with_hlo  # noqa: I001
-
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+# Every compilation of the process dumps the post-SPMD HLO this benchmark reads.
+common.setup(devices=8, hlo_dump=True)
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import measure as _measure
-from zero_jax._comm import quantized as _quantize  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn
+from zero_jax import measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn  # noqa: E402
 
 N = 8
 CFG = TransformerConfig(vocab=256, dim=128, depth=4, heads=4, seq=64, mlp=512)
@@ -72,6 +64,7 @@ WIRE = {"off": (None, None), "qwZ": ("int8", None), "qgZ": (None, "int8"), "both
 AG, REDUCTION = "all-gather", ("reduce-scatter", "all-to-all", "all-reduce")
 WIDE = ("f32", "bf16")  # the unquantized wire dtypes
 AG_VS_FP32, AG_VS_BF16, REDUCTION_VS_OFF, LOSS_TOL = 0.30, 0.6, 0.35, 0.03  # the issue's bounds
+SCALE_BYTES = 4  # one float32 scale per int8 block
 MiB = 2**20
 
 
@@ -116,8 +109,8 @@ class Run:
     policy: zj.ZeroPolicy
     step: Any
     state: Any
-    spmd: list[_measure.Collective]
-    compiled: list[_measure.Collective]
+    spmd: list[measure.Collective]
+    compiled: list[measure.Collective]
     losses: list[float] = dataclasses.field(default_factory=list)
     times: list[float] = dataclasses.field(default_factory=list)
 
@@ -130,9 +123,9 @@ def make_run(name: str, stage: int, mesh: jax.sharding.Mesh, batch: Any, compute
     tx = zj.shard_optimizer(optax.adamw(LEARNING_RATE), policy)
     state = zj.init_state(lambda: init_params(CFG, jax.random.key(0)), tx, policy)
     step = zj.make_train_step(make_loss_fn(CFG, policy), tx, policy, gather="manual")
-    compiled = compile_with_hlo(step, state, jax.device_put(batch, policy.batch_sharding()))
-    spmd = _measure.parse_collectives(compiled.spmd_hlo, N)
-    final = _measure.parse_collectives(compiled.executable.as_text(), N)
+    compiled = common.compile_once(step, state, jax.device_put(batch, policy.batch_sharding()))
+    spmd = measure.parse_collectives(compiled.spmd_hlo, N)
+    final = measure.parse_collectives(compiled.executable.as_text(), N)
     return Run(name, policy, step, state, spmd, final)
 
 
@@ -198,7 +191,7 @@ def eval_loss(state: Any, tokens: np.ndarray) -> float:
 # -- bytes -------------------------------------------------------------------------------------------
 
 
-def by_kind_dtype(colls: list[_measure.Collective]) -> dict[str, float]:
+def by_kind_dtype(colls: list[measure.Collective]) -> dict[str, float]:
     """Ring bytes per device per step, keyed ``"all-gather s8"``."""
     out: dict[str, float] = collections.defaultdict(float)
     for c in colls:
@@ -206,15 +199,22 @@ def by_kind_dtype(colls: list[_measure.Collective]) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def of(colls: list[_measure.Collective], kinds: tuple[str, ...] | str, dtype: str | None = None) -> float:
+def of(colls: list[measure.Collective], kinds: tuple[str, ...] | str, dtype: str | None = None) -> float:
     """Ring bytes of the collectives of ``kinds`` (and ``dtype``)."""
     kinds = (kinds,) if isinstance(kinds, str) else kinds
-    return _measure.ring_bytes(c for c in colls if c.kind in kinds and (dtype is None or c.dtype == dtype))
+    return measure.ring_bytes(c for c in colls if c.kind in kinds and (dtype is None or c.dtype == dtype))
 
 
-def count_of(colls: list[_measure.Collective], kind: str, dtype: str, shape: tuple[int, ...]) -> int:
+def count_of(colls: list[measure.Collective], kind: str, dtype: str, shape: tuple[int, ...]) -> int:
     """How many times per step a collective of this kind, dtype and shape runs (trip counts included)."""
     return sum(c.trips for c in colls if c.kind == kind and c.dtype == dtype and c.shape == shape)
+
+
+def int8_blocks(piece: int, block: int) -> tuple[int, int]:
+    """(blocks, elements per block) a piece of ``piece`` values travels in as int8: blocks of
+    ``block`` (``ZeroPolicy(quant_block=...)``), the last padded; a smaller piece as one block."""
+    size = max(1, min(block, piece))
+    return -(-piece // size), size
 
 
 def stacked_groups(policy: zj.ZeroPolicy) -> dict[tuple[int, ...], dict[str, Any]]:
@@ -231,7 +231,7 @@ def stacked_groups(policy: zj.ZeroPolicy) -> dict[tuple[int, ...], dict[str, Any
             continue
         per_layer = tuple(lay.stored_shape[1:])
         piece = math.prod(per_layer) // N
-        key = (N, _quantize.num_blocks(piece, block), _quantize.block_size(piece, block))  # a small piece: one block
+        key = (N, *int8_blocks(piece, block))
         group = groups.setdefault(key, {"leaves": [], "plain": set()})
         group["leaves"].append(name.removeprefix("['layers']"))
         group["plain"].add(per_layer)
@@ -242,7 +242,7 @@ def scale_bytes(colls: list, kind: str) -> float:
     """The bytes the float32 scales of the int8 collectives of ``kind`` take: 4 per block of each
     ``(N, blocks, block)`` int8 collective."""
     int8 = [c for c in colls if c.kind == kind and c.dtype == "s8"]
-    return sum(c.total_ring_bytes * _quantize.SCALE_BYTES / c.shape[-1] for c in int8)
+    return sum(c.total_ring_bytes * SCALE_BYTES / c.shape[-1] for c in int8)
 
 
 def weight_gather_check(q: list, off: list, groups: dict) -> tuple[bool, str]:
@@ -289,9 +289,9 @@ def row_of(r: Run, stage: int, compute: str) -> dict[str, Any]:
         row[where] = {
             "all_gather": of(colls, AG),
             "reduction": of(colls, REDUCTION),
-            "total": _measure.ring_bytes(colls),
+            "total": measure.ring_bytes(colls),
             "by_kind_dtype": by_kind_dtype(colls),
-            "by_kind": _measure.summarize(colls),
+            "by_kind": measure.summarize(colls),
         }
     if r.times:
         row["step_ms"] = 1e3 * statistics.median(r.times[2:])
@@ -384,11 +384,7 @@ def format_checks(rows: dict, runs: dict[str, Run], probe: dict, first: dict, gr
 
 
 def plot(rows: dict[str, dict[str, Any]], path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    plt = common.pyplot()
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 4.5))
     off = np.asarray(rows["off"]["losses"])
     for i, name in enumerate(TRAINED):
@@ -418,9 +414,7 @@ def plot(rows: dict[str, dict[str, Any]], path: str) -> None:
     )
     right.tick_params(axis="x", labelsize=8)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -429,10 +423,10 @@ def plot(rows: dict[str, dict[str, Any]], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="AdamW steps per trained variant")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=common.RESULTS)
     args = ap.parse_args()
     assert jax.device_count() == N
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    record = common.Record()
     mesh = jax.make_mesh((N,), ("data",))
     table, rng = bigram_table(), np.random.default_rng(1)
     batches = sample(table, args.steps * BATCH, rng).reshape(args.steps, BATCH, CFG.seq + 1)
@@ -442,7 +436,7 @@ def main() -> None:
     runs["DP"] = make_run("off", 0, mesh, example)
     runs["off bf16"] = make_run("off", 3, mesh, example, jnp.bfloat16)
     runs["qwZ bf16"] = make_run("qwZ", 3, mesh, example, jnp.bfloat16)
-    print(f"compiled ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    print(f"compiled ({record.wall_s():.0f} s)", file=sys.stderr, flush=True)
     initial, floor = eval_loss(runs["off"].state, held_out), floor_loss(table, held_out)
     before = host_params(runs["off"].state)
     trained = [runs[name] for name in TRAINED]
@@ -460,22 +454,17 @@ def main() -> None:
     checks, ok = format_checks(rows, runs, probe, first, groups)
     phi = CFG.num_params()
     dp_theory = zj.comm_bytes(phi, N, 0, dtype_bytes=4)
-    command = shlex.join(["python", *sys.argv])
-    lines = [
+    header = record.header(
         "ZeRO++ wire formats at stage 3: qwZ / qgZ (benchmarks/quantized.py)",
-        f"command: {command}",
-        f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        f"jax {jax.__version__}, optax {optax.__version__}, numpy {np.__version__}, zero_jax {zj.__version__} "
-        f"from {os.path.dirname(zj.__file__)}",
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         f"model: reference transformer vocab {CFG.vocab}, dim {CFG.dim}, depth {CFG.depth}, heads {CFG.heads}, "
         f"seq {CFG.seq}, mlp {CFG.mlp}, Φ = {phi:,}; stacked='layers', gather='manual' (scan_layers); "
         f"optax.adamw({LEARNING_RATE}); global batch {BATCH}; {args.steps} steps; {N} simulated CPU devices; "
         f"quant_block {runs['qwZ'].policy.wire.block}, min_shard_size {runs['qwZ'].policy.min_shard_size}",
         f"task: tokens from a fixed random bigram table ({SUCCESSORS} successors per token, Dirichlet(1) weights); "
         f"held-out batch of {EVAL_BATCH} sequences; its floor (the table's cross-entropy) {rows['off']['floor']:.4f}",
-        f"wall time: {time.perf_counter() - started:.0f} s",
+    )
+    lines = [
+        header,
         "",
         *format_table(rows),
         "",
@@ -496,11 +485,7 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "quantized.txt"), "w") as fh:
-        fh.write(text + "\n")
-    with open(os.path.join(args.out, "quantized.json"), "w") as fh:
-        json.dump({"command": command, "phi": phi, "rows": rows, "all_pass": ok}, fh, indent=1, default=str)
+    common.write_results("quantized", text, {"meta": record.meta(), "phi": phi, "rows": rows, "all_pass": ok}, args.out)
     plot(rows, os.path.join(args.out, "quantized.png"))
     sys.exit(0 if ok else 1)
 

@@ -37,35 +37,28 @@ every device (0.03% of the parameters). For every N in {2, 4, 8} devices and eve
 
 from __future__ import annotations
 
-import jax
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-# Before anything makes an array: the process sees 8 CPU devices.
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+common.setup(devices=8)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import glob  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import measure as _measure  # noqa: E402
+from zero_jax import measure  # noqa: E402
 
 PyTree = Any
 
@@ -182,38 +175,24 @@ def comm_accounted(stage: int, n: int, s: Sizes) -> float:
 # -- measuring one compiled program -------------------------------------------------------------------
 
 
-def compile_with_hlo(jitted: Any, *args: Any) -> tuple[Any, str]:
-    """Compile once, keeping the HLO right after SPMD partitioning (what ``_measure.collectives``
-    reads), so the same compilation also gives the memory analysis."""
-    with tempfile.TemporaryDirectory() as d:
-        compiled = jitted.lower(*args).compile(
-            compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        )
-        files = sorted(glob.glob(os.path.join(d, "*after_spmd-partitioning*")))
-        if not files:
-            raise RuntimeError("XLA wrote no post-SPMD-partitioning dump")
-        with open(files[-1]) as f:
-            return compiled, f.read()
-
-
 @dataclasses.dataclass
 class Config:
-    """One (N, implementation, stage) cell: its measurements and a ``run`` that takes one step."""
+    """One (N, implementation, stage) cell: its measurements and a ``step`` that takes one step."""
 
     n: int
     impl: str  # "zero" or "gspmd"
     stage: int
-    run: Callable[[], Any]
+    step: Callable[[], Any]
     measured: dict[str, int]  # per-device bytes, max over devices; "grads" absent for GSPMD
     balance: float  # max/min over devices of the resident state
-    colls: list[_measure.Collective]
+    colls: list[measure.Collective]
     peak: int
     times: list[float] = dataclasses.field(default_factory=list)
     final_loss: float = float("nan")
 
     @property
     def comm(self) -> float:
-        return _measure.ring_bytes(self.colls)
+        return measure.ring_bytes(self.colls)
 
     @property
     def largest_all_reduce(self) -> int:
@@ -225,49 +204,42 @@ class Config:
 
 
 def per_device(tree: PyTree, devices: list[Any]) -> dict[Any, int]:
-    got = _measure.resident_bytes(tree)
+    got = measure.resident_bytes(tree)
     return {d: got.get(d, 0) for d in devices}
 
 
-def settle(run: Callable[[], Any], warmup: int) -> None:
-    for _ in range(warmup):
-        jax.block_until_ready(run())
+def measured_config(impl: str, stage: int, mesh: Mesh, res: dict[str, dict[Any, int]], step: Callable[[], Any],
+                    lowered: Any) -> Config:  # fmt: skip
+    """The cell of one step: ``res`` its per-device state bytes, ``lowered`` its program, compiled
+    once for the collectives right after SPMD partitioning and the memory analysis."""
+    devices = list(mesh.devices.flat)
+    totals = [sum(res[k][d] for k in res) for d in devices]
+    compiled, hlo = measure.compile_with_hlo(lowered)
+    # Group sizes come from the program; N (not jax.device_count()) is only the fallback.
+    colls = measure.parse_collectives(hlo, mesh.size)
+    return Config(
+        mesh.size, impl, stage, step, {k: max(v.values()) for k, v in res.items()}, max(totals) / min(totals),
+        colls, measure.memory(compiled)["peak"],
+    )  # fmt: skip
 
 
-def zero_config(stage: int, mesh: Mesh, params: PyTree, batch: PyTree, warmup: int) -> Config:
-    n = mesh.size
+def zero_config(stage: int, mesh: Mesh, params: PyTree, batch: PyTree) -> Config:
     devices = list(mesh.devices.flat)
     policy = zj.ZeroPolicy(stage, mesh, axis="data", min_shard_size=MIN_SHARD_SIZE)
     tx = zj.shard_optimizer(optimizer(), policy)
     state = zj.init_state(params, tx, policy)
     step = zj.make_train_step(loss_fn, tx, policy)
     batch = jax.device_put(batch, policy.batch_sharding())
-
     res = {
         "params": per_device(state.params, devices),
         "grads": per_device(step.grads(state, batch), devices),
         "opt": per_device(state.opt_state, devices),
     }
-    totals = [sum(res[k][d] for k in res) for d in devices]
-    compiled, hlo = compile_with_hlo(step.jitted, state, batch)
-    # Group sizes come from the program; N (not jax.device_count()) is only the fallback.
-    colls = _measure.parse_collectives(hlo, n)
-
-    holder = {"state": state, "loss": jnp.nan}
-
-    def run() -> Any:
-        holder["state"], metrics = step(holder["state"], batch)
-        holder["loss"] = metrics["loss"]
-        return holder["loss"]
-
-    settle(run, warmup)
-    return Config(
-        n, "zero", stage, run, {k: max(v.values()) for k, v in res.items()}, max(totals) / min(totals),
-        colls, _measure.memory(compiled)["peak"],
-    )  # fmt: skip
+    lowered = step.jitted.lower(state, batch)
+    return measured_config("zero", stage, mesh, res, common.stepper(step, state, batch), lowered)
 
 
-def gspmd_config(stage: int, mesh: Mesh, params: PyTree, batch: PyTree, warmup: int) -> Config:
+def gspmd_config(stage: int, mesh: Mesh, params: PyTree, batch: PyTree) -> Config:
     """The hand-written recipe: NamedShardings in, ``jit`` decides the collectives."""
     n = mesh.size
     devices = list(mesh.devices.flat)
@@ -295,61 +267,13 @@ def gspmd_config(stage: int, mesh: Mesh, params: PyTree, batch: PyTree, warmup: 
     # with may_alias=False, jax 0.10.2 on CPU), and donating the recipe's state would then delete
     # the caller's parameters.
     stored = jax.device_put({k: np.array(pad(v, layouts[k])) for k, v in params.items()}, param_sh)
-    # Adam's mu and nu mirror the parameters; everything else (the step count) is replicated.
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx,
-        lambda _, s: s,
-        jax.eval_shape(tx.init, stored),
-        opt_leaf_sh,
-        transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
-    )
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(stored)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sh = NamedSharding(mesh, PartitionSpec("data"))
-    batch = jax.device_put(batch, batch_sh)
-
-    def step(p: PyTree, o: PyTree, b: PyTree) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
-        loss, grads = jax.value_and_grad(lambda q: loss_fn(unpad(q), b))(p)
-        if stage >= 2:
-            grads = jax.lax.with_sharding_constraint(grads, grad_sh)
-        updates, o = tx.update(grads, o, p)
-        # The library's step reports the global gradient norm too: same work on both sides.
-        return optax.apply_updates(p, updates), o, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-    jitted = jax.jit(
-        step,
-        in_shardings=(param_sh, opt_sh, batch_sh),
-        out_shardings=(param_sh, opt_sh, replicated),
-        donate_argnums=(0, 1),
-    )
+    recipe = common.gspmd_recipe(lambda p, b: loss_fn(unpad(p), b), tx, mesh, stored, param_sh, opt_leaf_sh,
+                                 grad_sh if stage >= 2 else None)  # fmt: skip
+    opt_state = jax.jit(tx.init, out_shardings=recipe.opt_sharding)(stored)
+    batch = jax.device_put(batch, recipe.batch_sharding)
     res = {"params": per_device(stored, devices), "opt": per_device(opt_state, devices)}
-    totals = [sum(res[k][d] for k in res) for d in devices]
-    compiled, hlo = compile_with_hlo(jitted, stored, opt_state, batch)
-    colls = _measure.parse_collectives(hlo, n)
-
-    holder: dict[str, Any] = {"p": stored, "o": opt_state}
-
-    def run() -> Any:
-        holder["p"], holder["o"], metrics = jitted(holder["p"], holder["o"], batch)
-        holder["loss"] = metrics["loss"]
-        return holder["loss"]
-
-    settle(run, warmup)
-    return Config(
-        n, "gspmd", stage, run, {k: max(v.values()) for k, v in res.items()}, max(totals) / min(totals),
-        colls, _measure.memory(compiled)["peak"],
-    )  # fmt: skip
-
-
-def time_round_robin(configs: list[Config], steps: int) -> None:
-    """One step of each configuration per round, so load from elsewhere hits all of them alike."""
-    for _ in range(steps):
-        for c in configs:
-            t0 = time.perf_counter()
-            jax.block_until_ready(c.run())
-            c.times.append(time.perf_counter() - t0)
-    for c in configs:
-        c.final_loss = float(c.run())
+    lowered = recipe.jitted.lower(stored, opt_state, batch)
+    return measured_config("gspmd", stage, mesh, res, common.stepper(recipe, (stored, opt_state), batch), lowered)
 
 
 def time_collectives(mesh: Mesh, nbytes: int, repeats: int = 5) -> dict[str, float]:
@@ -405,7 +329,7 @@ def build_rows(configs: list[Config], sizes: dict[int, Sizes]) -> list[dict[str,
             "comm_bytes": c.comm,
             "comm_theory_bytes": comm_theory(c.stage, c.n, s),
             "comm_accounted_bytes": comm_accounted(c.stage, c.n, s),
-            "comm_by_kind": _measure.summarize(c.colls),
+            "comm_by_kind": measure.summarize(c.colls),
             "largest_all_reduce_bytes": c.largest_all_reduce,
             "compiled_peak_bytes": c.peak,
             "step_ms_median": 1e3 * c.step_s,
@@ -541,11 +465,7 @@ def format_notes(
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     ns = sorted({r["N"] for r in rows})
     stages = [0, 1, 2, 3]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -571,9 +491,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     axes[2].set(title="step time, median (solid ZeRO, pale GSPMD)", xlabel="stage", ylabel="ms", xticks=stages)
     axes[1].set_ylim(0, 2.0)
     axes[1].legend(fontsize=7, ncol=3, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -584,12 +502,11 @@ def main() -> None:
     ap.add_argument("--ns", type=int, nargs="+", default=[2, 4, 8], help="device counts (each <= 8)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=common.RESULTS)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
 
-    started = time.perf_counter()
-    load_before = os.getloadavg()
+    record = common.Record()
     params = init_params()
     batch = make_batch()
     configs: list[Config] = []
@@ -598,53 +515,36 @@ def main() -> None:
     for n in args.ns:
         mesh = Mesh(np.asarray(jax.devices()[:n]), ("data",))
         sizes[n] = sizes_for(zj.ZeroPolicy(0, mesh, min_shard_size=MIN_SHARD_SIZE), params)
-        group = [zero_config(s, mesh, params, batch, args.warmup) for s in range(4)]
-        group += [gspmd_config(s, mesh, params, batch, args.warmup) for s in range(4)]
-        time_round_robin(group, args.steps)
+        group = [zero_config(s, mesh, params, batch) for s in range(4)]
+        group += [gspmd_config(s, mesh, params, batch) for s in range(4)]
+        common.time_round_robin(group, args.steps, args.warmup)
         for c in group:
-            c.run = lambda: None  # drop the state: the next N's configurations need the memory
+            c.final_loss = float(c.step())  # the loss after every timed step (a step returns the one before it)
+            c.step = lambda: None  # drop the state: the next N's configurations need the memory
         configs += group
         coll_ms[n] = time_collectives(mesh, sizes[n].logical)
-        print(f"N={n} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        print(f"N={n} done ({record.wall_s():.0f} s)", file=sys.stderr)
 
     rows = build_rows(configs, sizes)
-    header = "\n".join(
-        [
-            "ZeRO stages vs formula, theory and the GSPMD recipe (benchmarks/stages.py)",
-            f"command: {shlex.join(['python', *sys.argv])}",
-            f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-            f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__}, numpy {np.__version__}",
-            f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-            f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}",
-            f"devices: {jax.device_count()} simulated {jax.devices()[0].platform} devices; mesh over the first N",
-            f"model: MLP {' -> '.join(map(str, DIMS))}, fp32, optax.adam({LEARNING_RATE}), global batch {BATCH}, "
-            f"min_shard_size {MIN_SHARD_SIZE}; step time: median of {args.steps} (after {args.warmup} warm-up), "
-            "configurations of one N taking turns",
-            f"wall time: {time.perf_counter() - started:.0f} s",
-        ]
+    header = record.header(
+        "ZeRO stages vs formula, theory and the GSPMD recipe (benchmarks/stages.py)",
+        f"devices: {jax.device_count()} simulated {jax.devices()[0].platform} devices; mesh over the first N",
+        f"model: MLP {' -> '.join(map(str, DIMS))}, fp32, optax.adam({LEARNING_RATE}), global batch {BATCH}, "
+        f"min_shard_size {MIN_SHARD_SIZE}; step time: median of {args.steps} (after {args.warmup} warm-up), "
+        "configurations of one N taking turns",
     )
     text = "\n\n".join(
         [header, format_table(rows), format_targets(rows, sizes, params), format_notes(rows, sizes, params, coll_ms)]
     )
     print(text)
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "stages.txt"), "w") as f:
-        f.write(text + "\n")
-    meta = {
-        "command": shlex.join(["python", *sys.argv]),
-        "jax": jax.__version__,
-        "optax": optax.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+    meta = record.meta() | {
         "model_dims": DIMS,
         "batch": BATCH,
         "min_shard_size": MIN_SHARD_SIZE,
         "sizes": {n: dataclasses.asdict(s) for n, s in sizes.items()},
         "collective_ms_psi_bytes": coll_ms,
     }
-    with open(os.path.join(args.out, "stages.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    common.write_results("stages", text, {"meta": meta, "rows": rows}, args.out)
     if not args.no_plot:
         plot(rows, os.path.join(args.out, "stages.png"))
 

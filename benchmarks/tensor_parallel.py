@@ -21,29 +21,26 @@ interconnect, so the column only shows that nothing is pathologically slow.
 
 from __future__ import annotations
 
-import jax
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+common.setup(devices=8)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, megatron_specs, synthetic_batch
+from zero_jax import measure  # noqa: E402
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, megatron_specs, synthetic_batch  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = TransformerConfig(vocab=256, dim=256, depth=4, heads=4, seq=64, mlp=1024)
 MESHES = ((8, 1), (4, 2), (2, 4))
 MIB = 2**20
@@ -65,8 +62,7 @@ def _run(stage: int, data: int, model: int, params: Any, batch: Any, steps: int)
         violations: list[str] = []
     except zj.AuditError as err:
         violations = [str(err)]
-    compiled = step.lower(state, batch).compile()
-    memory = compiled.memory_analysis()
+    peak = measure.memory(step.lower(state, batch).compile())["peak"]
     times = []
     for _ in range(steps + 1):
         begin = time.perf_counter()
@@ -85,10 +81,7 @@ def _run(stage: int, data: int, model: int, params: Any, batch: Any, steps: int)
         "comm_measured": report.comm.measured,
         "comm_accounted_ratio": report.comm.accounted_ratio,
         "violations": violations,
-        "peak": memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes
-        - memory.alias_size_in_bytes,
+        "peak": peak,
         "step_ms": 1e3 * statistics.median(times[1:]),
         "final_loss": float(metrics["loss"]),
     }
@@ -96,14 +89,8 @@ def _run(stage: int, data: int, model: int, params: Any, batch: Any, steps: int)
 
 def _per_device_bytes(state: zj.TrainState) -> dict[str, list[int]]:
     """Bytes of each state category on each device (to check the devices are balanced)."""
-    out = {}
-    for name, tree in (("params", state.params), ("optimizer", state.opt_state)):
-        per: dict[int, int] = {}
-        for leaf in jax.tree.leaves(tree):
-            for shard in leaf.addressable_shards:
-                per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
-        out[name] = list(per.values())
-    return out
+    trees = {"params": state.params, "optimizer": state.opt_state}
+    return {name: list(measure.resident_bytes(tree).values()) for name, tree in trees.items()}
 
 
 def _theory(phi: int, stage: int, data: int, model: int) -> dict[str, float]:
@@ -163,11 +150,7 @@ def _checks(rows: list[dict[str, Any]], phi: int) -> tuple[list[str], bool]:
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"({d},{m})" for d, m in MESHES]
     for stage in range(4):
@@ -179,8 +162,7 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     right.set(title="ZeRO traffic over data per device per step (MiB)", xlabel="(data N, model M)")
     left.legend()
     fig.suptitle("reference transformer, Megatron-style param_specs, 8 simulated CPU devices")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path)
 
 
 def main() -> None:
@@ -188,7 +170,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after a warm-up)")
     args = parser.parse_args()
     assert jax.device_count() == 8
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    record = common.Record()
     params = init_params(CFG, jax.random.key(0))
     batch = synthetic_batch(CFG, 16, jax.random.key(1))
     phi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
@@ -198,17 +180,14 @@ def main() -> None:
             rows.append(_run(stage, data, model, params, batch, args.steps))
             print(f"(N, M) = ({data}, {model}) stage {stage}: done", file=sys.stderr, flush=True)
     checks, ok = _checks(rows, phi)
-    lines = [
+    header = record.header(
         "ZeRO + tensor parallelism on (data, model) meshes (benchmarks/tensor_parallel.py)",
-        f"command: python {' '.join(sys.argv)}",
-        f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__}",
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         f"model: reference transformer vocab {CFG.vocab}, dim {CFG.dim}, depth {CFG.depth}, heads {CFG.heads}, "
         f"seq {CFG.seq}, mlp {CFG.mlp}, fp32, Φ = {phi:,}; megatron_specs(); AdamW; global batch 16; "
         "gather='manual'; 8 simulated CPU devices",
-        f"wall time: {time.perf_counter() - start:.0f} s",
+    )
+    lines = [
+        header,
         "",
         *_table(rows, phi),
         "",
@@ -223,12 +202,8 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "tensor_parallel.txt"), "w") as fh:
-        fh.write(text + "\n")
-    with open(os.path.join(HERE, "results", "tensor_parallel.json"), "w") as fh:
-        json.dump({"rows": rows, "phi": phi, "all_pass": ok}, fh, indent=1)
-    _plot(rows, os.path.join(HERE, "results", "tensor_parallel.png"))
+    common.write_results("tensor_parallel", text, {"meta": record.meta(), "rows": rows, "phi": phi, "all_pass": ok})
+    _plot(rows, os.path.join(common.RESULTS, "tensor_parallel.png"))
 
 
 if __name__ == "__main__":

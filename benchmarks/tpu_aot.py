@@ -299,7 +299,60 @@ def largest(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-SECTIONS = {"stages": stages, "depth": depth, "gspmd": gspmd, "overlap": overlap}
+def claims(quick: bool, log: Any) -> list[dict[str, Any]]:
+    """The README's "Measured" claims that do not need a large model, re-checked on v5p-8 at small sizes
+    (fp32 like the CPU benchmarks): state bytes = formula per stage; post-SPMD and compiled communication
+    against the theory; int8 ZeRO++ wires still int8 in the compiled TPU program; tensor parallelism and
+    HSDP bytes per mesh axis against ``comm_bytes_per_axis``; ``check()`` per cell."""
+    from zero_jax.models import megatron_specs  # noqa: PLC0415
+
+    topology = "v5p:2x2x2"
+    cfg = TransformerConfig(vocab=512, dim=256, depth=4, heads=4, seq=128)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    phi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    cells = [(f"stage {s}", zj.topology_mesh(topology), dict(stacked="layers"), s) for s in range(4)]
+    cells += [("stage 3 int8 weights + grads", zj.topology_mesh(topology),
+               dict(stacked="layers", quantize_weights="int8", quantize_grads="int8"), 3)]  # fmt: skip
+    cells += [(f"stage {s} TP (data 4, model 2)", zj.topology_mesh(topology, ("data", "model"), (4, 2)),
+               dict(stacked="layers", param_specs=megatron_specs()), s) for s in (1, 3)]  # fmt: skip
+    cells += [(f"stage {s} HSDP (replica 2, data 4)", zj.topology_mesh(topology, ("replica", "data"), (2, 4)),
+               dict(stacked="layers", replica_axis="replica"), s) for s in (1, 3)]  # fmt: skip
+    rows = []
+    for name, mesh, kw, stage in cells:
+        log(f"claims {name}")
+        policy = zj.ZeroPolicy(stage, mesh, "data", **kw)
+        tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
+        step = zj.make_train_step(make_loss_fn(cfg, policy), tx, policy, gather="manual")
+        state = zj.init_state(params, tx, policy)
+        tokens = jax.ShapeDtypeStruct((2 * policy.num_shards * policy.num_replicas, cfg.seq + 1), jnp.int32,
+                                      sharding=policy.batch_sharding())  # fmt: skip
+        t = time.perf_counter()
+        r = zj.audit(step, state, {"tokens": tokens})
+        try:
+            r.check()
+            violations: list[str] = []
+        except zj.AuditError as err:
+            violations = [v.kind for v in err.violations]
+        compiled = r.compiled.collectives if r.compiled else ()
+        row = {
+            "cell": name, "stage": stage, "compile_s": round(time.perf_counter() - t, 1),
+            "bytes_over_formula": {k: r.state_bytes[k] / r.formula[k] for k in r.formula if r.formula[k]},
+            "comm_over_theory": r.comm.measured / r.comm.theory if r.comm.theory else None,
+            "compiled_over_theory": r.compiled.ring_bytes / r.comm.theory if r.compiled and r.comm.theory else None,
+            "compiled_kinds_dtypes": sorted({f"{c.kind} {c.dtype}" for c in compiled}),
+            "comm_per_axis_MiB": {k: v / MiB for k, v in r.comm_per_axis.items()},
+            "violations": violations,
+        }  # fmt: skip
+        if "HSDP" in name:
+            theory = zj.comm_bytes_per_axis(phi, policy.num_shards, stage, replicas=policy.num_replicas,
+                                            dtype_bytes=4)  # fmt: skip
+            row["theory_per_axis_MiB"] = {k: v / MiB for k, v in theory.items()}
+        rows.append(row)
+        log("  " + json.dumps({k: row[k] for k in ("bytes_over_formula", "comm_over_theory", "violations")}))
+    return rows
+
+
+SECTIONS = {"stages": stages, "depth": depth, "gspmd": gspmd, "overlap": overlap, "claims": claims}
 
 
 # -- the record ---------------------------------------------------------------------------------------------------
@@ -339,6 +392,20 @@ def table(results: dict[str, Any]) -> list[str]:
             alloc = r.get("allocated_GiB", float("nan"))
             out.append(f"{r['variant']:<8} {r['prefetch']:>2} {r['trial']:<36} {alloc:>10.3f} "
                        f"{r.get('gather_overlap') or 0:>8.2f} {r.get('layers_alive') or 0:>6}")  # fmt: skip
+    if results.get("claims"):
+        out += ["", "== the README's CPU claims re-checked (v5p 8 chips, reference transformer dim 256, depth 4, fp32)",
+                f"{'cell':<34} {'bytes/formula':>14} {'comm/th':>8} {'compiled/th':>11}  compiled collectives; check()"]
+        for r in results["claims"]:
+            ratios = r["bytes_over_formula"].values()
+            span = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
+            comp = r["compiled_over_theory"]
+            out.append(f"{r['cell']:<34} {span:>14} {r['comm_over_theory'] or 0:>8.3f} "
+                       f"{comp if comp is not None else float('nan'):>11.3f}  {', '.join(r['compiled_kinds_dtypes'])}; "
+                       f"{'passes' if not r['violations'] else 'flags ' + ', '.join(r['violations'])}")  # fmt: skip
+            if "theory_per_axis_MiB" in r:
+                per = ", ".join(f"{k} {v:.2f}/{r['theory_per_axis_MiB'].get(k, 0):.2f}"
+                                for k, v in r["comm_per_axis_MiB"].items())  # fmt: skip
+                out.append(f"{'':<34} MiB per axis measured/theory: {per}")
     if results.get("largest"):
         out += ["", "== largest model that fits one v5p chip (95 GiB): model_state_bytes + measured activations"]
         for r in results["largest"]:

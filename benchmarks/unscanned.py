@@ -14,6 +14,7 @@ N = 8 devices. Variants:
 * ``DP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3/all``: zero_jax stages 0-3 with the default
   ``gather="all"`` and the plain loop (no remat: the user's model as written).
 * ``ZeRO-1/lw``, ``ZeRO-2/lw``, ``ZeRO-3/lw0``, ``ZeRO-3/lw1``: ``gather="manual"`` with the same blocks run by
+  ``make_loss_fn(cfg, policy, prefetch=k)``, which runs ``params["blocks"]`` with
   ``zj.apply_layers(block, params["blocks"], x, policy, prefetch=k)`` (stage 2: each block's
   gradient reduce-scattered as the backward pass produces it; stage 3 also gathers each block just
   before use, forward and backward, prefetching k blocks ahead); embeddings and head by
@@ -23,7 +24,7 @@ N = 8 devices. Variants:
 
 Measured per variant and depth: compiled peak (argument + output + temp - alias of
 ``memory_analysis()``) and temp; communication of the program right after SPMD partitioning
-(ring bytes per device per step, ``zj._measure``); compiled collective counts and, for the
+(ring bytes per device per step, ``zero_jax.measure``); compiled collective counts and, for the
 layer-wise variants, all-gathers and reduce-scatters per block weight (ops named
 ``zj_block<i>_gather`` / ``zj_block<i>_reduce`` in the HLO metadata); step time (median over
 ``--steps`` rounds after a warm-up, the variants of one depth taking turns).
@@ -31,40 +32,36 @@ layer-wise variants, all-gathers and reduce-scatters per block weight (ops named
 
 from __future__ import annotations
 
-import os
+import _common as common  # noqa: I001  (first: the process is set up before anything touches a device)
 
-import jax  # noqa: E402
-
-# First, before jax: every compilation of the process dumps the HLO this benchmark reads.
-from _hlo_dump import compile_with_hlo  # noqa: I001
-
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+# Every compilation of the process dumps the HLO this benchmark reads.
+common.setup(devices=8, hlo_dump=True)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import measure as _measure  # noqa: E402
-from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
-from zero_jax.models.transformer import _layer_norm, block
+from zero_jax import measure  # noqa: E402
+from zero_jax.models import (  # noqa: E402
+    TransformerConfig,
+    block,
+    init_params,
+    make_loss_fn,
+    synthetic_batch,
+    unstack_params,
+)
 
 PyTree = Any
 N = 8
@@ -103,17 +100,23 @@ def config(depth: int) -> TransformerConfig:
 
 
 def unscanned_params(cfg: TransformerConfig) -> PyTree:
-    """The reference parameters with ``layers`` unstacked into a list of per-block dicts."""
-    p = init_params(cfg, jax.random.key(0))
-    layers = p.pop("layers")
-    p["blocks"] = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.depth)]
-    return p
+    """The reference parameters with ``layers`` unstacked into ``blocks``, a list of per-block dicts."""
+    return unstack_params(init_params(cfg, jax.random.key(0)))
 
 
-def head_loss(cfg: TransformerConfig, params: PyTree, x: jax.Array, tokens: jax.Array, gather: Callable) -> jax.Array:
-    norm = gather(params["final_norm"])
-    x = _layer_norm(x, norm["scale"], norm["bias"])
-    logits = jax.checkpoint(lambda h, head: h @ gather(head))(x, params["head"])
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    """The reference model's layer norm (the same arithmetic as its blocks')."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
+
+
+def head_loss(params: PyTree, x: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Final norm, the head inside ``jax.checkpoint`` and the mean next-token cross-entropy of
+    ``tokens`` (batch, seq + 1), as the reference model computes them (whole parameters)."""
+    norm = params["final_norm"]
+    x = layer_norm(x, norm["scale"], norm["bias"])
+    logits = jax.checkpoint(lambda h, head: h @ head)(x, params["head"])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
@@ -126,7 +129,7 @@ def plain_loss(cfg: TransformerConfig) -> Callable:
         x = params["embed"]["tokens"][tokens[:, :-1]] + params["embed"]["positions"][: cfg.seq]
         for p in params["blocks"]:
             x = block(p, x, heads=cfg.heads)
-        return head_loss(cfg, params, x, tokens, lambda t: t)
+        return head_loss(params, x, tokens)
 
     return loss_fn
 
@@ -160,8 +163,7 @@ class LinenTower(nn.Module):
         x = embed["tokens"][tokens[:, :-1]] + embed["positions"][: self.cfg.seq]
         for i in range(self.cfg.depth):
             x = LinenBlock(self.cfg, name=f"h_{i}")(x)
-        return head_loss(self.cfg, {n: self.param(n, zeros(n)) for n in ("final_norm", "head")}, x, tokens,
-                         lambda t: t)  # fmt: skip
+        return head_loss({n: self.param(n, zeros(n)) for n in ("final_norm", "head")}, x, tokens)
 
 
 def linen_adapted(cfg: TransformerConfig, prefetch: int) -> Any:
@@ -199,24 +201,11 @@ class NnxTower(nnx.Module):
         for blk in self.blocks:
             x = blk(x)
         rest = {"final_norm": {"scale": self.norm_scale[...], "bias": self.norm_bias[...]}, "head": self.head[...]}
-        return head_loss(self.cfg, rest, x, tokens, lambda t: t)
+        return head_loss(rest, x, tokens)
 
 
 def nnx_adapted(cfg: TransformerConfig, prefetch: int) -> Any:
     return zj.adapters.from_nnx(NnxTower(cfg), lambda m, b: m(b["tokens"]), layers="auto", prefetch=prefetch)
-
-
-def layerwise_loss(cfg: TransformerConfig, policy: zj.ZeroPolicy, prefetch: int) -> Callable:
-    """gather="manual": the same blocks through zj.apply_layers."""
-
-    def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
-        tokens = batch["tokens"]
-        embed = zj.gather(params["embed"], policy)
-        x = embed["tokens"][tokens[:, :-1]] + embed["positions"][: cfg.seq]
-        x = zj.apply_layers(lambda p, h: block(p, h, heads=cfg.heads), params["blocks"], x, policy, prefetch=prefetch)
-        return head_loss(cfg, params, x, tokens, lambda t: zj.gather(t, policy))
-
-    return loss_fn
 
 
 # -- sizes -----------------------------------------------------------------------------------------
@@ -314,7 +303,7 @@ class Run:
     alive: float | None
     live_peak: int
     times: list[float] = dataclasses.field(default_factory=list)
-    loss: float = float("nan")
+    final_loss: float = float("nan")
 
 
 def make_run(variant: str, depth: int, mesh: jax.sharding.Mesh) -> Run:
@@ -330,46 +319,28 @@ def make_run(variant: str, depth: int, mesh: jax.sharding.Mesh) -> Run:
         state, step_fn = adapted.init_state(tx, policy), adapted.make_train_step(tx, policy)  # gather="manual"
     else:
         state = zj.init_state(lambda: unscanned_params(cfg), tx, policy)
-        loss = plain_loss(cfg) if kind == "all" else layerwise_loss(cfg, policy, prefetch)
+        loss = plain_loss(cfg) if kind == "all" else make_loss_fn(cfg, policy, prefetch=prefetch)
         step_fn = zj.make_train_step(loss, tx, policy, gather="all" if kind == "all" else "manual",
                                      accum_steps=ACCUM.get(variant, 1))  # fmt: skip
     batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), policy.batch_sharding())
-    compiled, spmd, live_peak = compile_with_hlo(step_fn, state, batch)
+    compiled, spmd, live_peak = common.compile_once(step_fn, state, batch)
     text = compiled.as_text()
-    holder = {"state": state}
-
-    def step() -> Any:
-        holder["state"], metrics = step_fn(holder["state"], batch)
-        return metrics["loss"]
-
-    counts = {k: int(v["count"]) for k, v in _measure.summarize(_measure.parse_collectives(text, N)).items()}
+    counts = common.kind_counts(measure.parse_collectives(text, N))
     lw = kind in ("lw", "linen", "nnx")
     # Whole layers alive at once, from the compiled schedule (zj.audit's walk), for the layer-wise stage-3 runs.
     alive = zj.audit(step_fn, state, batch).layers.max_alive if stage == 3 and kind != "all" else None
     return Run(
         variant,
         depth,
-        step,
-        _measure.memory(compiled),
-        _measure.ring_bytes(_measure.parse_collectives(spmd, N)),
+        common.stepper(step_fn, state, batch),
+        measure.memory(compiled),
+        measure.ring_bytes(measure.parse_collectives(spmd, N)),
         counts,
         block_collectives(text, depth, weight_shapes(cfg, mesh)) if lw and variant not in ACCUM else None,
         schedule(text, depth) if lw and stage == 3 and prefetch else None,
         alive,
         live_peak,
     )
-
-
-def time_round_robin(runs: list[Run], steps: int, warmup: int) -> None:
-    for r in runs:
-        for _ in range(warmup):
-            jax.block_until_ready(r.step())
-    for _ in range(steps):
-        for r in runs:
-            t0 = time.perf_counter()
-            loss = jax.block_until_ready(r.step())
-            r.times.append(time.perf_counter() - t0)
-            r.loss = float(loss)
 
 
 # -- report ------------------------------------------------------------------------------------------
@@ -388,12 +359,8 @@ def row_of(r: Run) -> dict[str, Any]:
         "live_peak_bytes": r.live_peak,
         "step_ms_median": 1e3 * statistics.median(r.times),
         "step_ms_all": [1e3 * t for t in r.times],
-        "final_loss": r.loss,
+        "final_loss": r.final_loss,
     }
-
-
-def cell(rows: list[dict[str, Any]], variant: str, depth: int) -> dict[str, Any]:
-    return next(r for r in rows if r["variant"] == variant and r["depth"] == depth)
 
 
 def format_table(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> str:
@@ -405,9 +372,9 @@ def format_table(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> str:
     lines = [units, head, "-" * len(head)]
     for d in sorted(sizes):
         two_psi = 2 * sizes[d].psi * (N - 1) / N
-        dp = cell(rows, "DP", d)["step_ms_median"]
+        dp = common.cell(rows, "DP", d)["step_ms_median"]
         for v in VARIANTS:
-            r = cell(rows, v, d)
+            r = common.cell(rows, v, d)
             m, cc, pb = r["memory_bytes"], r["compiled_counts"], r["per_block_weight"]
             agw = f"{min(g['all_gather_per_block'] for g in pb.values()):5.2f}" if pb else f"{'':>5}"
             rsw = f"{min(g['reduce_scatter_per_block'] for g in pb.values()):5.2f}" if pb else f"{'':>5}"
@@ -428,8 +395,8 @@ def verdict(ok: bool) -> str:
 def format_checks(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[str, dict[str, Any]]:
     lo, hi = min(sizes), max(sizes)
     s = sizes[hi]
-    peak = lambda v, d: cell(rows, v, d)["memory_bytes"]["peak"]  # noqa: E731
-    temp = lambda v, d: cell(rows, v, d)["memory_bytes"]["temp"]  # noqa: E731
+    peak = lambda v, d: common.cell(rows, v, d)["memory_bytes"]["peak"]  # noqa: E731
+    temp = lambda v, d: common.cell(rows, v, d)["memory_bytes"]["temp"]  # noqa: E731
     out, res = ["Must-show checks (N = 8):"], {}
 
     added = hi - lo
@@ -475,7 +442,9 @@ def format_checks(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[
             f"vs ZeRO-3/lw1 {peak('ZeRO-3/lw1', hi) / MiB:.1f} MiB"
         )
     for a, b in (("ZeRO-3/lw1", "ZeRO-3/lw0"), ("scan/pf1", "scan/pf0")):
-        alive = {d: (cell(rows, a, d)["layers_alive"], cell(rows, b, d)["layers_alive"]) for d in sorted(sizes)}
+        alive = {
+            d: (common.cell(rows, a, d)["layers_alive"], common.cell(rows, b, d)["layers_alive"]) for d in sorted(sizes)
+        }
         ok = all(x - y <= 1 and x <= 2 for x, y in alive.values())
         res[f"prefetch_alive_{a}"] = {"layers_alive": alive, "pass": ok}
         out.append(
@@ -491,8 +460,8 @@ def format_checks(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[
             f"allocation, packing included) <= 1 whole layer ({s.per_block / MiB:.3f} MiB): "
             + ", ".join(f"L={d}: {c:.2f}" for d, c in costs.items())
         )
-        live = {d: (cell(rows, a, d)["live_peak_bytes"] - cell(rows, b, d)["live_peak_bytes"]) / sizes[d].per_block
-                for d in sorted(sizes)}  # fmt: skip
+        live = {d: (common.cell(rows, a, d)["live_peak_bytes"] - common.cell(rows, b, d)["live_peak_bytes"])
+                / sizes[d].per_block for d in sorted(sizes)}  # fmt: skip
         ok = all(c <= 1.0 for c in live.values())
         res[f"prefetch_live_{a}"] = {"layers": live, "pass": ok}
         out.append(
@@ -500,7 +469,7 @@ def format_checks(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[
             f"at once, before heap packing) <= 1 whole layer: " + ", ".join(f"L={d}: {c:.2f}" for d, c in live.items())
         )
     for d in sorted(sizes):
-        pb = cell(rows, "ZeRO-3/lw1", d)["per_block_weight"]
+        pb = common.cell(rows, "ZeRO-3/lw1", d)["per_block_weight"]
         ok = all(g["all_gather_per_block"] == 2 and g["reduce_scatter_per_block"] == 1 for g in pb.values())
         res.setdefault("per_block_collectives", {})[d] = {"weights": pb, "pass": ok}
         out.append(
@@ -510,7 +479,7 @@ def format_checks(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[
             )
         )
     for d in sorted(sizes):
-        lw, al = (cell(rows, v, d) for v in ("ZeRO-3/lw1", "ZeRO-3/all"))
+        lw, al = (common.cell(rows, v, d) for v in ("ZeRO-3/lw1", "ZeRO-3/all"))
         ratio = lw["step_ms_median"] / al["step_ms_median"]
         best = min(lw["step_ms_all"]) / min(al["step_ms_all"])
         res.setdefault("step_time", {})[d] = {"ratio": ratio, "ratio_min": best, "pass": ratio <= 1.35}
@@ -523,7 +492,7 @@ def format_checks(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[
 
 def format_schedule(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tuple[str, bool]:
     d = max(sizes)
-    sched = cell(rows, "ZeRO-3/lw1", d)["schedule"] or []
+    sched = common.cell(rows, "ZeRO-3/lw1", d)["schedule"] or []
     before = sum(r["next_gather_first"] < r["compute_first"] for r in sched)
     during = sum(r["next_gather_first"] < r["compute_last"] for r in sched)
     ok = bool(sched) and during == len(sched)
@@ -542,40 +511,23 @@ def format_schedule(rows: list[dict[str, Any]], sizes: dict[int, Sizes]) -> tupl
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     depths = sorted({r["depth"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, v in enumerate(VARIANTS):
         style = "--" if v.startswith("scan") else "-"
-        axes[0].plot(depths, [cell(rows, v, d)["memory_bytes"]["peak"] / MiB for d in depths], "o" + style,
+        axes[0].plot(depths, [common.cell(rows, v, d)["memory_bytes"]["peak"] / MiB for d in depths], "o" + style,
                      color=f"C{i}", label=v)  # fmt: skip
-        axes[1].plot(depths, [cell(rows, v, d)["step_ms_median"] for d in depths], "o" + style, color=f"C{i}", label=v)
+        axes[1].plot(
+            depths, [common.cell(rows, v, d)["step_ms_median"] for d in depths], "o" + style, color=f"C{i}", label=v
+        )
     axes[0].set(title=f"compiled peak per device (N={N}, unscanned, Adam fp32)", xlabel="depth", ylabel="MiB")
     axes[1].set(title="step time, median", xlabel="depth", ylabel="ms")
     for ax in axes:
         ax.set_xticks(depths)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def library_source() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(zj.__file__)))
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "zero_jax")
-    except (OSError, subprocess.CalledProcessError):
-        return root
-    return f"{root} at {commit}" + (" with uncommitted changes in zero_jax/" if dirty else "")
+    common.save_figure(fig, path)
 
 
 def main() -> None:
@@ -587,40 +539,32 @@ def main() -> None:
     args = ap.parse_args()
     depths = args.depths or (QUICK_DEPTHS if args.quick else DEPTHS)
     steps = args.steps or (2 if args.quick else 3)
-    out_dir = args.out or (None if args.quick else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    out_dir = args.out or (None if args.quick else common.RESULTS)
 
-    started, load_before = time.perf_counter(), os.getloadavg()
+    record = common.Record()
     mesh = jax.make_mesh((N,), ("data",))
     sizes, rows = {}, []
     for d in depths:
         sizes[d] = sizes_for(d, mesh)
         group = [make_run(v, d, mesh) for v in VARIANTS]
-        time_round_robin(group, steps, 1)
+        common.time_round_robin(group, steps, 1)
         rows += [row_of(r) for r in group]
         del group
-        print(f"L={d} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        print(f"L={d} done ({record.wall_s():.0f} s)", file=sys.stderr)
 
     checks, results = format_checks(rows, sizes)
     sched_text, sched_ok = format_schedule(rows, sizes)
     results["schedule_prefetch1"] = sched_ok
-    command = shlex.join(["python", *sys.argv])
     s = sizes[max(sizes)]
-    header = "\n".join([
+    header = record.header(
         "Layer-wise ZeRO on an unscanned transformer (benchmarks/unscanned.py)",
-        f"command: {command}",
-        f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"jax {jax.__version__}, optax {optax.__version__}, zero_jax {zj.__version__}, numpy {np.__version__}",
-        f"zero_jax from {library_source()}",
-        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, load average "
-        f"before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}",
         f"devices: {jax.device_count()} simulated {jax.devices()[0].platform} devices, mesh ('data',) = {N}",
         f"model: transformer {MODEL}, fp32, a Python list of blocks, optax.adam({LEARNING_RATE}), global batch "
         f"{GLOBAL_BATCH}; one block {s.per_block / MiB:.3f} MiB, Psi {s.psi / MiB:.2f} MiB at L={max(sizes)}; "
         f"step time: median of {steps} rounds after 1 warm-up, variants taking turns",
-        f"wall time: {time.perf_counter() - started:.0f} s",
-    ])  # fmt: skip
+    )
     temp1, temp2, temp1lw, temp2lw = (
-        cell(rows, v, max(sizes))["memory_bytes"]["temp"] for v in ("ZeRO-1", "ZeRO-2", "ZeRO-1/lw", "ZeRO-2/lw")
+        common.cell(rows, v, max(sizes))["memory_bytes"]["temp"] for v in ("ZeRO-1", "ZeRO-2", "ZeRO-1/lw", "ZeRO-2/lw")
     )
     notes = "\n".join([
         "Notes:",
@@ -643,22 +587,17 @@ def main() -> None:
         "scheduled HLO, from each block's all-gather to its last use): prefetch=1 holds one more whole layer in "
         "the forward pass. In the backward pass the next layer's re-gather goes leaf by leaf: the half it uses "
         "first when this layer's backward starts, each later leaf once as many bytes of this layer's gradients "
-        "are reduce-scattered (zero_jax._layerwise.scan.paired_anchors), so the two layers' whole leaves stay about one "
-        "layer. scan_layers writes its outputs into one in-place buffer (stacking them and concatenating the "
-        "last layers' was one more copy of all of them) and ties each backward recompute to its cotangent. "
-        "memory_analysis's figure is XLA's allocation, packed; HloLiveRange's live peak is the values alive at "
-        "once before packing.",
+        "are reduce-scattered (paired_anchors in zero_jax/_layerwise/scan.py), so the two layers' whole leaves "
+        "stay about one layer. scan_layers writes its outputs into one in-place buffer (stacking them and "
+        "concatenating the last layers' was one more copy of all of them) and ties each backward recompute to its "
+        "cotangent. memory_analysis's figure is XLA's allocation, packed; HloLiveRange's live peak is the values "
+        "alive at once before packing.",
     ])  # fmt: skip
     text = "\n\n".join([header, format_table(rows, sizes), checks, sched_text, notes])
     print(text)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "unscanned.txt"), "w") as f:
-            f.write(text + "\n")
-        meta = {"command": command, "jax": jax.__version__, "platform": platform.platform(), "model": MODEL}
-        meta |= {"zero_jax": library_source(), "sizes": {d: dataclasses.asdict(v) for d, v in sizes.items()}}
-        with open(os.path.join(out_dir, "unscanned.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows, "checks": results}, f, indent=1)
+        meta = record.meta() | {"model": MODEL, "sizes": {d: dataclasses.asdict(v) for d, v in sizes.items()}}
+        common.write_results("unscanned", text, {"meta": meta, "rows": rows, "checks": results}, out_dir)
         plot(rows, os.path.join(out_dir, "unscanned.png"))
 
 
