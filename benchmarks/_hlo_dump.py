@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import glob
 import os
-import re
 import shutil
 import tempfile
 from typing import Any, NamedTuple
@@ -23,7 +22,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=spmd-partitioning"
 )
 
-_LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
+from zero_jax import measure  # noqa: E402  (after XLA_FLAGS: the flags are read when jax starts its backend)
 
 
 class Compiled(NamedTuple):
@@ -39,7 +38,7 @@ class Compiled(NamedTuple):
 def compile_with_hlo(lowerable: Any, *args: Any) -> Compiled:
     """Compile ``lowerable(*args)`` and read what this compilation dumped (then delete it)."""
     pattern = os.path.join(DUMP_DIR, "*after_spmd-partitioning*")
-    ranges = os.path.join(DUMP_DIR, "*after_optimizations-live-range.txt")
+    ranges = os.path.join(DUMP_DIR, measure.LIVE_RANGE_GLOB)
     before = set(glob.glob(pattern)) | set(glob.glob(ranges))
     executable = lowerable.lower(*args).compile()
     new = sorted(set(glob.glob(pattern)) - before)
@@ -49,9 +48,9 @@ def compile_with_hlo(lowerable: Any, *args: Any) -> Compiled:
     with open(new[-1]) as f:
         hlo = f.read()
     with open(new_ranges[-1]) as f:
-        found = _LIVE_PEAK.search(f.read())
+        found = measure.live_peak(f.read())
     if found is None:
         raise RuntimeError(f"no peak-usage line in {new_ranges[-1]}")
     for path in new + new_ranges:
         os.remove(path)
-    return Compiled(executable, hlo, int(found.group(1).replace(" ", "")))
+    return Compiled(executable, hlo, found.bytes)

@@ -1,4 +1,5 @@
-"""Reading a compiled step: what it holds (``memory``), what it sends
+"""Reading a compiled step: what it holds (``memory``, allocation beside XLA's
+live peak: fragmentation), what it sends
 (``hlo``: collectives after SPMD partitioning, loops and trip counts), the
 compiled program as the backend runs it (``compiled``: each collective however
 the backend spells it, TPU's async and decomposed forms included), its

@@ -35,6 +35,11 @@ LAYERS_ALIVE = "more whole layers alive than prefetch + 1"
 MODEL_AXIS_GATHER = "weight gathered across a model axis"
 WIDE_WIRE = "collective asked to be int8 runs wider"
 
+#: Allocation more than this fraction over XLA's live peak is reported as fragmentation (ZeRO's M_D).
+FRAGMENTATION_SLACK = 0.10
+#: How many of the buffers alive at the live peak the report names.
+PEAK_BUFFERS_SHOWN = 5
+
 
 @dataclasses.dataclass(frozen=True)
 class LeafBytes:
@@ -367,6 +372,68 @@ class Overlap:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeakBuffer:
+    """One buffer alive at XLA's live peak: the instruction that defines it
+    (and the tuple index), its bytes and the JAX op that made it."""
+
+    name: str
+    index: str
+    bytes: int
+    op_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragmentation:
+    """Device memory the compiled step allocates beside XLA's live peak
+    (ZeRO's M_D: XLA plans memory statically, so fragmentation is the gap
+    between what its heap packs and what is alive at once).
+
+    Attributes:
+      allocated: the buffer assignment's total in device memory (the
+        memory-usage report's default space: HBM on TPU), else argument +
+        output + temp − alias.
+      live_peak: the bytes of the values alive at once at the busiest point of
+        the schedule (``HloLiveRange``, arguments still in use included),
+        before the heap packs them into buffers.
+      at, at_op_name: the instruction scheduled at the peak and its JAX op.
+      buffers: the largest buffers alive at the peak (at most
+        :data:`PEAK_BUFFERS_SHOWN`), largest first.
+    """
+
+    allocated: int
+    live_peak: int
+    at: str
+    at_op_name: str
+    buffers: tuple[PeakBuffer, ...]
+
+    @property
+    def ratio(self) -> float:
+        """allocated / live peak (1.0: packed without a gap)."""
+        return self.allocated / self.live_peak if self.live_peak else math.inf
+
+    @property
+    def fragmented(self) -> bool:
+        """Allocation exceeds the live peak by more than :data:`FRAGMENTATION_SLACK`."""
+        return self.ratio > 1 + FRAGMENTATION_SLACK
+
+    def lines(self) -> list[str]:
+        """The report's text: the ratio, and where the peak is when fragmented."""
+        head = (f"allocated {fmt_bytes(self.allocated)} / XLA's live peak {fmt_bytes(self.live_peak)} (values alive "
+                f"at once, before heap packing) = {self.ratio:.3f}")  # fmt: skip
+        if not self.fragmented:
+            return [f"memory: {head} (within {FRAGMENTATION_SLACK:.0%}: no fragmentation)"]
+        at = f"{self.at} ({self.at_op_name})" if self.at_op_name else self.at
+        out = [
+            f"fragmentation: {head}: allocation exceeds the live peak by {self.ratio - 1:.0%} "
+            f"({fmt_bytes(self.allocated - self.live_peak)} the heap cannot reuse); the peak is at {at or '-'}; "
+            "largest buffers alive there:"
+        ]
+        out += [f"  {fmt_bytes(b.bytes):>11}  {b.name}{b.index if b.index != '{}' else ''}"
+                + (f"  ({b.op_name})" if b.op_name else "") for b in self.buffers]  # fmt: skip
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class AuditReport:
     """What a compiled step holds and sends, beside its stage's contract.
 
@@ -390,34 +457,15 @@ class AuditReport:
       replicated: the float leaves kept whole on a device in a category the
         stage partitions (small ones are expected: see ``min_shard_size``).
       memory: ``compiled.memory_analysis()`` per device: argument, output,
-        temp, alias, and ``peak`` = argument + output + temp − alias.
-      collectives: the partitioned program's collectives (kind, dtype, shape,
-        bytes, trips), and ``loops``: instruction name -> trip counts of the
-        loops around it, outermost first.
-      comm: :class:`Communication`, measured beside the theory.
-      comm_per_axis: measured ring bytes per device per step by the mesh
-        axes each collective spans (``"data"``; on a hybrid mesh also
-        ``"replica"`` and ``"replica+data"``; on a ``("data", "model")`` mesh
-        ``"data"``, ``"model"``, ``"data+model"``): what crosses the slow axis.
-      comm_per_axis_kind: the same, by collective kind (axes -> kind -> bytes).
-      model_axes, model_parallel: the mesh axes in no ZeRO role and M, the
-        product of their sizes (``()`` and 1 on a data-only mesh).
-      params_per_model_shard: Φ of one model shard, the Φ the formula and
-        the theory are for: each leaf's elements / how many ways model axes
-        cut it (Φ / M when every leaf is cut M ways, Φ on a data-only mesh).
-      violations: what ``check()`` raises about.
-      layers: the per-layer schedule (:class:`LayerSchedule`) when the step
-        runs blocks (``zj.apply_layer(s)``, ``zj.scan_layers``, or repeated
-        blocks of the parameter tree) in stages 2–3; else None.
-      abstract: measured on ``ShapeDtypeStruct`` inputs (bytes from shardings).
-      wire: the policy's wire format (``policy.wire``: what qwZ / qgZ quantize).
-      wire_roles: per collective (aligned with ``collectives``): ``"int8
-        values"``, ``"float32 scales"`` (the scales beside them) or ``""``.
-      compiled: what the compiled program (the backend's, after its own
-        rewrites) sends per kind, beside the post-SPMD figure
-        (:class:`CompiledComm`).
-      overlap: layer gathers and reductions overlapped with compute in the
-        compiled schedule (:class:`Overlap`).
+        temp, alias, and ``peak`` = argument + output + temp − alias; where
+        the compile's dump reports them, ``allocated`` (the buffer
+        assignment's device-memory total: HBM on TPU), ``live_peak`` (XLA's
+        live peak: bytes of the values alive at once at the busiest point,
+        ``HloLiveRange``) and ``fragmentation`` = allocated (else ``peak``) /
+        ``live_peak``.
+      fragmentation: the same figures with where the peak is and the largest
+        buffers alive there (:class:`Fragmentation`); the text says when
+        allocation exceeds the live peak by more than 10%.
     """
 
     stage: int
@@ -429,7 +477,7 @@ class AuditReport:
     bytes_per_param: Mapping[str, float]
     leaves: tuple[LeafBytes, ...]
     replicated: tuple[LeafBytes, ...]
-    memory: Mapping[str, int]
+    memory: Mapping[str, float]
     collectives: tuple[Collective, ...]
     loops: Mapping[str, tuple[int, ...]]
     comm: Communication
@@ -450,6 +498,7 @@ class AuditReport:
     wire_roles: tuple[str, ...] = ()
     compiled: CompiledComm | None = None
     overlap: Overlap | None = None
+    fragmentation: Fragmentation | None = None
 
     @property
     def ok(self) -> bool:
@@ -534,6 +583,7 @@ class AuditReport:
             "compiled memory per device: "
             + ", ".join(f"{k} {fmt_bytes(m[k])}" for k in ("argument", "output", "temp", "alias", "peak"))
         )
+        lines.extend(self.fragmentation.lines() if self.fragmentation is not None else [])
         lines.append("collectives (post-SPMD, per step):")
         for r in self.collective_summary():
             lines.append(
