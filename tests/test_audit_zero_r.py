@@ -1,5 +1,6 @@
 """zj.audit's ZeRO-R figures (issue 28): fragmentation (allocation beside XLA's live peak, and the
-buffers alive there).
+buffers alive there) and communication buffers (collectives per block, the largest buffer, the
+``check(max_buffer_bytes=...)`` bound).
 
 Each figure is compared with the compile's own XLA dump, read here with the test's own patterns: the
 same step compiled once more with ``xla_dump_to``. The step: two ``zj.apply_layers`` blocks (dim 128)
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import math
 import os
 import re
 from pathlib import Path
@@ -30,6 +32,7 @@ from zero_jax._audit import report as _report  # noqa: E402
 from zero_jax._base.units import fmt_bytes  # noqa: E402
 
 DIM, DEPTH = 128, 2
+WHOLE_WEIGHT = DIM * 2 * DIM * 4  # bytes of w1 (and w2) gathered whole
 PEAK_TOTAL = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
 PEAK_LINE = re.compile(r"^\s+([^\s{]+)(\{[\d,]*\}): (\d+) bytes \(cumulative", re.M)
 DEFAULT_SPACE = re.compile(r"Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)")
@@ -105,6 +108,54 @@ def test_fragmentation_on_cpu_is_small_and_the_text_says_so() -> None:
     assert not frag.fragmented and 1.0 <= frag.ratio <= 1 + _report.FRAGMENTATION_SLACK
     assert f"= {frag.ratio:.3f} (within 10%: no fragmentation)" in str(report)
     assert "fragmentation:" not in str(report)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_collectives_per_block_from_the_post_spmd_program(backend: str) -> None:
+    report = audited(backend)
+    weights = {b.name: b.weights for b in report.layers.blocks}  # w1 and w2 (b is kept whole: 256 elements)
+    blocks = {b.name: b for b in report.buffers.blocks}
+    for i in range(DEPTH):
+        blk = blocks[f"block {i}"]
+        n = weights[f"block {i}"]
+        assert blk.post_spmd == {"all-gather": 2 * n, "reduce-scatter": n}  # gathered twice, reduced once
+        assert blk.compiled["all-gather"] == 2 * n
+        assert blk.largest >= WHOLE_WEIGHT
+    largest = report.buffers.largest()
+    assert (largest.kind, largest.bytes, largest.program) == ("all-gather", WHOLE_WEIGHT, _report.POST_SPMD)
+    assert largest.block.startswith("block ")
+    assert "largest communication buffer (post-SPMD): 128.00 KiB, all-gather" in str(report)
+
+
+def test_the_tpu_compiler_combines_a_blocks_gradient_reductions_into_one_larger_buffer() -> None:
+    buffers = audited("tpu").buffers
+    compiled = buffers.largest(_report.COMPILED)
+    # v5p: the block's two reduce-scatters done as one combined all-reduce of both whole gradients.
+    assert (compiled.kind, compiled.bytes, len(compiled.shapes)) == ("reduce-scatter", 2 * WHOLE_WEIGHT, 2)
+    assert all(b.compiled["reduce-scatter"] == 1 for b in buffers.blocks if b.name.startswith("block "))
+    assert compiled.bytes > buffers.largest().bytes
+
+
+def test_check_flags_each_buffer_over_the_bound_naming_the_collective() -> None:
+    report = audited("cpu")
+    largest = report.buffers.largest().bytes
+    assert report.check(max_buffer_bytes=largest) is report
+    with pytest.raises(zj.AuditError) as e:
+        report.check(max_buffer_bytes=largest - 1)
+    over = [b for b in report.buffers.buffers if b.bytes > largest - 1]
+    found = e.value.violations
+    assert len(found) == len(over) >= 2 * DEPTH  # each block's w1 and w2 gathers, in both programs
+    assert {v.kind for v in found} == {_report.BUFFER_OVER_BOUND}
+    for v, b in zip(found, over, strict=True):
+        assert b.name in v.message and b.kind in v.message and b.op_name in v.message
+        assert "128.00 KiB" in v.message and "over max_buffer_bytes" in v.message
+    assert not report.violations  # the bound is the caller's: the report itself is unchanged
+
+
+@pytest.mark.parametrize("bound", [0, -1, True, "1MiB", math.nan])
+def test_a_bad_bound_is_one_error(bound: object) -> None:
+    with pytest.raises(ValueError, match="max_buffer_bytes must be a positive number"):
+        audited("cpu").check(max_buffer_bytes=bound)
 
 
 def test_live_peak_is_read_from_any_compile_with_its_dump() -> None:

@@ -32,7 +32,12 @@ the audit reads them there:
   at the busiest point, ``HloLiveRange``), both read from the compile's dump;
   the text names the largest buffers alive at the peak when allocation
   exceeds it by more than 10% (:mod:`zero_jax._audit.memory`). Reported, not
-  judged.
+  judged;
+* communication buffers (``report.buffers``, ZeRO's constant-size buffers):
+  per layer-wise block the collectives it runs per step by kind, in the
+  post-SPMD program and as compiled ops, and the largest single buffer of the
+  step (:mod:`zero_jax._audit.buffers`); ``report.check(max_buffer_bytes=...)``
+  flags each buffer over the bound.
 
 A step built on a TPU topology's devices
 (``jax.experimental.topologies.get_topology_desc("v5p:2x2x2",
@@ -89,6 +94,7 @@ import jax
 import numpy as np
 
 from zero_jax._audit import hlo
+from zero_jax._audit.buffers import comm_buffers
 from zero_jax._audit.communication import comm_violation, communication, formula_inputs, wire_roles, wire_violations
 from zero_jax._audit.compiled import CompiledProgram, read_compiled
 from zero_jax._audit.hlo import Collective
@@ -425,7 +431,7 @@ def audit(
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
         abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
         compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
-        fragmentation=fragmentation,
+        fragmentation=fragmentation, buffers=comm_buffers(colls, program),
     )  # fmt: skip
 
 
