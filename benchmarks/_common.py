@@ -72,7 +72,6 @@ def setup(devices: int | None = 8, *, hlo_dump: bool = False) -> None:
 # -- compiling and reading a program ------------------------------------------------------------------
 
 NO_DUMP = "no HLO dump folder in XLA_FLAGS: call _common.setup(..., hlo_dump=True) before anything touches a device"
-_LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+) bytes")
 
 
 class Compiled(NamedTuple):
@@ -93,7 +92,7 @@ def compile_once(lowerable: Any, *args: Any) -> Compiled:
     if not found:
         raise RuntimeError(NO_DUMP)
     pattern = os.path.join(found[-1], "*after_spmd-partitioning*")
-    ranges = os.path.join(found[-1], "*after_optimizations-live-range.txt")
+    ranges = os.path.join(found[-1], measure.LIVE_RANGE_GLOB)
     before = set(glob.glob(pattern)) | set(glob.glob(ranges))
     executable = lowerable.lower(*args).compile()
     new = sorted(set(glob.glob(pattern)) - before)
@@ -103,12 +102,12 @@ def compile_once(lowerable: Any, *args: Any) -> Compiled:
     with open(new[-1]) as f:
         hlo = f.read()
     with open(new_ranges[-1]) as f:
-        peak = _LIVE_PEAK.search(f.read())
+        peak = measure.live_peak(f.read())
     if peak is None:
         raise RuntimeError(f"no peak-usage line in {new_ranges[-1]}")
     for path in new + new_ranges:
         os.remove(path)
-    return Compiled(executable, hlo, int(peak.group(1).replace(" ", "")))
+    return Compiled(executable, hlo, peak.bytes)
 
 
 def memory(compiled: Any) -> dict[str, int]:

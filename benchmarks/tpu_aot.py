@@ -237,7 +237,7 @@ def gspmd(quick: bool, log: Any) -> list[dict[str, Any]]:
     log("gspmd recipe")
     jitted, (p, o), batch = gspmd_step(mesh, cfg)
     t = time.perf_counter()
-    compiled, text, allocated = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
+    compiled, text, allocated, _ = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
     colls = zj.measure.parse_collectives(text, mesh.size)
     rec = {"variant": "GSPMD FSDP (jax.jit)", "compile_s": round(time.perf_counter() - t, 1),
            "allocated_GiB": allocated / GiB, "peak_est_GiB": zj.measure.memory(compiled)["peak"] / GiB,

@@ -12,7 +12,15 @@ data-parallel step).
   ring traffic, multiplied by the trip count of the loop it sits in;
   :func:`ring_bytes`, :func:`ring_bytes_per_axis` and :func:`summarize` add
   them up.
-* :func:`compile_with_hlo`: one compile that also returns the post-SPMD HLO.
+* :func:`compile_with_hlo`: one compile that also returns the post-SPMD HLO;
+  :func:`compile_with_dump` also the allocated device memory and XLA's live
+  peak.
+* :func:`live_peak` / :func:`live_peak_from_dump`: XLA's live peak
+  (:class:`LivePeak`: the bytes of the values alive at once at the busiest
+  point of the schedule, ``HloLiveRange``, and the buffers alive there) from
+  the ``*live-range.txt`` report of an ``xla_dump_to`` folder; beside the
+  allocated memory it shows fragmentation (``zj.audit``'s
+  ``report.fragmentation``).
 * :func:`layers_alive` / :func:`scheduled_computations`: the schedule of a
   compiled program.
 * :func:`read_compiled`: the compiled program's collectives however the
@@ -46,18 +54,30 @@ from zero_jax._audit.hlo import (
     ring_bytes_per_axis_kind,
     summarize,
 )
-from zero_jax._audit.memory import memory, resident_bytes, resident_bytes_by_kind
+from zero_jax._audit.memory import (
+    LIVE_RANGE_GLOB,
+    LivePeak,
+    live_peak,
+    live_peak_from_dump,
+    memory,
+    resident_bytes,
+    resident_bytes_by_kind,
+)
 from zero_jax._audit.schedule import layers_alive
 from zero_jax._layerwise.schedule import trying as trying_schedule
 
 __all__ = [
     "FAST_COMPILE",
+    "LIVE_RANGE_GLOB",
     "Collective",
     "CompiledCollective",
+    "LivePeak",
     "collectives",
     "compile_with_dump",
     "compile_with_hlo",
     "layers_alive",
+    "live_peak",
+    "live_peak_from_dump",
     "loop_nesting",
     "memory",
     "parse_collectives",

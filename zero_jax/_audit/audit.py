@@ -26,6 +26,18 @@ the audit reads them there:
   gather and reduction whether compute is scheduled between its start and its
   done (:func:`zero_jax._audit.schedule.layer_overlap`). Reported, not
   judged: ``check()`` judges the step's own collectives.
+* fragmentation (``report.memory["allocated"]``, ``["live_peak"]``,
+  ``["fragmentation"]``, ``report.fragmentation``): the device memory the
+  buffer assignment allocates beside XLA's live peak (the values alive at once
+  at the busiest point, ``HloLiveRange``), both read from the compile's dump;
+  the text names the largest buffers alive at the peak when allocation
+  exceeds it by more than 10% (:mod:`zero_jax._audit.memory`). Reported, not
+  judged;
+* communication buffers (``report.buffers``, ZeRO's constant-size buffers):
+  per layer-wise block the collectives it runs per step by kind, in the
+  post-SPMD program and as compiled ops, and the largest single buffer of the
+  step (:mod:`zero_jax._audit.buffers`); ``report.check(max_buffer_bytes=...)``
+  flags each buffer over the bound.
 
 A step built on a TPU topology's devices
 (``jax.experimental.topologies.get_topology_desc("v5p:2x2x2",
@@ -82,19 +94,24 @@ import jax
 import numpy as np
 
 from zero_jax._audit import hlo
+from zero_jax._audit.buffers import comm_buffers
 from zero_jax._audit.communication import comm_violation, communication, formula_inputs, wire_roles, wire_violations
 from zero_jax._audit.compiled import CompiledProgram, read_compiled
 from zero_jax._audit.hlo import Collective
+from zero_jax._audit.memory import LivePeak
 from zero_jax._audit.memory import memory as memory_figures
 from zero_jax._audit.model_axes import model_gather_violations, split_of
 from zero_jax._audit.report import (
     CATEGORIES,
     FIELD_CATEGORY,
+    PEAK_BUFFERS_SHOWN,
     AuditReport,
     CompiledComm,
     CompiledKind,
+    Fragmentation,
     LeafBytes,
     ParamInfo,
+    PeakBuffer,
     Violation,
 )
 from zero_jax._audit.schedule import layer_overlap, layer_schedule
@@ -385,8 +402,9 @@ def audit(
 
     abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
     options = (dict(hlo.FAST_COMPILE) if fast_compile else {}) | dict(compiler_options or {})
-    memory, colls, loops, scheduled = _program(train_step, state, batch, policy, options)
+    memory, colls, loops, scheduled, peak = _program(train_step, state, batch, policy, options)
     program = read_compiled(scheduled, policy.mesh.size)
+    fragmentation = _fragmentation(memory, peak, program)
     leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
     params = _param_infos(facts, state)
     phi = sum(math.prod(p.layout.shape) for p in params)
@@ -413,6 +431,7 @@ def audit(
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
         abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
         compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
+        fragmentation=fragmentation, buffers=comm_buffers(colls, program),
     )  # fmt: skip
 
 
@@ -487,17 +506,36 @@ def _program_violations(
 
 def _program(
     train_step: Any, state: Any, batch: Any, policy: ZeroPolicy, options: dict[str, Any]
-) -> tuple[dict[str, int], tuple[Collective, ...], dict[str, tuple[int, ...]], str]:
-    """Compile once: ``memory_analysis()`` (and ``"allocated"``: the device
-    memory the buffer assignment allocates, HBM on TPU, where the compile's
-    dump reports it), the post-SPMD collectives and their loop nesting, and
-    the compiled (scheduled) program's text."""
-    compiled, text, allocated = hlo.compile_with_dump(train_step.lower(state, batch), options)
-    memory, scheduled = memory_figures(compiled), compiled.as_text()
+) -> tuple[dict[str, float], tuple[Collective, ...], dict[str, tuple[int, ...]], str, LivePeak | None]:
+    """Compile once: ``memory_analysis()`` (and, where the compile's dump
+    reports them, ``"allocated"``: the device memory the buffer assignment
+    allocates, HBM on TPU; ``"live_peak"`` and ``"fragmentation"``, allocated
+    / live peak), the post-SPMD collectives and their loop nesting, the
+    compiled (scheduled) program's text and XLA's live peak."""
+    compiled, text, allocated, peak = hlo.compile_with_dump(train_step.lower(state, batch), options)
+    memory: dict[str, float] = dict(memory_figures(compiled))
+    scheduled = compiled.as_text()
     if allocated is not None:
         memory["allocated"] = allocated
+    if peak is not None and peak.bytes:
+        memory["live_peak"] = peak.bytes
+        memory["fragmentation"] = memory.get("allocated", memory["peak"]) / peak.bytes
     del compiled
-    return memory, tuple(hlo.parse_collectives(text, policy.mesh.size)), hlo.loop_nesting(text), scheduled
+    return memory, tuple(hlo.parse_collectives(text, policy.mesh.size)), hlo.loop_nesting(text), scheduled, peak
+
+
+def _fragmentation(
+    memory: Mapping[str, float], peak: LivePeak | None, program: CompiledProgram
+) -> Fragmentation | None:
+    """Allocation beside the live peak, with the JAX ops that made the
+    largest buffers alive there (read off the compiled program)."""
+    if peak is None or not peak.bytes:
+        return None
+    op_names = {ins.name: ins.op_name for body in program.computations.values() for ins in body}
+    buffers = tuple(PeakBuffer(name, index, nbytes, op_names.get(name, ""))
+                    for name, index, nbytes in peak.buffers[:PEAK_BUFFERS_SHOWN])  # fmt: skip
+    allocated = int(memory.get("allocated", memory["peak"]))
+    return Fragmentation(allocated, peak.bytes, peak.at, op_names.get(peak.at, ""), buffers)
 
 
 def _prefetch(prefetch: int | None) -> int:

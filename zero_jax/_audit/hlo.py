@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from zero_jax._audit.memory import hbm_bytes_from_dump
+from zero_jax._audit.memory import LivePeak, hbm_bytes_from_dump, live_peak_from_dump
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {
@@ -279,14 +279,17 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 class CompiledWithDump(NamedTuple):
-    """One compile read three ways: the executable, its HLO right after SPMD
-    partitioning (what :func:`parse_collectives` reads), and the device
-    memory its buffer assignment allocates (the default memory space of the
-    dump's memory-usage report: HBM on TPU; ``None`` without a report)."""
+    """One compile read four ways: the executable, its HLO right after SPMD
+    partitioning (what :func:`parse_collectives` reads), the device memory
+    its buffer assignment allocates (the default memory space of the dump's
+    memory-usage report: HBM on TPU; ``None`` without a report), and XLA's
+    live peak (:class:`zero_jax._audit.memory.LivePeak`, from the live-range
+    report; ``None`` without one)."""
 
     executable: Any
     spmd_hlo: str
     allocated: int | None
+    live_peak: LivePeak | None = None
 
 
 def compile_with_dump(lowered: Any, compiler_options: dict[str, Any] | None = None) -> CompiledWithDump:
@@ -294,13 +297,13 @@ def compile_with_dump(lowered: Any, compiler_options: dict[str, Any] | None = No
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
         compiled = lowered.compile(compiler_options=options)
-        allocated = hbm_bytes_from_dump(d)
+        allocated, peak = hbm_bytes_from_dump(d), live_peak_from_dump(d)
         files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))  # TPU: after_tpu-spmd-...
         if files:
             with open(files[-1]) as f:
-                return CompiledWithDump(compiled, f.read(), allocated)
+                return CompiledWithDump(compiled, f.read(), allocated, peak)
         if len(_devices(compiled)) <= 1:  # one device: nothing to partition, no collectives
-            return CompiledWithDump(compiled, compiled.as_text(), allocated)
+            return CompiledWithDump(compiled, compiled.as_text(), allocated, peak)
         raise RuntimeError(NO_SPMD_DUMP)
 
 

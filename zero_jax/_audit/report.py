@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from zero_jax._audit.hlo import Collective
-from zero_jax._base.units import fmt_bytes
+from zero_jax._base.units import fmt_bytes, is_real_number
 from zero_jax._layout.leaf import LeafLayout
 from zero_jax._theory.wire import WireFormat
 
@@ -34,6 +34,29 @@ REDUCE_IN_ACCUM_LOOP = "collective inside the accumulation loop"
 LAYERS_ALIVE = "more whole layers alive than prefetch + 1"
 MODEL_AXIS_GATHER = "weight gathered across a model axis"
 WIDE_WIRE = "collective asked to be int8 runs wider"
+BUFFER_OVER_BOUND = "communication buffer over the bound"
+
+#: Allocation more than this fraction over XLA's live peak is reported as fragmentation (ZeRO's M_D).
+FRAGMENTATION_SLACK = 0.10
+#: How many of the buffers alive at the live peak the report names.
+PEAK_BUFFERS_SHOWN = 5
+#: How many member shapes of a combined collective the report writes out.
+SHAPES_SHOWN = 4
+#: The programs a :class:`CommBuffer` is read from.
+POST_SPMD, COMPILED = "post-SPMD", "compiled"
+OUTSIDE_BLOCKS = "outside blocks"
+
+BUFFER_MESSAGE = (
+    "{program} {kind} '{name}' (op {op_name}{block}, x{trips} per step) moves one buffer of {nbytes} ({shapes}), "
+    "over max_buffer_bytes = {bound}: a communication buffer must not grow with the model (ZeRO's constant-size "
+    "buffers). Split the block's collectives into buckets of at most the bound, or lower the backend's combiner "
+    "threshold."
+)
+BAD_BOUND = "check: max_buffer_bytes must be a positive number of bytes (or None), got {bound!r}."
+NO_BUFFERS = (
+    "check(max_buffer_bytes=...): this report has no communication buffers read (report.buffers is None); "
+    "audit the step with zj.audit to judge its buffers."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +390,167 @@ class Overlap:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeakBuffer:
+    """One buffer alive at XLA's live peak: the instruction that defines it
+    (and the tuple index), its bytes and the JAX op that made it."""
+
+    name: str
+    index: str
+    bytes: int
+    op_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragmentation:
+    """Device memory the compiled step allocates beside XLA's live peak
+    (ZeRO's M_D: XLA plans memory statically, so fragmentation is the gap
+    between what its heap packs and what is alive at once).
+
+    Attributes:
+      allocated: the buffer assignment's total in device memory (the
+        memory-usage report's default space: HBM on TPU), else argument +
+        output + temp − alias.
+      live_peak: the bytes of the values alive at once at the busiest point of
+        the schedule (``HloLiveRange``, arguments still in use included),
+        before the heap packs them into buffers.
+      at, at_op_name: the instruction scheduled at the peak and its JAX op.
+      buffers: the largest buffers alive at the peak (at most
+        :data:`PEAK_BUFFERS_SHOWN`), largest first.
+    """
+
+    allocated: int
+    live_peak: int
+    at: str
+    at_op_name: str
+    buffers: tuple[PeakBuffer, ...]
+
+    @property
+    def ratio(self) -> float:
+        """allocated / live peak (1.0: packed without a gap)."""
+        return self.allocated / self.live_peak if self.live_peak else math.inf
+
+    @property
+    def fragmented(self) -> bool:
+        """Allocation exceeds the live peak by more than :data:`FRAGMENTATION_SLACK`."""
+        return self.ratio > 1 + FRAGMENTATION_SLACK
+
+    def lines(self) -> list[str]:
+        """The report's text: the ratio, and where the peak is when fragmented."""
+        head = (f"allocated {fmt_bytes(self.allocated)} / XLA's live peak {fmt_bytes(self.live_peak)} (values alive "
+                f"at once, before heap packing) = {self.ratio:.3f}")  # fmt: skip
+        if not self.fragmented:
+            return [f"memory: {head} (within {FRAGMENTATION_SLACK:.0%}: no fragmentation)"]
+        at = f"{self.at} ({self.at_op_name})" if self.at_op_name else self.at
+        out = [
+            f"fragmentation: {head}: allocation exceeds the live peak by {self.ratio - 1:.0%} "
+            f"({fmt_bytes(self.allocated - self.live_peak)} the heap cannot reuse); the peak is at {at or '-'}; "
+            "largest buffers alive there:"
+        ]
+        out += [f"  {fmt_bytes(b.bytes):>11}  {b.name}{b.index if b.index != '{}' else ''}"
+                + (f"  ({b.op_name})" if b.op_name else "") for b in self.buffers]  # fmt: skip
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBuffer:
+    """One communication buffer of the step: a collective of the post-SPMD
+    program, or one op of the compiled program (the members of a combined op
+    together: one buffer).
+
+    Attributes:
+      program: :data:`POST_SPMD` or :data:`COMPILED`.
+      kind: what it does (a combined op of several kinds: theirs joined by ``+``).
+      name: the instruction; op_name: the JAX op that made it (one member's).
+      bytes: the buffer: a gather's result, a reduce-scatter's input, the
+        others' operand; summed over a combined op's members.
+      shapes: its members' ``dtype[dims]``.
+      block: ``"block 3"`` (its ``zj_block3_*`` scope), ``"loop x8"`` (unnamed,
+        in loops run 8 times per step: a scan's layers) or :data:`OUTSIDE_BLOCKS`.
+      trips: executions per step.
+    """
+
+    program: str
+    kind: str
+    name: str
+    bytes: int
+    shapes: tuple[str, ...]
+    op_name: str
+    block: str
+    trips: int
+
+    @property
+    def shape_text(self) -> str:
+        """Its members' shapes, the first few of a large combined op."""
+        more = len(self.shapes) - SHAPES_SHOWN
+        return ", ".join(self.shapes[:SHAPES_SHOWN]) + (f", and {more} more" if more > 0 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockComm:
+    """The collectives of one layer-wise block per step.
+
+    Attributes:
+      name: ``"block 3"``, ``"loop x8"`` (collectives named by no block,
+        inside loops of 8 trips per step: a ``zj.scan_layers`` scan's layers,
+        counted over all of them) or :data:`OUTSIDE_BLOCKS`.
+      post_spmd: kind -> executions per step in the post-SPMD program (one
+        per array: what the step asks for).
+      compiled: kind -> compiled ops executed per step (a combined op's
+        members once: the launches the backend makes); empty when the
+        compiled program was not read.
+      largest: the block's largest single buffer (either program).
+    """
+
+    name: str
+    post_spmd: Mapping[str, int]
+    compiled: Mapping[str, int]
+    largest: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffers:
+    """Communication buffers of a step (ZeRO's C_B, constant-size buffers):
+    collectives per block and every buffer, read off the post-SPMD program and
+    the compiled one. ``check(max_buffer_bytes=...)`` flags each buffer over
+    the bound (:meth:`over`)."""
+
+    blocks: tuple[BlockComm, ...]
+    buffers: tuple[CommBuffer, ...]  # largest first
+
+    def largest(self, program: str = POST_SPMD) -> CommBuffer | None:
+        """The step's largest single buffer in ``program`` (None: no collective)."""
+        return next((b for b in self.buffers if b.program == program), None)
+
+    def over(self, bound: float) -> list[Violation]:
+        """One violation per buffer (either program) over ``bound`` bytes."""
+        return [
+            Violation(BUFFER_OVER_BOUND, f"{b.program}:{b.name}", BUFFER_MESSAGE.format(
+                program=b.program, kind=b.kind, name=b.name, op_name=b.op_name or "-", trips=b.trips,
+                block="" if b.block == OUTSIDE_BLOCKS else f", {b.block}", nbytes=fmt_bytes(b.bytes),
+                shapes=b.shape_text, bound=fmt_bytes(bound),
+            ))  # fmt: skip
+            for b in self.buffers
+            if b.bytes > bound
+        ]
+
+    def lines(self) -> list[str]:
+        """The report's text: the largest buffers and the collectives per block."""
+        out = []
+        for program in (POST_SPMD, COMPILED):
+            b = self.largest(program)
+            if b is not None:
+                out.append(f"largest communication buffer ({program}): {fmt_bytes(b.bytes)}, {b.kind} '{b.name}' "
+                           f"({b.shape_text}; {b.block}; op {b.op_name or '-'})")  # fmt: skip
+        if self.blocks:
+            out.append("collectives per block per step (post-SPMD executions; compiled ops launched):")
+        for blk in self.blocks:
+            post = ", ".join(f"{k} {n}" for k, n in sorted(blk.post_spmd.items())) or "-"
+            comp = ", ".join(f"{k} {n}" for k, n in sorted(blk.compiled.items())) or "-"
+            out.append(f"  {blk.name:<16} post-SPMD: {post}; compiled: {comp}; largest {fmt_bytes(blk.largest)}")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class AuditReport:
     """What a compiled step holds and sends, beside its stage's contract.
 
@@ -390,7 +574,19 @@ class AuditReport:
       replicated: the float leaves kept whole on a device in a category the
         stage partitions (small ones are expected: see ``min_shard_size``).
       memory: ``compiled.memory_analysis()`` per device: argument, output,
-        temp, alias, and ``peak`` = argument + output + temp − alias.
+        temp, alias, and ``peak`` = argument + output + temp − alias; where
+        the compile's dump reports them, ``allocated`` (the buffer
+        assignment's device-memory total: HBM on TPU), ``live_peak`` (XLA's
+        live peak: bytes of the values alive at once at the busiest point,
+        ``HloLiveRange``) and ``fragmentation`` = allocated (else ``peak``) /
+        ``live_peak``.
+      fragmentation: the same figures with where the peak is and the largest
+        buffers alive there (:class:`Fragmentation`); the text says when
+        allocation exceeds the live peak by more than 10%.
+      buffers: the communication buffers (:class:`Buffers`): collectives per
+        layer-wise block per step (post-SPMD executions and compiled ops by
+        kind) and every buffer, the largest of the step first;
+        ``check(max_buffer_bytes=...)`` flags each one over the bound.
       collectives: the partitioned program's collectives (kind, dtype, shape,
         bytes, trips), and ``loops``: instruction name -> trip counts of the
         loops around it, outermost first.
@@ -429,7 +625,7 @@ class AuditReport:
     bytes_per_param: Mapping[str, float]
     leaves: tuple[LeafBytes, ...]
     replicated: tuple[LeafBytes, ...]
-    memory: Mapping[str, int]
+    memory: Mapping[str, float]
     collectives: tuple[Collective, ...]
     loops: Mapping[str, tuple[int, ...]]
     comm: Communication
@@ -450,16 +646,29 @@ class AuditReport:
     wire_roles: tuple[str, ...] = ()
     compiled: CompiledComm | None = None
     overlap: Overlap | None = None
+    fragmentation: Fragmentation | None = None
+    buffers: Buffers | None = None
 
     @property
     def ok(self) -> bool:
         return not self.violations
 
-    def check(self) -> AuditReport:
+    def check(self, *, max_buffer_bytes: float | None = None) -> AuditReport:
         """Raise :class:`AuditError` listing every violation; return ``self``
-        when there is none."""
-        if self.violations:
-            raise AuditError(self.violations, f"zj.audit: stage {self.stage} at N = {self.num_devices}")
+        when there is none.
+
+        ``max_buffer_bytes``: a bound on any single communication buffer
+        (:attr:`buffers`, post-SPMD and compiled): each buffer over it is a
+        violation naming the collective."""
+        violations = self.violations
+        if max_buffer_bytes is not None:
+            if not is_real_number(max_buffer_bytes) or not max_buffer_bytes > 0:
+                raise ValueError(BAD_BOUND.format(bound=max_buffer_bytes))
+            if self.buffers is None:
+                raise ValueError(NO_BUFFERS)
+            violations += tuple(self.buffers.over(max_buffer_bytes))
+        if violations:
+            raise AuditError(violations, f"zj.audit: stage {self.stage} at N = {self.num_devices}")
         return self
 
     def _roles(self) -> tuple[str, ...]:
@@ -534,6 +743,7 @@ class AuditReport:
             "compiled memory per device: "
             + ", ".join(f"{k} {fmt_bytes(m[k])}" for k in ("argument", "output", "temp", "alias", "peak"))
         )
+        lines.extend(self.fragmentation.lines() if self.fragmentation is not None else [])
         lines.append("collectives (post-SPMD, per step):")
         for r in self.collective_summary():
             lines.append(
@@ -546,6 +756,7 @@ class AuditReport:
         lines.extend(self.compiled.lines(self.post_spmd_by_kind()) if self.compiled is not None else [])
         lines.extend(self.layers.lines() if self.layers is not None else [])
         lines.extend(self.overlap.lines() if self.overlap is not None else [])
+        lines.extend(self.buffers.lines() if self.buffers is not None else [])
         if self.violations:
             lines.append(f"VIOLATIONS ({len(self.violations)}):")
             lines.extend(f"  - {v}" for v in self.violations)
