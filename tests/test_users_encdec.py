@@ -1,7 +1,8 @@
-"""Encoder-decoder shapes under the layer-wise ZeRO-3 schedule (issue 29, CORE.md B).
+"""Encoder-decoder shapes under the layer-wise ZeRO-3 schedule (issue 29, CORE.md B and C).
 
-A decoder block's first argument (the target embedding) exists at the program's start, beside the encoder
-output; its forward gathers must still wait for the encoder."""
+B: a decoder block's first argument (the target embedding) exists at the program's start, beside the encoder
+output; its forward gathers must still wait for the encoder. C: the audit counts layers alive by their bytes, so a
+tiny piece of a block (a norm weight) kept alive to the program's end is not counted as a whole layer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_mesh, reference_run, relative_update_error
+from _models import make_mesh, reference_run, relative_update_error, t5, t5_batches, t5_loss
 
 import zero_jax as zj
 from zero_jax import measure
@@ -95,3 +96,36 @@ def test_a_decoder_block_gathers_only_after_the_encoder_ran(prefetch: int) -> No
     ref, _ = reference_run(optax.adam(1e-2), params, batches, _loss(None, prefetch))
     gap = relative_update_error(zj.full_params(state), ref, params)
     assert max(gap.values()) <= 1e-5, gap  # fp32, Adam lr 1e-2, 2 steps of 16 rows: reduction order only
+
+
+def test_layers_alive_counts_a_named_block_by_the_bytes_of_it_alive() -> None:
+    # Block 0's 64-element weight dies after d0; its 2-element norm weight n0 lives to the ROOT (XLA:CPU fused the
+    # norm weights of every block into one op at the end of a T5 step). Block 1 is whole while n0 is alive.
+    lines = [
+        "ENTRY %main (p: f32[1,8], q: f32[2]) -> f32[2,8] {",
+        "  %p = f32[1,8] parameter(0)", "  %q = f32[2] parameter(1)",
+        "  %w0 = f32[8,8] all-gather(%p)", "  %n0 = f32[2] all-gather(%q)",
+        "  %d0 = f32[2,8] dot(%p, %w0)", "  %w1 = f32[8,8] all-gather(%p)",
+        "  %d1 = f32[2,8] dot(%d0, %w1)", "  ROOT %out = (f32[2,8], f32[2]) tuple(%d1, %n0)", "}",
+    ]  # fmt: skip
+    block = {"w0": 0, "n0": 0, "w1": 1}
+    alive = measure.layers_alive("\n".join(lines), lambda ins: ("block", block[ins.name], "forward"), 64)
+    assert alive.layers == 1, alive  # base commit: 2 (block 0 counted whole while only n0 was alive)
+
+
+@pytest.mark.slow  # two compiles of a depth-4 T5 step (the audit's own): ~40 s on 2 idle cores
+def test_t5_layerwise_step_holds_at_most_two_layers_and_gathers_in_block_order() -> None:
+    model, variables = t5(4)
+    adapted = zj.adapters.from_linen(model, variables, t5_loss(model), layers="auto")
+    policy = adapted.policy(3, make_mesh(8), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    step, state, batch = adapted.make_train_step(tx, policy), adapted.init_state(tx, policy), t5_batches(1)[0]
+    gathers, _ = forward_order(step.lower(state, batch).compile().as_text())
+    # B: blocks 0-3 the encoder's, 4-7 the decoder's. Base commit: decoder block 1 (block 5) was gathered first,
+    # at the program's start (its prefetch waited for decoder block 0's first argument, the target embedding).
+    assert sorted(gathers) == list(range(8))
+    assert [gathers[i] for i in range(8)] == sorted(gathers.values()), gathers
+    # C: base commit: max_alive 8 and check() failed ("holds 8 whole layers at once"): each block's backward
+    # re-gather of its (32,) norm weight is alive to the end of the program (all 8 feed one fusion there).
+    report = zj.audit(step, state, batch).check()
+    assert report.layers.judged and report.layers.max_alive <= 2, report.layers
