@@ -55,7 +55,11 @@ class Net(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.embed(x)
         for block in self.blocks:
-            x = nnx.remat(lambda b, h: b(h))(block, x) if self.remat == "around" else block(x)
+            if self.remat in ("around", "jit around"):
+                lifted = nnx.remat if self.remat == "around" else nnx.jit
+                x = lifted(lambda b, h: b(h))(block, x)
+            else:
+                x = block(x)
         return self.head(x)
 
 
@@ -133,8 +137,8 @@ def test_nnx_shared_module_is_gathered_once_for_the_step_not_with_a_block() -> N
         assert (b.weights, b.forward, b.backward, b.reduce_scatters, b.bytes) == (2, 2, 2, 2, (D * D + D) * 4), b
 
 
-@pytest.mark.parametrize("remat", ["decorated", "around"])
+@pytest.mark.parametrize("remat", ["decorated", "around", "jit around"])
 def test_nnx_remat_on_or_around_the_block_call_trains_like_optax(remat: str) -> None:
     # "around" (nnx.remat(lambda b, h: b(h))(block, x)) on the base commit: TypeError "Cannot interpret value of
-    # type _Routed as an abstract array" (the stand-in block was not a JAX value).
+    # type _Routed as an abstract array" (the stand-in block was not a JAX value); nnx.jit alike.
     _check_like_optax(zj.adapters.from_nnx(Net(remat=remat), loss, layers="blocks/*"), 3, remat=remat)

@@ -476,7 +476,11 @@ def from_nnx(
         loss updates a variable.
 
       layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
-        class; reported as ``adapted.layers``. Their state (batch statistics) goes through each call and back.
+        class; reported as ``adapted.layers``. Their state (batch statistics) goes through each call and back. A
+        module several blocks call (one ``nnx.Linear`` held by the model and by every block) is no block's: it is
+        gathered whole once for the step and its gradient is the sum over the calls. ``@nnx.remat`` on
+        ``Block.__call__`` works, and so do ``nnx.remat`` / ``nnx.jit`` around the call (``nnx.remat(lambda b, x:
+        b(x))(block, x)``).
       prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
       logical_axis_rules: ``(logical, mesh_axis)`` pairs for the variables' ``out_sharding`` names (besides their
         ``sharding_rules``); without any rules the names are mesh axes. The layout is ``adapted.param_specs``.
