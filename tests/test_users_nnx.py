@@ -109,6 +109,7 @@ def test_nnx_module_shared_by_every_block_trains_like_optax(stage: int) -> None:
     state = _check_like_optax(adapted, stage)
     # The shared kernel lives between steps as the policy places any (16, 16) leaf: partitioned over "data" in
     # stage 3 (a (2, 16) piece per device), whole on every device in stages 0-2; never silently replicated.
+    # Inside the step it is gathered once for all blocks (test below), its gradient summed over the blocks.
     kernel = state.params["blocks"][0]["shared"]["kernel"]
     policy = adapted.policy(stage, make_mesh(8), min_shard_size=0)
     assert kernel.sharding.is_equivalent_to(policy.param_sharding({"k": kernel})["k"], kernel.ndim)
@@ -116,6 +117,11 @@ def test_nnx_module_shared_by_every_block_trains_like_optax(stage: int) -> None:
     assert pieces == ({(2, D)} if stage == 3 else {(D, D)}), pieces
     if stage == 3:
         assert "data" in jax.tree.leaves(tuple(kernel.sharding.spec))
+    # Its Adam moments: (2, 16) pieces from stage 1 on, as the policy places them; whole in stage 0.
+    moments = [x for p, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+               if "['shared']['kernel']" in jax.tree_util.keystr(p)]  # fmt: skip
+    assert len(moments) == 2 and all({s.data.shape for s in m.addressable_shards} == {(2, D) if stage else (D, D)}
+                                     for m in moments)  # fmt: skip
 
 
 def test_nnx_module_shared_from_outside_the_blocks_trains_like_optax() -> None:
