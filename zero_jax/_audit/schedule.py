@@ -63,8 +63,11 @@ def _intervals(
         if ins.op in ("all-gather", "all-gather-start"):
             key = classify(ins)  # an int: an unnamed layer-shaped gather holding that many elements whole
             if key is not None:
-                groups.add(("elements", ins.name) if key == "elements" or type(key) is int else key)
-                size[("elements", ins.name)] = key if type(key) is int else ins.elements
+                # One buffer per gather, a named one too: a block counts by the bytes of it still alive (a
+                # block's norm weight kept to the program's end is not its whole layer).
+                held = ("elements", ins.name) if key == "elements" or type(key) is int else (key, ins.name)
+                groups.add(held)
+                size[held] = key if type(key) is int else ins.elements
         elif ins.op == "get-tuple-element" and carried and ins.operands and ins.operands[0] in params:
             slot = re.search(r"index=(\d+)", ins.attrs)
             if slot and int(slot.group(1)) in carried:
@@ -95,10 +98,11 @@ def layers_alive(program: str | CompiledProgram, classify: Classify, layer_eleme
     Walks each computation in schedule order, tracking every gathered
     buffer ``classify`` names from its all-gather to its last use (through
     bitcasts, copies, slices, tuples; from an int8 gather into a read of it
-    of more than half its elements: its dequantized copy). A named group alive counts one layer;
-    unnamed layer-shaped gathers (and, in a loop body, the gathered layers
-    carried from the previous trip: a prefetch queue) count their elements /
-    ``layer_elements``, rounded down. At a while loop the count is what stays
+    of more than half its elements: its dequantized copy). Every gathered
+    buffer alive, named (a block's) or unnamed (layer-shaped), and in a loop
+    body the gathered layers carried from the previous trip (a prefetch
+    queue), counts its elements: the count is their sum / ``layer_elements``,
+    rounded down (a small piece of a block alive is no whole layer). At a while loop the count is what stays
     alive across the loop plus the most its body holds. ``program``: HLO text,
     or the program :func:`zero_jax._audit.compiled.read_compiled` read (an
     async gather is alive from its start).
@@ -131,10 +135,9 @@ def layers_alive(program: str | CompiledProgram, classify: Classify, layer_eleme
             inner = walk(body.group(1)).layers if body else 0
             # Buffers handed to the loop are counted inside it (as carried layers).
             alive = [g for g, (a, b) in span.items() if a <= t <= b and (b > t or not inner)]
-            named = sum(1 for g in alive if g[0] not in ("elements", "carry"))
             whole = sum(size.get(g, 0) for g in alive) // max(layer_elements, 1)
-            if named + whole + inner > best.layers:
-                best = Alive(named + whole + inner, f"{name}/{ins.name}")
+            if whole + inner > best.layers:
+                best = Alive(whole + inner, f"{name}/{ins.name}")
         memo[name] = best
         return best
 

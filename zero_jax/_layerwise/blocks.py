@@ -39,7 +39,7 @@ from zero_jax._base.units import is_whole_number
 from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.activations import partition_saved, regather_saved
 from zero_jax._layerwise.pieces import Sharded, check_parameter_pieces
-from zero_jax._layerwise.schedule import schedule_for, use_order
+from zero_jax._layerwise.schedule import inputs_anchor, schedule_for, use_order
 from zero_jax._layerwise.scope import active_policy
 from zero_jax._layout.leaf import LeafLayout, is_float
 from zero_jax._policy.memory import to_device
@@ -201,7 +201,7 @@ class LayerChain:
         for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.layers))) if self._gathers else ():
             if ahead not in self._queue:
                 nxt = _Block.of(ahead, self.layers[ahead])
-                self._queue[ahead] = (trace, nxt.wholes(nxt.sources, policy, args))
+                self._queue[ahead] = (trace, nxt.wholes(nxt.sources, policy, inputs_anchor(args)))
         previous = self._last if self._last is not None and self._last.trace == trace else None
         out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block,
                                wholes, args, previous)  # fmt: skip
@@ -212,7 +212,7 @@ class LayerChain:
         queued = self._queue.pop(index, None)
         if queued is not None and queued[0] == trace:
             return queued[1]
-        return block.wholes(block.sources, self.policy, args)
+        return block.wholes(block.sources, self.policy, inputs_anchor(args))
 
 
 def _token_zeros(wholes: list[Any], axis: Any) -> list[Any]:

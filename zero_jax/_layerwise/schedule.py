@@ -15,7 +15,11 @@ from here.
     piece, so every block stays whole for the whole step. A gather's operand
     is therefore tied by data (:func:`tie`) to a value that exists only when
     the gather is due: the block's input (forward; for a prefetch, the input of
-    the block that issues it) or its output's cotangent (backward). The tie
+    the block that issues it) or its output's cotangent (backward). A block's
+    input is every leaf of its arguments (:func:`inputs_anchor`): anchored on
+    the first alone, a decoder block whose first argument is the token
+    embedding (there at the program's start, beside the encoder output) had
+    its gathers hoisted before the whole encoder. The tie
     ors the piece's bits with an integer zero made from that value, which
     changes no bit (NaN, infinities, ``-0.0`` and subnormals included) and
     which the compiler cannot fold (``a - a`` is zero only for finite ``a``).
@@ -191,16 +195,38 @@ def slice_unfusable(a: jax.Array, axis_name: Any, dim: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(piece, a.dtype)
 
 
+def _numeric_leaves(tree: Any) -> list[Any]:
+    """The non-empty numeric (or bool) arrays of ``tree``, in order."""
+    return [
+        leaf
+        for leaf in jax.tree.leaves(tree)
+        if not isinstance(leaf, SymbolicZero)
+        and hasattr(leaf, "dtype")
+        and getattr(leaf, "size", 0)
+        and (jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_)
+    ]
+
+
+def _element(leaf: Any) -> jax.Array:
+    return jax.lax.stop_gradient(jnp.ravel(leaf)[0]).astype(jnp.float32)
+
+
 def _first_element(tree: Any) -> jax.Array | None:
     """One element of the first non-empty array in ``tree`` (as float32,
     gradient stopped), or None when there is none."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, SymbolicZero) or not hasattr(leaf, "dtype") or not getattr(leaf, "size", 0):
-            continue
-        if not (jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_):
-            continue
-        return jax.lax.stop_gradient(jnp.ravel(leaf)[0]).astype(jnp.float32)
-    return None
+    leaves = _numeric_leaves(tree)
+    return _element(leaves[0]) if leaves else None
+
+
+def inputs_anchor(args: Any) -> Any:
+    """An anchor that exists only once every numeric leaf of a block's
+    arguments does (the forward gathers' anchor, ``tie_gathers``): one element
+    of each, summed as float32 (gradient stopped). With one such leaf (or
+    none) it is ``args`` itself, so the program is the one anchored on it."""
+    leaves = _numeric_leaves(args)
+    if len(leaves) <= 1:
+        return args
+    return sum((_element(leaf) for leaf in leaves[1:]), _element(leaves[0]))
 
 
 _BITS = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}

@@ -56,8 +56,9 @@ With batch norm in training mode the running statistics are model state:
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -65,6 +66,7 @@ from flax import nnx
 
 from zero_jax._base.tree import PyTree, path_str
 from zero_jax._layerwise.blocks import LayerChain
+from zero_jax._layerwise.pieces import gather
 from zero_jax._layout.leaf import is_float
 from zero_jax.adapters._blocks import (
     Blocks,
@@ -128,15 +130,17 @@ class _Rebuild:
             self.treedef, [values.get(p, x) for p, x in zip(self.paths, self.leaves, strict=True)]
         )
 
-    def __call__(self, pure: PyTree | None = None) -> nnx.State:
+    def __call__(self, pure: PyTree | None = None, extra: dict[str, Any] | None = None) -> nnx.State:
+        """The template with the values of ``pure`` (and ``extra``: values by key string, a block's borrowed
+        parameters)."""
         if pure is None:
             return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
         pairs = jax.tree_util.tree_flatten_with_path(pure, is_leaf=is_sharded)[0]
-        flat = {jax.tree_util.keystr(p): x for p, x in pairs}
+        flat = {jax.tree_util.keystr(p): x for p, x in pairs} | (extra or {})
         if set(flat) != set(self.paths):
-            missing, extra = sorted(set(self.paths) - set(flat)), sorted(set(flat) - set(self.paths))
+            missing, unexpected = sorted(set(self.paths) - set(flat)), sorted(set(flat) - set(self.paths))
             raise ValueError(
-                f"{_WHERE}: the parameters do not match the model: missing {missing}, unexpected {extra}. "
+                f"{_WHERE}: the parameters do not match the model: missing {missing}, unexpected {unexpected}. "
                 "Pass the params of this adapter (or a TrainState made from them)."
             )
         return jax.tree_util.tree_unflatten(self.treedef, [flat[p] for p in self.paths])
@@ -259,27 +263,79 @@ def _node(model: Any, keys: tuple[Any, ...]) -> Any:
     return model
 
 
+class _BlockSpec(NamedTuple):
+    """How block i is rebuilt inside its call: its graph, its trainable state's template, and the key strings
+    (in that state) of the parameters it borrows: used by other blocks too, or owned outside the blocks."""
+
+    graphdef: Any
+    rebuild: _Rebuild
+    borrowed: tuple[str, ...]
+
+
+_BORROWED_PIECE = (
+    "{where}: the layers= block '{block}' uses parameters it shares with other code ({leaves}), and they are "
+    "still partitioned when it runs (they lie in a stacked= subtree). Keep a shared module out of the stacked= "
+    "subtrees (hold it in the model beside the blocks)."
+)
+
+
+def _variables(module: nnx.Module, trainable: Any) -> dict[str, nnx.Variable]:
+    """The trainable Variables of ``module`` by the key string of its state (``['lin']['kernel']``)."""
+    pairs = jax.tree_util.tree_flatten_with_path(
+        nnx.state(module, trainable), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]
+    return {jax.tree_util.keystr(_strip(p)): v for p, v in pairs}
+
+
+def _owners(model: nnx.Module) -> dict[int, str]:
+    """id(Variable) -> its path in the model's parameters (``blocks/0/shared/kernel``): NNX keeps a Variable
+    reached by several paths once, at the first path it meets."""
+    return {id(n): "/".join(map(str, p)) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.Variable)}
+
+
+def _without(tree: PyTree, prefix: str, paths: frozenset[str]) -> PyTree:
+    """A pure dict without the leaves at ``paths`` (full paths; ``prefix`` is the path of ``tree``)."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _without(v, f"{prefix}/{k}", paths) for k, v in tree.items() if f"{prefix}/{k}" not in paths}
+
+
 class _Routed:
     """Stands in for block ``index`` while a manual step traces the loss: its call runs through the chain, the
-    block's non-trainable state passed in and its update written back into the block."""
+    block's non-trainable state passed in and its update written back into the block. Parameters the block
+    borrows (a module shared by several blocks) are read whole from the model and closed over: the chain
+    differentiates them as constants of the call, so their gradient is the sum over the calls. A lifted
+    transform around the block's call (``nnx.remat(f)(block, x)``, ``nnx.jit``) passes the stand-in through
+    as static data (a leafless pytree), so the block runs through the chain inside the transform too."""
 
-    def __init__(self, block: nnx.Module, index: int, chain: LayerChain, spec: Any, not_trainable: Any) -> None:
-        self.block, self.index, self.chain, self.spec, self.not_trainable = block, index, chain, spec, not_trainable
+    def __init__(self, block: nnx.Module, index: int, chain: LayerChain, spec: _BlockSpec, lw: _Layerwise) -> None:
+        self.block, self.index, self.chain, self.spec, self.lw = block, index, chain, spec, lw
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.block, name)
 
+    def _borrowed(self) -> dict[str, Any]:
+        live = _variables(self.block, self.lw.trainable)
+        values = {k: live[k].get_value() for k in self.spec.borrowed}
+        pieces = [k for k, x in values.items() if is_sharded(x)]
+        if pieces:
+            raise ValueError(_BORROWED_PIECE.format(where=_WHERE, block=self.lw.blocks_paths[self.index],
+                                                    leaves=", ".join(pieces)))  # fmt: skip
+        return values
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        graphdef, rebuild = self.spec
-        rest, rest_def = jax.tree.flatten(nnx.state(self.block, self.not_trainable))
+        graphdef, rebuild, _ = self.spec
+        not_trainable = self.lw.not_trainable
+        rest, rest_def = jax.tree.flatten(nnx.state(self.block, not_trainable))
         arrays, rebuild_args = split_arrays(args, kwargs)
         carried = [k for k, x in enumerate(rest) if _carried(x)]
+        borrowed = self._borrowed()
 
         def layer_fn(p: PyTree, state: list[Any], *xs: Any) -> Any:
             a, kw = rebuild_args(list(xs))
-            block = nnx.merge(graphdef, rebuild(p), jax.tree.unflatten(rest_def, state))
+            block = nnx.merge(graphdef, rebuild(p, borrowed), jax.tree.unflatten(rest_def, state))
             out = block(*a, **kw)
-            new = jax.tree.leaves(nnx.state(block, self.not_trainable))
+            new = jax.tree.leaves(nnx.state(block, not_trainable))
             return out, [new[k] for k in carried]
 
         out, new = self.chain.call(self.index, layer_fn, rest, *arrays)
@@ -290,26 +346,40 @@ class _Routed:
         return out
 
 
+# A leafless pytree holding itself as static data: NNX's attribute checks (it sits in the model's nnx.List
+# while the loss runs) and a transform wrapped around the block's call (nnx.remat(f)(block, x)) hand the
+# same stand-in through, so the block still runs through the chain.
+jax.tree_util.register_pytree_node(_Routed, lambda r: ((), r), lambda r, _: r)
+
+
 class _Layerwise:
     """The blocks ``layers=`` matched and how a manual step runs them: one :class:`LayerChain` per trace of the
-    loss, each block's call routed through it (:class:`_Routed`), everything else gathered on use."""
+    loss, each block's call routed through it (:class:`_Routed`), everything else gathered on use.
+
+    A parameter several blocks use (one module held by the model and by every block) is not any block's: it is
+    gathered whole once for the step with the rest of the model (NNX files it under the first block when the
+    blocks come first in its attribute order; it is cut out of that block's pieces), and each block borrows it."""
 
     def __init__(self, model: nnx.Module, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any,
                  trainable: Any) -> None:  # fmt: skip
-        self.prefixes, self.prefetch, self.not_trainable = prefixes, prefetch, nnx.Not(trainable)
+        self.prefixes, self.prefetch = prefixes, prefetch
+        self.trainable, self.not_trainable = trainable, nnx.Not(trainable)
         modules = {"/".join(map(str, p)): tuple(p) for p, n in nnx.iter_graph(model) if p and isinstance(n, nnx.Module)}
         self.undeclared = repeated_groups(params) if layers is None and not prefixes else []
         self.blocks: Blocks | None = None
+        self.hoisted: frozenset[str] = frozenset()
+        self.blocks_paths: tuple[str, ...] = ()
         if layers is None:
             return
         classes = {name: type(_node(model, keys)) for name, keys in modules.items()}
         self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
         check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
+        self.blocks_paths = self.blocks.paths
         self.keys = [modules[p] for p in self.blocks.paths]  # every subtree with parameters is a module's
-        self.specs = []
-        for keys in self.keys:
-            block_def, block_state, _ = nnx.split(_node(model, keys), trainable, ...)
-            self.specs.append((block_def, _Rebuild(block_state)))
+        self.specs, self.hoisted = _block_specs(model, self.keys, self.blocks.paths, trainable)
+        if self.hoisted:  # a block's size is what it owns alone
+            self.blocks = self.blocks._replace(bytes_per_layer=max(_bytes(params, p, self.hoisted)
+                                                                   for p in self.blocks.paths))  # fmt: skip
 
     def prepare(self, params: PyTree) -> tuple[PyTree, Callable[[nnx.Module], Any]]:
         """The params to merge the model from, and the context to run the loss on it in."""
@@ -317,8 +387,17 @@ class _Layerwise:
         if self.blocks is None or policy is None:
             check_declared_blocks(params, self.undeclared, _WHERE)
             return gather_unstacked(params, self.prefixes, _WHERE), lambda m: contextlib.nullcontext()
-        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
-        return gather_outside(params, self.blocks, _WHERE), lambda m: self._route(m, chain)
+        own = [_without(t, p, self.hoisted) for t, p in zip(block_params(params, self.blocks), self.blocks.paths,
+                                                             strict=True)]  # fmt: skip
+        chain = LayerChain(policy, own, self.prefetch)
+        outside = gather_outside(params, self.blocks, _WHERE)
+        if self.hoisted:
+            outside = jax.tree_util.tree_map_with_path(
+                lambda path, x: gather(x, policy) if is_sharded(x) and path_str(path) in self.hoisted else x,
+                outside,
+                is_leaf=is_sharded,
+            )
+        return outside, lambda m: self._route(m, chain)
 
     @contextlib.contextmanager
     def _route(self, m: nnx.Module, chain: LayerChain) -> Iterator[None]:
@@ -326,12 +405,46 @@ class _Layerwise:
         for i, (keys, spec) in enumerate(zip(self.keys, self.specs, strict=True)):
             parent = _node(m, keys[:-1])
             placed.append((parent, keys[-1], _get(parent, keys[-1])))
-            _put(parent, keys[-1], _Routed(placed[-1][2], i, chain, spec, self.not_trainable))
+            _put(parent, keys[-1], _Routed(placed[-1][2], i, chain, spec, self))
         try:
             yield
         finally:
             for parent, key, block in placed:
                 _put(parent, key, block)
+
+
+def _block_specs(
+    model: nnx.Module, keys: list[tuple[Any, ...]], paths: tuple[str, ...], trainable: Any
+) -> tuple[list[_BlockSpec], frozenset[str]]:
+    """Each block's :class:`_BlockSpec`, and the parameter paths inside blocks that several blocks use."""
+    owner = _owners(model)
+    per_block = [_variables(_node(model, k), trainable) for k in keys]
+    users = Counter(i for vs in per_block for i in {id(v) for v in vs.values()})
+    hoisted = frozenset(
+        owner[id(v)]
+        for vs in per_block
+        for v in vs.values()
+        if users[id(v)] > 1 and any(_under(owner[id(v)], p) for p in paths)
+    )
+    specs = []
+    for k, path, vs in zip(keys, paths, per_block, strict=True):
+        block_def, block_state, _ = nnx.split(_node(model, k), trainable, ...)
+        borrowed = tuple(rel for rel, v in vs.items() if users[id(v)] > 1 or not _under(owner[id(v)], path))
+        specs.append(_BlockSpec(block_def, _Rebuild(block_state), borrowed))
+    return specs, hoisted
+
+
+def _under(path: str, block: str) -> bool:
+    return path.startswith(f"{block}/")
+
+
+def _bytes(params: PyTree, path: str, hoisted: frozenset[str]) -> int:
+    """Parameter bytes of the block at ``path`` without the leaves at ``hoisted``."""
+    return sum(
+        int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if _under(full := path_str(p), path) and full not in hoisted
+    )
 
 
 def from_nnx(
@@ -363,7 +476,11 @@ def from_nnx(
         loss updates a variable.
 
       layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
-        class; reported as ``adapted.layers``. Their state (batch statistics) goes through each call and back.
+        class; reported as ``adapted.layers``. Their state (batch statistics) goes through each call and back. A
+        module several blocks call (one ``nnx.Linear`` held by the model and by every block) is no block's: it is
+        gathered whole once for the step and its gradient is the sum over the calls. ``@nnx.remat`` on
+        ``Block.__call__`` works, and so do ``nnx.remat`` / ``nnx.jit`` around the call (``nnx.remat(lambda b, x:
+        b(x))(block, x)``).
       prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
       logical_axis_rules: ``(logical, mesh_axis)`` pairs for the variables' ``out_sharding`` names (besides their
         ``sharding_rules``); without any rules the names are mesh axes. The layout is ``adapted.param_specs``.
