@@ -10,7 +10,7 @@ is needed). Sections (``--only NAME`` runs one; ``--quick`` shrinks every model 
   assignment's total: the TPU compiler's own figure), argument + output + temp - alias, the communication
   of the post-SPMD program against the theory, the compiled program's bytes, and whether it fits the
   chip (a step libtpu refuses for HBM counts as not fitting);
-* ``depth``: layer-wise stage 3 against depth (4 to 32) at dim 1024 on v5p-8, scanned and unscanned:
+* ``depth``: layer-wise stage 3 against depth on v5p-8, scanned (dim 1024, depth 4 to 32) and unscanned (dim 512):
   growth of the allocated HBM and of XLA's live peak against the allowance (the added layers'
   partitioned state + their saved block inputs), and stage 3 / stage 1 at depth 16;
 * ``gspmd``: the GSPMD FSDP recipe (plain ``jax.jit``, parameters, gradients and Adam state sharded over
@@ -74,6 +74,7 @@ QUICK = {
 STAGE_SLICES = [("v5p 8 chips", "v5p:2x2x2"), ("v5p 64 chips", "v5p:4x4x4"), ("v5e 8 chips", "v5e:2x4"),
                 ("v5e 256 chips", "v5e:16x16")]  # fmt: skip
 VARIANTS = ["0", "1", "2", "3/all", "3/scan", "3/apply"]
+DEPTHS_SCAN = [4, 8, 16, 32]
 
 
 # -- building steps on abstract inputs ------------------------------------------------------------------------
@@ -116,6 +117,7 @@ def measure(step: Any, state: Any, batch: Any, *, hbm: float, prefetch: int = 1)
     out = {
         "compile_s": round(time.perf_counter() - t, 1),
         "allocated_GiB": allocated / GiB, "peak_est_GiB": r.memory["peak"] / GiB, "temp_GiB": r.memory["temp"] / GiB,
+        "live_peak_GiB": r.memory["live_peak"] / GiB if r.memory.get("live_peak") else None,
         "fits": allocated <= hbm, "hbm_GiB": hbm / GiB,
         "comm_MiB": r.comm.measured / MiB, "theory_MiB": r.comm.theory / MiB,
         "comm_over_theory": r.comm.measured / r.comm.theory if r.comm.theory else None,
@@ -129,6 +131,21 @@ def measure(step: Any, state: Any, batch: Any, *, hbm: float, prefetch: int = 1)
         "state_GiB": sum(r.state_bytes.values()) / GiB,
     }  # fmt: skip
     return out
+
+
+#: Every measured row by its key, persisted as it is measured (``<stem>_rows.json``): a compile of the TPU
+#: program takes minutes to tens of minutes here, so an interrupted run resumes row by row.
+ROWS: dict[str, Any] = {}
+ROWS_FILE: list[Path] = []
+
+
+def cached(key: str, compute: Any) -> dict[str, Any]:
+    """``compute()`` (called at once, so a closure over loop variables is safe), or its row from the cache."""
+    if key not in ROWS:
+        ROWS[key] = compute()
+        if ROWS_FILE:
+            ROWS_FILE[0].write_text(json.dumps(ROWS, indent=1, default=str))
+    return dict(ROWS[key])
 
 
 def config(name: str, quick: bool, **over: Any) -> TransformerConfig:
@@ -156,7 +173,8 @@ def stages(quick: bool, log: Any) -> list[dict[str, Any]]:
                 log(f"stages {model} {label} {variant}")
                 row = {"model": model, "slice": label, "topology": topology, "variant": variant,
                        "params": cfg.num_params(), "chips": tpu.num_chips}  # fmt: skip
-                row |= measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device)
+                row |= cached(f"stages {model} {topology} {variant}",
+                              lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device))  # noqa: B023
                 rows.append(row)
                 log("  " + json.dumps({k: row[k] for k in ("allocated_GiB", "fits", "comm_over_theory")
                                        if k in row}))  # fmt: skip
@@ -167,14 +185,18 @@ def depth(quick: bool, log: Any) -> list[dict[str, Any]]:
     rows = []
     topology = "v5p:2x2x2"
     mesh, tpu = zj.topology_mesh(topology), zj.tpu_slice(topology)
-    depths = {"3/scan": [4, 8, 16, 32], "3/apply": [4, 8, 16], "1": [16]}
-    base = dict(vocab=32000, dim=1024, heads=16, seq=1024) if not quick else dict(vocab=512, dim=256, heads=4, seq=64)
-    for variant, ds in depths.items():
+    # The unrolled program (apply_layers) compiles for tens of minutes at dim 1024 here (depth 4: > 11 min on
+    # 2 loaded cores), so its series runs at dim 512; the scanned one compiles in minutes at any depth.
+    series = {"3/scan": (1024, DEPTHS_SCAN), "1": (1024, [16]), "3/apply": (512, [4, 8]), "1 ": (512, [8])}
+    for label, (dim, ds) in series.items():
+        variant = label.strip()
         for d in ds if not quick else ds[:2]:
-            cfg = TransformerConfig(depth=d, **base)
-            log(f"depth {variant} L={d}")
+            cfg = TransformerConfig(depth=d, vocab=32000, dim=dim, heads=16, seq=1024) if not quick else (
+                TransformerConfig(depth=d, vocab=512, dim=256, heads=4, seq=64))  # fmt: skip
+            log(f"depth {variant} dim={cfg.dim} L={d}")
             row = {"variant": variant, "depth": d, "params": cfg.num_params(), "dim": cfg.dim}
-            row |= measure(*build(mesh, variant, cfg, batch_per_device=1), hbm=tpu.hbm_per_device)
+            row |= cached(f"depth {variant} {cfg.dim} {d}{' quick' if quick else ''}",
+                          lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device))  # noqa: B023
             rows.append(row)
             log("  " + json.dumps({k: row.get(k) for k in ("allocated_GiB", "state_GiB", "layers_alive")}))
     return rows
@@ -243,7 +265,8 @@ def gspmd(quick: bool, log: Any) -> list[dict[str, Any]]:
            "allocated_GiB": allocated / GiB, "peak_est_GiB": zj.measure.memory(compiled)["peak"] / GiB,
            "comm_MiB": zj.measure.ring_bytes(colls) / MiB,
            "kinds": {k: v["count"] for k, v in zj.measure.summarize(colls).items()}}  # fmt: skip
-    zero = {"variant": "zero_jax stage 3 scan_layers"} | measure(*build(mesh, "3/scan", cfg), hbm=tpu.hbm_per_device)
+    zero = {"variant": "zero_jax stage 3 scan_layers"} | cached(
+        f"gspmd zero {cfg.dim} {cfg.depth}", lambda: measure(*build(mesh, "3/scan", cfg), hbm=tpu.hbm_per_device))
     rec["theory_MiB"] = zero["theory_MiB"]
     rec["comm_over_theory"] = rec["comm_MiB"] / zero["theory_MiB"]
     log("  " + json.dumps({k: rec[k] for k in ("allocated_GiB", "comm_over_theory")}))
@@ -253,8 +276,9 @@ def gspmd(quick: bool, log: Any) -> list[dict[str, Any]]:
 def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
     topology = "v5p:2x2x2"
     mesh, tpu = zj.topology_mesh(topology), zj.tpu_slice(topology)
-    cfg = TransformerConfig(**(dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024) if not quick
-                               else dict(vocab=512, dim=256, depth=4, heads=4, seq=64)))  # fmt: skip
+    # The unrolled program at dim 512, depth 4, for its compile time (see depth()).
+    shapes = {"3/scan": dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024),
+              "3/apply": dict(vocab=32000, dim=512, depth=4, heads=16, seq=1024)}  # fmt: skip
     trials = {
         "measured schedule": {},
         "ties off": {"tie_gathers": False, "tie_recompute": False, "tie_backward_order": False},
@@ -263,18 +287,28 @@ def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
         "scan prefetch carried across trips": {"prefetch_across_trips": True},
     }
     rows = []
-    for variant in ("3/apply", "3/scan"):
+    for variant in ("3/scan", "3/apply"):
+        cfg = TransformerConfig(**(shapes[variant] if not quick else dict(vocab=512, dim=256, depth=4, heads=4,
+                                                                              seq=64)))  # fmt: skip
         for prefetch in (0, 1):
             for name, switches in trials.items():
-                if prefetch == 0 and name not in ("measured schedule", "libtpu default options"):
+                if prefetch == 0 and name != "measured schedule":
                     continue
-                if name == "scan prefetch carried across trips" and (variant != "3/scan" or prefetch == 0):
+                if variant == "3/apply" and name in ("scan prefetch carried across trips",
+                                                     "backward prefetch all at once"):  # fmt: skip
                     continue
-                log(f"overlap {variant} prefetch={prefetch} {name}")
-                with zj.measure.trying_schedule(**switches):
-                    row = measure(*build(mesh, variant, cfg, prefetch=prefetch), hbm=tpu.hbm_per_device,
-                                  prefetch=prefetch)  # fmt: skip
-                rows.append({"variant": variant, "prefetch": prefetch, "trial": name} | row)
+                log(f"overlap {variant} dim={cfg.dim} L={cfg.depth} prefetch={prefetch} {name}")
+
+                def compute(variant: str = variant, prefetch: int = prefetch, switches: dict = switches,
+                            cfg: TransformerConfig = cfg) -> dict[str, Any]:  # fmt: skip
+                    with zj.measure.trying_schedule(**switches):
+                        return measure(*build(mesh, variant, cfg, prefetch=prefetch), hbm=tpu.hbm_per_device,
+                                       prefetch=prefetch)  # fmt: skip
+
+                key = f"overlap {variant} {cfg.dim} {cfg.depth} {prefetch} {name}{' quick' if quick else ''}"
+                row = cached(key, compute)
+                rows.append({"variant": variant, "dim": cfg.dim, "depth": cfg.depth, "prefetch": prefetch,
+                             "trial": name} | row)  # fmt: skip
                 log("  " + json.dumps({k: row.get(k) for k in ("allocated_GiB", "gather_overlap", "layers_alive")}))
     return rows
 
@@ -333,13 +367,13 @@ def claims(quick: bool, log: Any) -> list[dict[str, Any]]:
             violations: list[str] = []
         except zj.AuditError as err:
             violations = [v.kind for v in err.violations]
-        compiled = r.compiled.collectives if r.compiled else ()
+        kinds = r.compiled.kinds if r.compiled else ()
         row = {
             "cell": name, "stage": stage, "compile_s": round(time.perf_counter() - t, 1),
             "bytes_over_formula": {k: r.state_bytes[k] / r.formula[k] for k in r.formula if r.formula[k]},
             "comm_over_theory": r.comm.measured / r.comm.theory if r.comm.theory else None,
             "compiled_over_theory": r.compiled.ring_bytes / r.comm.theory if r.compiled and r.comm.theory else None,
-            "compiled_kinds_dtypes": sorted({f"{c.kind} {c.dtype}" for c in compiled}),
+            "compiled_kinds_dtypes": [f"{k.kind} {'/'.join(k.dtypes)}" for k in kinds],
             "comm_per_axis_MiB": {k: v / MiB for k, v in r.comm_per_axis.items()},
             "violations": violations,
         }  # fmt: skip
@@ -352,7 +386,7 @@ def claims(quick: bool, log: Any) -> list[dict[str, Any]]:
     return rows
 
 
-SECTIONS = {"stages": stages, "depth": depth, "gspmd": gspmd, "overlap": overlap, "claims": claims}
+SECTIONS = {"depth": depth, "gspmd": gspmd, "overlap": overlap, "claims": claims, "stages": stages}
 
 
 # -- the record ---------------------------------------------------------------------------------------------------
@@ -375,18 +409,23 @@ def table(results: dict[str, Any]) -> list[str]:
                        f"{r['comm_over_theory']:>8.3f} {ct:>11.3f} {r['gather_overlap'] or 0:>8.2f} "
                        f"{r['compile_s']:>9.0f}")  # fmt: skip
     if results.get("depth"):
-        out += ["", "== layer-wise stage 3 against depth (v5p 8 chips, dim 1024, seq 1024, batch 1 per chip)",
-                f"{'variant':<8} {'depth':>5} {'alloc GiB':>10} {'state GiB':>10} {'alive':>6} {'comm/th':>8}"]
+        out += ["", "== layer-wise stage 3 against depth (v5p 8 chips, seq 1024, batch 1 per chip, bf16 compute; "
+                "live = XLA's live peak, alloc / live = fragmentation)",
+                f"{'variant':<8} {'dim':>5} {'depth':>5} {'alloc GiB':>10} {'live GiB':>9} {'alloc/live':>10} "
+                f"{'state GiB':>10} {'comm/th':>8}"]  # fmt: skip
         for r in results["depth"]:
-            out.append(f"{r['variant']:<8} {r['depth']:>5} {r['allocated_GiB']:>10.3f} {r['state_GiB']:>10.3f} "
-                       f"{r['layers_alive'] or 0:>6} {r['comm_over_theory']:>8.3f}")  # fmt: skip
+            live = r.get("live_peak_GiB") or float("nan")
+            out.append(f"{r['variant']:<8} {r['dim']:>5} {r['depth']:>5} {r['allocated_GiB']:>10.3f} {live:>9.3f} "
+                       f"{r['allocated_GiB'] / live:>10.2f} {r['state_GiB']:>10.3f} "
+                       f"{r['comm_over_theory']:>8.3f}")  # fmt: skip
+        out += depth_verdicts(results["depth"])
     if results.get("gspmd"):
         out += ["", "== GSPMD FSDP recipe against zero_jax layer-wise stage 3 (v5p 8 chips)"]
         for r in results["gspmd"]:
             out.append(f"{r['variant']:<32} allocated {r['allocated_GiB']:.3f} GiB, comm {r['comm_MiB']:.1f} MiB "
                        f"= {r['comm_over_theory']:.3f} x theory")  # fmt: skip
     if results.get("overlap"):
-        out += ["", "== overlap and the schedule's tricks (v5p 8 chips, dim 1024, depth 8)",
+        out += ["", "== overlap and the schedule's tricks (v5p 8 chips; scan dim 1024 depth 8, apply dim 512 depth 4)",
                 f"{'variant':<8} {'pf':>2} {'trial':<36} {'alloc GiB':>10} {'overlap':>8} {'alive':>6}"]
         for r in results["overlap"]:
             alloc = r.get("allocated_GiB", float("nan"))
@@ -411,6 +450,36 @@ def table(results: dict[str, Any]) -> list[str]:
         for r in results["largest"]:
             out.append(f"N = {r['N']:>3} stage {r['stage']}: {r['largest_params'] / 1e9:>8.1f}B params "
                        f"(activations {r['activations_GiB']:.2f} GiB)")  # fmt: skip
+    return out
+
+
+def depth_verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Growth of the layer-wise stage-3 peak from the shallowest depth against the allowance (the added layers'
+    partitioned state + their saved block inputs, seq x dim bf16 each per chip) and stage 3 / stage 1 at the
+    deepest depth measured for both, per series."""
+    out = []
+    for variant in ("3/scan", "3/apply"):
+        series = sorted((r for r in rows if r["variant"] == variant and "allocated_GiB" in r), key=lambda r: r["depth"])
+        if len(series) < 2:
+            continue
+        first = series[0]
+        for last in series[1:]:
+            carry = 1024 * last["dim"] * 2 / GiB  # one saved block input per chip (seq 1024, batch 1, bf16)
+            allowance = last["state_GiB"] - first["state_GiB"] + (last["depth"] - first["depth"]) * carry
+            for key, name in (("allocated_GiB", "allocated"), ("live_peak_GiB", "live peak")):
+                if last.get(key) is None or first.get(key) is None:
+                    continue
+                growth = last[key] - first[key]
+                out.append(f"  {variant} dim {last['dim']} depth {first['depth']} -> {last['depth']}: {name} grows "
+                           f"{growth:.3f} GiB against the allowance {allowance:.3f} GiB = {growth / allowance:.2f}x "
+                           f"({'within' if growth <= 1.3 * allowance else 'OVER'} 1.3x)")  # fmt: skip
+        one = next((r for r in rows if r["variant"] == "1" and r["dim"] == series[-1]["dim"]
+                    and r["depth"] == series[-1]["depth"] and "allocated_GiB" in r), None)  # fmt: skip
+        if one:
+            ratio = series[-1]["allocated_GiB"] / one["allocated_GiB"]
+            out.append(f"  {variant} dim {one['dim']} depth {one['depth']}: stage 3 / stage 1 allocated = "
+                       f"{series[-1]['allocated_GiB']:.3f} / {one['allocated_GiB']:.3f} = {ratio:.2f} "
+                       f"({'within' if ratio <= 0.5 else 'OVER'} 0.5)")  # fmt: skip
     return out
 
 
@@ -447,6 +516,9 @@ def main(argv: list[str] | None = None) -> None:
     stem = "tpu_aot_quick" if args.quick else "tpu_aot"
     cache = args.out / f"{stem}.json"
     results: dict[str, Any] = {} if args.fresh or not cache.exists() else json.loads(cache.read_text())
+    ROWS_FILE.append(args.out / f"{stem}_rows.json")
+    if ROWS_FILE[0].exists() and not args.fresh:
+        ROWS.update(json.loads(ROWS_FILE[0].read_text()))
     log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True)  # noqa: E731
     for name in args.only or list(SECTIONS):
         if name in results and not args.fresh:
