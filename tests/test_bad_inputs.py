@@ -862,7 +862,7 @@ ROWS = [
         "cli-device-memory-missing",
         call(cli, "plan", "--params", "7e9"),
         SystemExit,
-        "the following arguments are required: --device-memory",
+        "pass --device-memory (e.g. 80GB or 16GiB), or --topology NAME",
     ),
     row("cli-replicas-0", call(cli, *PLAN, "--replicas", "0"), SystemExit, "--replicas", "0"),
     row("cli-replicas-negative", call(cli, *PLAN, "--replicas", "-2"), SystemExit, "--replicas", "-2"),
