@@ -133,7 +133,8 @@ def test_using_a_partitioned_parameter_without_gathering_it() -> None:
     def loss_fn(params, batch, policy):
         return jnp.mean(params["head"] * 2.0)
 
-    with pytest.raises(TypeError, match=r"partitioned parameter of shape \(32, 64\) \('head'\) was used as an array.*zj.gather"):
+    with pytest.raises(TypeError, match=r"partitioned parameter of shape \(32, 64\) \('head'\) was used as an array"
+                       r".*zj.gather"):  # fmt: skip
         _run_inside_step(loss_fn)
 
 
