@@ -60,7 +60,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from zero_jax._audit.hlo import COMPUTATION, OP_NAME, array_bytes, replica_group, trip_counts
+from zero_jax._audit.hlo import COMPUTATION, OP_NAME, array_bytes, replica_group, ring_bytes_of, trip_counts
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 #: What counts as compute between a collective's start and its done (the overlap read off the schedule).
@@ -181,14 +181,8 @@ class CompiledCollective:
     def ring_bytes(self) -> float:
         """Bytes one device sends per execution in a ring: two passes of the
         whole tensor for an all-reduce (a decomposed collective included)."""
-        n = self.group_size
-        if n <= 1:
-            return 0.0
-        if self.op == "all-reduce":
-            return 2 * (n - 1) / n * self.bytes
-        if self.kind == "collective-permute":
-            return float(self.bytes)
-        return (n - 1) / n * self.bytes
+        return ring_bytes_of("collective-permute" if self.kind == "collective-permute" else self.op, self.bytes,
+                          self.group_size)  # fmt: skip
 
     @property
     def total_ring_bytes(self) -> float:

@@ -41,6 +41,20 @@ OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
 
 
+def ring_bytes_of(kind: str, nbytes: int, group_size: int) -> float:
+    """Bytes one device sends for one execution of a collective of ``kind``
+    moving ``nbytes`` over ``group_size`` devices, as a ring moves it: two
+    passes of the whole tensor for an all-reduce, the tensor once for a
+    collective-permute, (n - 1) / n of it otherwise."""
+    if group_size <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (group_size - 1) / group_size * nbytes
+    if kind == "collective-permute":
+        return float(nbytes)
+    return (group_size - 1) / group_size * nbytes
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective of the partitioned program.
@@ -90,14 +104,7 @@ class Collective:
 
     @property
     def ring_bytes(self) -> float:
-        n = self.group_size
-        if n <= 1:
-            return 0.0
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * self.bytes
-        if self.kind == "collective-permute":
-            return float(self.bytes)
-        return (n - 1) / n * self.bytes
+        return ring_bytes_of(self.kind, self.bytes, self.group_size)
 
     @property
     def total_ring_bytes(self) -> float:
