@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -206,3 +211,38 @@ def test_stacked_means_a_prefix_from_the_root_as_in_the_policy() -> None:
     report = zj.audit(step, zj.init_state(params, tx, policy), jnp.ones((16, 64)), min_shard_size=0, grads=False)
     replicated = {v.subject for v in report.violations if v.kind == _report.REPLICATED_LEAF}
     assert replicated == {"params/layers/w", "params/head/layers"}, replicated
+
+
+AUDIT_UNDER_PERSISTENT_CACHE = """
+import jax, optax, sys
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+sys.path.insert(0, sys.argv[2])
+from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
+import zero_jax as zj
+policy = zj.ZeroPolicy(3, make_mesh(8), min_shard_size=64)
+tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+step = zj.make_train_step(mlp_loss, tx, policy)
+state = zj.init_state(mlp_params(), tx, policy)
+state, _ = step(state, mlp_batch())  # compiled and written to the persistent cache
+zj.audit(step, state, mlp_batch())
+report = zj.audit(step, state, mlp_batch())  # the same program: a cache hit would compile (and dump) nothing
+print("GATHERS", sum(c.kind == "all-gather" for c in report.collectives))
+"""
+
+
+def test_audit_compiles_for_itself_under_jax_persistent_compilation_cache(tmp_path) -> None:
+    # A user with jax_compilation_cache_dir set audits a step twice: the second audit still reads the
+    # partitioned program (a cache hit would skip the compile and its dump).
+    script = tmp_path / "audit_cached.py"
+    script.write_text(AUDIT_UNDER_PERSISTENT_CACHE)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "cache"), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list((tmp_path / "cache").iterdir()), "the step was not written to the persistent cache"
+    gathers = int(done.stdout.split("GATHERS")[-1])
+    assert gathers >= 2  # stage 3 gathers w1 and w2 for the forward pass

@@ -302,7 +302,15 @@ class CompiledWithDump(NamedTuple):
 def compile_with_dump(lowered: Any, compiler_options: dict[str, Any] | None = None) -> CompiledWithDump:
     """Compile a ``jax.stages.Lowered`` once, dumping what :class:`CompiledWithDump` reads."""
     with tempfile.TemporaryDirectory() as d:
-        options = dict(compiler_options or {}, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning")
+        # A hit in jax's persistent compilation cache (jax_compilation_cache_dir) compiles nothing and so
+        # dumps nothing; the cache key leaves out xla_dump_to but not xla_dump_emitter_re, so a pattern unique
+        # to this call (it names no emitter: nothing more is dumped) makes the key this call's own.
+        options = dict(
+            compiler_options or {},
+            xla_dump_to=d,
+            xla_dump_hlo_pass_re="spmd-partitioning",
+            xla_dump_emitter_re=f"zero-jax-audit-{os.path.basename(d)}",
+        )
         compiled = lowered.compile(compiler_options=options)
         allocated, peak = hbm_bytes_from_dump(d), live_peak_from_dump(d)
         files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))  # TPU: after_tpu-spmd-...

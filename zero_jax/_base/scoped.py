@@ -13,6 +13,9 @@ their own, since the value lives in a ``ContextVar``.
 ('fancy', 'fancy')
 >>> mode.current().name
 'plain'
+>>> mode.update(name="leaked")  # outside every block: nothing to update
+>>> mode.current().name
+'plain'
 """
 
 from __future__ import annotations
@@ -50,5 +53,12 @@ class Scoped(Generic[T]):
             self.var.reset(token)
 
     def update(self, **changes: Any) -> None:
-        """Replace fields of the current value until the enclosing block ends."""
+        """Replace fields of the current value until the enclosing block ends.
+
+        Outside every block there is nothing to update: the call does nothing,
+        so ``empty`` stays what ``current()`` returns there (a value set at the
+        top level would outlive every block and leak into later traces).
+        """
+        if self.var.get() is None:
+            return
         self.var.set(dataclasses.replace(self.current(), **changes))  # type: ignore[type-var]
