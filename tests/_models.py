@@ -93,6 +93,24 @@ def working_directory(path: Any) -> Iterator[None]:
         os.chdir(before)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(*paths: str, optimized: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a test's child process: this one's, with the repository (then ``paths``) first on
+    PYTHONPATH and, as XLA flags, only conftest.py's fast-compile ones (a child sets up its own devices: no
+    device-count flag or ``JAX_NUM_CPU_DEVICES`` a caller set reaches it); ``extra`` set on top.
+
+    ``optimized``: LLVM's optimisation left on, for a child that runs many steps (the demo trains 80:
+    unoptimised code runs them slower than the compiles it saves)."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([REPO, *paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    flags = os.environ["ZERO_JAX_TEST_XLA_FLAGS"].split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if not (optimized and f.startswith("--xla_backend_optimization")))
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    return env
+
+
 def run_as_main(package: str, argv: Sequence[str]) -> None:
     """``python -m package ARGV`` in this process; a ``SystemExit`` comes out as the command raises it.
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_mesh, mlp_batch, mlp_loss, mlp_params, run_as_main, working_directory
+from _models import child_env, make_mesh, mlp_batch, mlp_loss, mlp_params, run_as_main, working_directory
 from jax.sharding import PartitionSpec as PS
 
 if __name__ == "__main__":  # the probe below: 8 simulated devices, as conftest.py gives
@@ -111,9 +111,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def cli_process(*argv: str) -> None:
     """``python -m zero_jax ARGV`` in a child process (audit sets up its own devices); non-zero exit raises."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)
-    run = subprocess.run([sys.executable, "-m", "zero_jax", *argv], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-m", "zero_jax", *argv], capture_output=True, text=True, env=child_env(),
                          timeout=300, check=False)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"exit {run.returncode}\n{run.stdout}\n{run.stderr}")

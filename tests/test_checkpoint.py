@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_mesh, mlp_batch, mlp_loss, mlp_params
+from _models import child_env, make_mesh, mlp_batch, mlp_loss, mlp_params
 from safetensors.numpy import load_file
 
 import zero_jax as zj
@@ -219,10 +219,7 @@ _KILLED_SAVE = textwrap.dedent(
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.pop("XLA_FLAGS", None)
-    return env
+    return child_env()
 
 
 @pytest.mark.parametrize("mode", ["data", "commit"])

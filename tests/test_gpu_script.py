@@ -2,12 +2,12 @@
 (8 simulated CPU devices) and writes a complete record, with numbers of the right kind."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _models import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,13 +18,11 @@ def positive(x: object) -> bool:
 
 @pytest.mark.slow
 def test_gpu_script_dry_run_writes_every_section(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
     done = subprocess.run(
         # --budget: the time guard's deadlines are for the lent GPU's session; on a loaded CI machine the
         # default dry-run budget would skip a section this test exists to run.
         [sys.executable, "benchmarks/gpu.py", "--dry-run", "--budget", "3000", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = (tmp_path / "gpu.txt").read_text()

@@ -7,6 +7,7 @@ the tests below read its results. Only loopback addresses are used.
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -87,8 +88,8 @@ def process_main() -> dict:
 @pytest.fixture(scope="module")
 def two_processes() -> tuple[list[dict], float]:
     start = time.perf_counter()
-    # LLVM optimisation off: the same HLO and numerics checks, compiled ~3x faster.
-    fast = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    # conftest.py's fast-compile flags: the same HLO and numerics checks, compiled several times faster.
+    fast = {"XLA_FLAGS": os.environ["ZERO_JAX_TEST_XLA_FLAGS"]}
     results = zj.launch(process_main, processes=2, local_devices=4, timeout_s=240, env=fast)
     return results, time.perf_counter() - start
 

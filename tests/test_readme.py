@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import shlex
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from _models import run_as_main, working_directory
+from _models import child_env, run_as_main, working_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -126,9 +125,7 @@ def run_command(argv: list[str], directory: Path) -> str:
         except SystemExit as e:
             assert e.code in (0, None), f"exit {e.code}:\n{printed.getvalue()}"
         return printed.getvalue()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
-        env.pop(name, None)
+    env = child_env(optimized=argv[0] == "demo")
     run = subprocess.run([sys.executable, "-m", "zero_jax", *argv], cwd=directory, env=env, capture_output=True,
                          text=True, timeout=600, check=False)  # fmt: skip
     assert run.returncode == 0, f"exit {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
