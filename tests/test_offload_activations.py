@@ -24,6 +24,7 @@ from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
+from zero_jax._base.units import fmt_bytes  # noqa: E402
 from zero_jax._policy import memory as _memory  # noqa: E402
 
 L, B, H = 3, 2, 32  # B: rows per data shard
@@ -85,10 +86,8 @@ def _train(kind: str, stage: int, offload: bool, **kw) -> tuple[list[np.ndarray]
 CASES = {
     "scan-stage3": dict(kind="scan", stage=3),
     "scan-stage2-accum2": dict(kind="scan", stage=2, accum=2),
-    "apply-stage3-keyword": dict(kind="apply", stage=3, call=True),
-    "apply-stage2": dict(kind="apply", stage=2),
+    "apply-stage3-keyword-accum2": dict(kind="apply", stage=3, call=True, accum=2),
     "scan-stage3-P_a": dict(kind="scan", stage=3, model=2),
-    "apply-stage3-P_a-accum2": dict(kind="apply", stage=3, model=2, accum=2),
 }
 
 
@@ -188,9 +187,13 @@ def tpu_pair() -> dict:
         tx = zj.shard_optimizer(optax.sgd(0.1), policy)
         step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
         x = jax.ShapeDtypeStruct((rows * 8, seq, dim), jnp.float32, sharding=policy.batch_sharding())
-        lowered = step.lower(zj.init_state(params, tx, policy), {"x": x})
+        state = zj.init_state(params, tx, policy)
+        lowered = step.lower(state, {"x": x})
         out[offload] = (lowered.as_text(), lowered.compile(compiler_options=step.compiler_options).memory_analysis())
-    out["saved"] = depth * rows * seq * dim * 4  # per chip: each layer's f32 input
+        if offload:  # the planner reads the same figure from its own compile
+            out["plan"] = zj.plan(step, state, {"x": x}, topology="v5p:2x2x2", grads=False)
+    # Per chip: each layer's f32 input.
+    out["saved"] = zj.activation_checkpoint_bytes(rows, seq, dim, depth, element_bytes=4, offload_activations=True)
     return out
 
 
@@ -198,7 +201,8 @@ def test_tpu_program_keeps_the_saved_inputs_in_host_memory(tpu_pair) -> None:
     (plain, m_off), (lowered, m_on) = tpu_pair[False], tpu_pair[True]
     host = '_xla_buffer_placement = "pinned_host"'
     assert host not in plain and host in lowered and "@annotate_device_placement" in lowered
-    saved = tpu_pair["saved"]
+    saved = tpu_pair["saved"].host
+    assert saved == 8 * 8 * 64 * 64 * 4 and tpu_pair["saved"].host_link == 2 * saved and tpu_pair["saved"].device == 0
     assert m_off.host_temp_size_in_bytes == 0
     # libtpu 0.0.42.1 keeps this loop's stacked inputs twice (measured: 2 MiB of host temp for 1 MiB; once
     # for the reference transformer, benchmarks/results/offload_activations.txt); on the device they were
@@ -219,8 +223,11 @@ def test_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
         zj.ZeroPolicy(3, mesh, offload_activations="yes")
     monkeypatch.setattr(_memory, "memory_kinds", lambda device: frozenset({"device"}))
     zj.ZeroPolicy(3, mesh)  # nothing asked of host memory: fine
-    with pytest.raises(ValueError, match=r"2 problems(.|\n)*stage=2 or 3(.|\n)*'pinned_host' memory kind, but the "
-                                         r"'cpu' backend's devices have \['device'\]\. Drop offload_activations"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 problems(.|\n)*stage=2 or 3(.|\n)*'pinned_host' memory kind, but the "
+        r"'cpu' backend's devices have \['device'\]\. Drop offload_activations",
+    ):
         zj.ZeroPolicy(1, mesh, offload_activations=True)
 
 
@@ -236,3 +243,19 @@ def test_the_call_keyword_is_checked() -> None:
         step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
         with pytest.raises(error, match=words):
             step.lower(zj.init_state(_params("scan"), tx, policy), {"x": jnp.ones((8 * B, 8, H))})
+
+
+def test_the_planner_reports_the_host_bytes_and_the_link(tpu_pair) -> None:
+    plan, host = tpu_pair["plan"], tpu_pair[True][1].host_temp_size_in_bytes
+    assert plan.host_activations == {3: host}
+    words = f"stage 3: {fmt_bytes(host)} per device in host memory while the step runs (offload_activations), "
+    assert words + f"{fmt_bytes(2 * host)} over the host link per step" in str(plan)
+
+
+def test_the_formula() -> None:
+    kept = zj.activation_checkpoint_bytes(2, 1024, 512, 16, partition_activations=2)
+    assert kept == (16 * 2 * 1024 * 512 * 2 / 2, 0.0, 0.0)
+    moved = zj.activation_checkpoint_bytes(2, 1024, 512, 16, partition_activations=2, offload_activations=True)
+    assert moved == (0.0, kept.device, 2 * kept.device)
+    with pytest.raises(TypeError, match="offload_activations must be True or False"):
+        zj.activation_checkpoint_bytes(1, 1, 1, 1, offload_activations="yes")

@@ -321,8 +321,7 @@ def _run_block(
         token = _token_zeros(ws, axis) if prefetch else []
         # Only the inputs are kept (and the pieces, which the step holds anyway), cut with
         # partition_activations, in host memory with offload_activations.
-        saved = partition_saved(arg_f, policy, materialize=schedule_for(policy).unfusable_cut)
-        saved = saved_to_host(saved, offload)
+        saved = saved_to_host(partition_saved(arg_f, policy, materialize=schedule_for(policy).unfusable_cut), offload)
         return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]
