@@ -75,6 +75,24 @@ def hlo_evidence(text: str) -> dict[str, int]:
     }
 
 
+def in_flight(text: str) -> list[dict[str, Any]]:
+    """Each asynchronous host transfer of the compiled program (a ``dynamic-update-slice-start`` into, or a
+    ``dynamic-slice-start`` from, a host buffer): its computation and the fusions scheduled between its start
+    and its done (the compute it overlaps)."""
+    lines, found, computation = text.splitlines(), [], ""
+    for i, line in enumerate(lines):
+        head = re.match(r"^(ENTRY )?(%\S+) .*\{$", line)
+        if head and " = " not in line:
+            computation = head.group(2)
+        start = re.match(r"\s*(%\S+) = .* (dynamic-update-slice-start|dynamic-slice-start)\(", line)
+        if not start or "S(5)" not in line:
+            continue
+        done = next(j for j in range(i + 1, len(lines)) if f"-done({start.group(1)})" in lines[j])
+        fusions = sum(bool(re.search(r" (fusion|convolution)\(", b)) for b in lines[i + 1 : done])
+        found.append({"computation": computation, "kind": start.group(2), "fusions_in_flight": fusions})
+    return found
+
+
 def measure_one(cfg: TransformerConfig, kind: str, offload: bool, batch: int) -> dict[str, Any]:
     step, state, tokens = build(cfg, kind, offload, batch)
     t = time.perf_counter()
@@ -82,7 +100,7 @@ def measure_one(cfg: TransformerConfig, kind: str, offload: bool, batch: int) ->
     mem = common.memory(done.executable)
     row = {"kind": kind, "offload_activations": offload, "compile_s": round(time.perf_counter() - t, 1),
            "allocated": done.allocated, "live_peak": done.live_peak.bytes if done.live_peak else None, **mem,
-           **hlo_evidence(done.executable.as_text())}  # fmt: skip
+           **hlo_evidence(done.executable.as_text()), "in_flight": in_flight(done.executable.as_text())}  # fmt: skip
     return row
 
 
@@ -119,6 +137,8 @@ def table(cfg: TransformerConfig, batch: int, rows: list[dict[str, Any]]) -> lis
         out.append(f"{kind}: host temp {on['host_temp'] / MiB:.1f} MiB = {on['host_temp'] / saved:.0%} of the saved "
                    f"inputs; transfers: {on['host_dus_start']} async writes to host, {on['host_ds_start']} async "
                    f"reads from host, {on['copy_start']} copy-start")  # fmt: skip
+        for t in on["in_flight"]:
+            out.append(f"  {t['kind']} in {t['computation']}: {t['fusions_in_flight']} fusions scheduled in flight")
     return out
 
 

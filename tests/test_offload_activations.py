@@ -107,8 +107,8 @@ def test_training_is_bitwise_unchanged(pair) -> None:
 
 def test_the_saved_inputs_move_to_host_and_back(pair) -> None:
     """XLA:CPU's lowering drops in-jit moves between memory kinds, so the traced program is where they
-    show: each saved input's device_put to host memory (a piece of (B, 8, H / 2) with P_a), then one back
-    to the device before the recompute; none without the option."""
+    show: each saved input's device_put to host memory, then one back to the device before the recompute;
+    none without the option."""
     name, (_, plain), (_, traced) = pair
     assert not TO_HOST.search(plain)
     to_host = TO_HOST.findall(traced)
