@@ -26,7 +26,9 @@ from zero_jax._step.state import TrainState, full_params, init_state
 from zero_jax._step.train import TrainStep, make_train_step
 from zero_jax._theory.choice import StageChoice, choose_stage
 from zero_jax._theory.formulas import (
+    ActivationCheckpointBytes,
     ModelStateBytes,
+    activation_checkpoint_bytes,
     comm_bytes,
     comm_bytes_per_axis,
     efficiency,
@@ -39,6 +41,7 @@ from zero_jax.checkpoint._restore import restore
 from zero_jax.checkpoint._safetensors import export_params, load_params
 
 __all__ = [
+    "ActivationCheckpointBytes",
     "AuditError",
     "AuditReport",
     "CheckpointManager",
@@ -64,6 +67,7 @@ __all__ = [
     "TrainStep",
     "Violation",
     "ZeroPolicy",
+    "activation_checkpoint_bytes",
     "adapters",
     "apply_layer",
     "apply_layers",

@@ -515,6 +515,9 @@ def _program(
     compiled, text, allocated, peak = hlo.compile_with_dump(train_step.lower(state, batch), options)
     memory: dict[str, float] = dict(memory_figures(compiled))
     scheduled = compiled.as_text()
+    host_temp = int(getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0) or 0)
+    if host_temp:  # what the program keeps in host memory while it runs (offload_activations, on TPU)
+        memory["host_temp"] = host_temp
     if allocated is not None:
         memory["allocated"] = allocated
     if peak is not None and peak.bytes:

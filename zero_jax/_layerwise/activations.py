@@ -1,7 +1,15 @@
-"""ZeRO-R's P_a: the layer inputs the layer-wise primitives keep for their
-backward recompute, cut over the model axes (each device keeps 1/M) and
-all-gathered over them just before the recompute
-(``ZeroPolicy(partition_activations=True)``). Values are bitwise unchanged."""
+"""ZeRO-R's P_a and P_a+cpu: the layer inputs the layer-wise primitives keep
+for their backward recompute (the activation checkpoints), cut over the model
+axes (each device keeps 1/M) and all-gathered over them just before the
+recompute (``ZeroPolicy(partition_activations=True)``), and kept in host
+memory between a layer's forward pass and its recompute
+(``offload_activations=True``: the piece, with P_a, is what travels). Values
+are bitwise unchanged.
+
+On XLA:CPU an in-jit move between memory kinds lowers to nothing (the
+lowered program still carries the ``annotate_device_placement`` calls); the
+TPU compiler turns them into host transfers
+(``benchmarks/results/offload_activations.txt``)."""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from zero_jax._base.tree import PyTree
 from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.schedule import slice_unfusable
 from zero_jax._layout.leaf import is_float
+from zero_jax._policy.memory import to_device
 from zero_jax._policy.policy import ZeroPolicy
 
 
@@ -89,3 +98,38 @@ def regather_saved(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
         return tree
     size = math.prod(policy.mesh.shape[a] for a in axes)  # type: ignore[union-attr]
     return _constrain(tree, axes, size, False)
+
+
+BAD_OFFLOAD_ARGUMENT = "{where}: offload_activations must be True, False or None (the policy's), got {value!r}."
+
+
+def offloads_activations(policy: ZeroPolicy | None, offload: bool | None, where: str) -> bool:
+    """Whether saved layer inputs go to host memory: ``offload`` as a call
+    gives it, ``None`` the policy's ``offload_activations``. A call that asks
+    for it is checked as the policy's own option is (stage, host memory)."""
+    if offload is not None and not isinstance(offload, bool):
+        raise TypeError(BAD_OFFLOAD_ARGUMENT.format(where=where, value=offload))
+    if not isinstance(policy, ZeroPolicy):  # None, or a wrong type the caller's active_policy names
+        return False
+    if offload is None or offload == policy.offload_activations:
+        return policy.offload_activations
+    if offload:
+        try:  # what the policy's own option would raise: stage < 2, no host memory
+            policy.replace(offload_activations=True)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}(offload_activations=True): {e}") from None
+    return offload
+
+
+def saved_to_host(tree: PyTree, offload: bool) -> PyTree:
+    """P_a+cpu: each float leaf of a saved layer input moved to host memory
+    (``pinned_host``); ``tree`` itself without ``offload``."""
+    if not offload:
+        return tree
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host) if is_float(x) else x, tree)
+
+
+def saved_to_device(tree: PyTree, offload: bool) -> PyTree:
+    """A :func:`saved_to_host` input brought back to device memory for its
+    recompute; ``tree`` itself without ``offload``."""
+    return jax.tree.map(to_device, tree) if offload else tree

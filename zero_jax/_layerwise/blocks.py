@@ -8,7 +8,7 @@ call of a block is one ``jax.custom_vjp`` whose schedule is ours:
 * forward: the block's pieces are all-gathered just before use (with
   ``prefetch=k``, block i + k's gather is issued when block i starts), the
   block runs, and only its inputs are kept (cut over the model axes with
-  ``partition_activations``);
+  ``partition_activations``, in host memory with ``offload_activations``);
 * backward: the block is gathered *again* (ZeRO-3's 3Ψ), recomputed for its
   vector-Jacobian product, and its gradient reduce-scattered at once. With
   prefetch, block i's backward issues the re-gather of block i − 1 and hands
@@ -37,7 +37,13 @@ from jax.extend.core import get_opaque_trace_state
 from zero_jax._base.tree import PyTree
 from zero_jax._base.units import is_whole_number
 from zero_jax._comm import collectives as coll
-from zero_jax._layerwise.activations import partition_saved, regather_saved
+from zero_jax._layerwise.activations import (
+    offloads_activations,
+    partition_saved,
+    regather_saved,
+    saved_to_device,
+    saved_to_host,
+)
 from zero_jax._layerwise.pieces import Sharded, check_parameter_pieces
 from zero_jax._layerwise.schedule import inputs_anchor, schedule_for, use_order
 from zero_jax._layerwise.scope import active_policy
@@ -168,10 +174,13 @@ class LayerChain:
     """
 
     def __init__(
-        self, policy: ZeroPolicy | None, layers: Sequence[PyTree], prefetch: int = 1, where: str = "zj.apply_layers"
-    ) -> None:
+        self, policy: ZeroPolicy | None, layers: Sequence[PyTree], prefetch: int = 1, where: str = "zj.apply_layers",
+        offload_activations: bool | None = None,
+    ) -> None:  # fmt: skip
         self.policy = policy
         self.where = where
+        # The saved inputs in host memory (P_a+cpu); None: the policy's choice.
+        self.offload = offloads_activations(policy, offload_activations, where)
         self.layers = list(layers)
         self.prefetch = prefetch
         self._queue: dict[int, tuple[Any, list[Any]]] = {}
@@ -204,7 +213,7 @@ class LayerChain:
                 self._queue[ahead] = (trace, nxt.wholes(nxt.sources, policy, inputs_anchor(args)))
         previous = self._last if self._last is not None and self._last.trace == trace else None
         out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block,
-                               wholes, args, previous)  # fmt: skip
+                               wholes, args, previous, self.offload)  # fmt: skip
         self._last = call
         return out
 
@@ -236,14 +245,15 @@ def _handed(
     return prev.block.wholes(sources, policy, ct_out, anchors)
 
 
-def _recompute_inputs(arg_f: Any, ws: Any, ct_out: Any, policy: ZeroPolicy) -> tuple[Any, Any]:
+def _recompute_inputs(arg_f: Any, ws: Any, ct_out: Any, policy: ZeroPolicy, offload: bool) -> tuple[Any, Any]:
     """A block's backward recompute inputs, due after its output's cotangent
     (the schedule's ``tie_recompute``). A saved piece
-    (``partition_activations``) waits, then is gathered. An input the same on
+    (``partition_activations``) is brought back from host memory
+    (``offload_activations``), waits, then is gathered. An input the same on
     every device cannot be tied without becoming per-device: then the block's
     weights wait instead."""
     schedule = schedule_for(policy)
-    arg_f, tied = schedule.recompute_after(arg_f, ct_out)
+    arg_f, tied = schedule.recompute_after(saved_to_device(arg_f, offload), ct_out)
     arg_f = regather_saved(arg_f, policy)
     if not tied:
         ws = schedule.recompute_after(ws, ct_out)[0]
@@ -260,6 +270,7 @@ def _run_block(
     wholes: list[Any],
     args: tuple[Any, ...],
     previous: _Call | None,
+    offload: bool = False,
 ) -> tuple[Any, _Call]:
     """One block's call as a custom VJP (see the module docstring)."""
     axis = policy.comm
@@ -308,8 +319,9 @@ def _run_block(
         del slots, token_in
         out = apply(ws, plain_f, arg_f, const_f, fixed)
         token = _token_zeros(ws, axis) if prefetch else []
-        # Only the inputs are kept (and the pieces, which the step holds anyway), cut with partition_activations.
-        saved = partition_saved(arg_f, policy, materialize=schedule_for(policy).unfusable_cut)
+        # Only the inputs are kept (and the pieces, which the step holds anyway), cut with
+        # partition_activations, in host memory with offload_activations.
+        saved = saved_to_host(partition_saved(arg_f, policy, materialize=schedule_for(policy).unfusable_cut), offload)
         return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]
@@ -319,7 +331,7 @@ def _run_block(
         handed = ct_token if prefetch and not any(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
             ct_token, is_leaf=lambda x: isinstance(x, SymbolicZero))) else None  # fmt: skip
         ws = handed if handed is not None else block.wholes(sources, policy, ct_out)
-        arg_f, ws = _recompute_inputs(arg_f, ws, ct_out, policy)
+        arg_f, ws = _recompute_inputs(arg_f, ws, ct_out, policy, offload)
         _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):
@@ -349,7 +361,13 @@ def _run_block(
     return out, call
 
 
-def apply_layer(layer_fn: Callable[..., Any], layer_params: PyTree, *args: Any, policy: ZeroPolicy | None) -> Any:
+def apply_layer(
+    layer_fn: Callable[..., Any],
+    layer_params: PyTree,
+    *args: Any,
+    policy: ZeroPolicy | None,
+    offload_activations: bool | None = None,
+) -> Any:
     """``layer_fn(layer_params, *args)`` with the block's parameters whole only
     while it runs: the per-block counterpart of ``zj.scan_layers``.
 
@@ -359,6 +377,9 @@ def apply_layer(layer_fn: Callable[..., Any], layer_params: PyTree, *args: Any, 
     (the gradient of the block is reduce-scattered at once). Stages 0–1 and
     ``policy=None``: ``jax.checkpoint(layer_fn)(layer_params, *args)``.
     For a loop over several blocks, :func:`apply_layers` also prefetches.
+    ``offload_activations``: ZeRO-R's P_a+cpu (stages 2-3), the block's saved
+    inputs wait for its recompute in host memory (``None``: the policy's
+    ``offload_activations``).
 
     Example:
 
@@ -380,10 +401,12 @@ def apply_layer(layer_fn: Callable[..., Any], layer_params: PyTree, *args: Any, 
     >>> round(float(metrics["loss"]), 4)
     0.3207
     """
+    offload = offloads_activations(policy, offload_activations, "zj.apply_layer")  # checked against the policy given
     policy = active_policy(policy, "zj.apply_layer")
     if policy is not None:
         check_parameter_pieces(layer_params, policy, "zj.apply_layer")
-    return LayerChain(policy, [layer_params], prefetch=0, where="zj.apply_layer").call(0, layer_fn, *args)
+    chain = LayerChain(policy, [layer_params], prefetch=0, where="zj.apply_layer", offload_activations=offload)
+    return chain.call(0, layer_fn, *args)
 
 
 def apply_layers(
@@ -393,6 +416,7 @@ def apply_layers(
     policy: ZeroPolicy | None,
     *,
     prefetch: int = 1,
+    offload_activations: bool | None = None,
 ) -> Any:
     """Run ``carry = layer_fn(layers_params[i], carry)`` for each block of a
     Python list, block-wise (see :func:`apply_layer`), with block i +
@@ -410,6 +434,10 @@ def apply_layers(
       policy: the step's policy, or ``None`` outside a step.
       prefetch: how many blocks ahead to gather (stage 3); 0 gathers each
         block only when it runs.
+      offload_activations: ZeRO-R's P_a+cpu (stages 2-3): each block's saved
+        inputs go to host memory after its forward pass and come back just
+        before its recompute; ``None`` follows the policy's
+        ``offload_activations``.
 
     >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -424,6 +452,7 @@ def apply_layers(
     >>> round(float(metrics["loss"]), 4)
     0.3207
     """
+    offload = offloads_activations(policy, offload_activations, "zj.apply_layers")  # checked against the policy given
     policy = active_policy(policy, "zj.apply_layers")
     layers = list(layers_params) if isinstance(layers_params, (list, tuple)) else None
     if layers is None:
@@ -444,7 +473,7 @@ def apply_layers(
         )
     if policy is not None:
         check_parameter_pieces(layers, policy, "zj.apply_layers")
-    chain = LayerChain(policy, layers, prefetch=int(prefetch))
+    chain = LayerChain(policy, layers, prefetch=int(prefetch), offload_activations=offload)
     for i, fn in enumerate(fns):
         carry = chain.call(i, fn, carry)
     return carry

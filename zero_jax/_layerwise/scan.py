@@ -15,7 +15,9 @@ schedule is ours, not the compiler's:
 loop carry is saved for the backward pass: every layer would stay alive.)
 
 With ``ZeroPolicy(partition_activations=True)`` (ZeRO-R's P_a) the kept input
-of each layer is cut over the model axes (:mod:`zero_jax._layerwise.activations`).
+of each layer is cut over the model axes, and with ``offload_activations``
+(P_a+cpu) it waits in host memory for its recompute
+(:mod:`zero_jax._layerwise.activations`).
 What keeps the compiler to this schedule is :mod:`zero_jax._layerwise.schedule`.
 """
 
@@ -31,7 +33,13 @@ import jax.numpy as jnp
 from zero_jax._base.tree import PyTree, path_str
 from zero_jax._base.units import is_whole_number
 from zero_jax._comm import collectives as coll
-from zero_jax._layerwise.activations import partition_saved, regather_saved
+from zero_jax._layerwise.activations import (
+    offloads_activations,
+    partition_saved,
+    regather_saved,
+    saved_to_device,
+    saved_to_host,
+)
 from zero_jax._layerwise.pieces import Sharded, check_parameter_pieces
 from zero_jax._layerwise.schedule import Schedule, schedule_for, use_order
 from zero_jax._layerwise.scope import active_policy
@@ -98,6 +106,7 @@ def scan_layers(
     *,
     remat: bool = True,
     prefetch: int = 1,
+    offload_activations: bool | None = None,
 ) -> Any:
     """Run ``layer_fn(layer_params, carry) -> carry`` over the leading layer
     axis of ``stacked_params``, gathering each layer just in time.
@@ -127,8 +136,32 @@ def scan_layers(
         compiler overlaps a gather only with its own consumers (the TPU
         compiler: see ``zero_jax._layerwise.schedule``) the layers are
         gathered in place whatever ``prefetch`` says.
+      offload_activations: ZeRO-R's P_a+cpu (stages 2-3): each layer's
+        saved input goes to host memory (``pinned_host``) after the layer's
+        forward pass and comes back just before its recompute; ``None``
+        follows ``ZeroPolicy(offload_activations=...)``. Bitwise the same
+        values.
+
+    Example (P_a+cpu; on XLA:CPU the moves are only annotations, the TPU
+    compiler turns them into host transfers):
+
+    >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> policy = zj.ZeroPolicy(stage=3, mesh=mesh, stacked="layers", min_shard_size=0)
+    >>> def loss_fn(params, batch):
+    ...     layer = lambda p, x: jnp.tanh(x @ p["w"])
+    ...     x = zj.scan_layers(layer, params["layers"], batch["x"], policy, offload_activations=True)
+    ...     return jnp.mean(x ** 2)
+    >>> params = {"layers": {"w": jnp.stack([jnp.eye(8)] * 3)}}
+    >>> tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    >>> step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    >>> state, metrics = step(zj.init_state(params, tx, policy), {"x": jnp.ones((jax.device_count(), 8))})
+    >>> round(float(metrics["loss"]), 4)
+    0.3207
     """
-    policy = active_policy(policy, "zj.scan_layers")
+    given, policy = policy, active_policy(policy, "zj.scan_layers")
+    # Checked against the policy given: where no pieces are handed (stage 1) the keyword is still wrong.
+    offload = offloads_activations(given, offload_activations, "zj.scan_layers") and policy is not None
     depth = _depth(stacked_params)
     if not is_whole_number(prefetch) or not 0 <= prefetch <= depth:
         raise ValueError(
@@ -157,7 +190,7 @@ def scan_layers(
     # backward re-gathers into the forward gathers, keeping every layer alive.
     carried = policy.partitions_params and schedule_for(policy).prefetch_across_trips
     ahead = min(prefetch, max(depth - 2, 0)) if carried else 0
-    return _zero_scan(layer_fn, treedef, nodes, carry, policy, ahead, depth)
+    return _zero_scan(layer_fn, treedef, nodes, carry, policy, ahead, depth, offload)
 
 
 class _ScanPlan(NamedTuple):
@@ -200,10 +233,12 @@ def _reduce_layer(plan: _ScanPlan, g_layer: PyTree) -> list[Any]:
 
 
 def _pipelined(
-    plan: _ScanPlan, step: Callable[..., Any], state: Any, diff: list[Any], wholes: list[Any], reverse: bool
-) -> Any:
+    plan: _ScanPlan, step: Callable[..., Any], state: Any, diff: list[Any], wholes: list[Any], reverse: bool,
+    host_ys: bool = False,
+) -> Any:  # fmt: skip
     """Run ``step(state, i, layer_i_params)`` for every layer, in order or in
-    reverse, with the gathers of the next ``prefetch`` layers in flight."""
+    reverse, with the gathers of the next ``prefetch`` layers in flight
+    (``host_ys``: ``step``'s float outputs live in host memory)."""
     depth, prefetch = plan.depth, plan.prefetch
 
     def index(t: Any) -> Any:
@@ -221,7 +256,7 @@ def _pipelined(
     # The outputs go into one buffer for every layer, updated in place: the
     # loop's own stacked outputs with the last layers' concatenated to them
     # are one more copy of all of them.
-    ys = _ys_buffer(step, state, queue[0], index, depth)
+    ys = saved_to_host(_ys_buffer(step, state, queue[0], index, depth), host_ys)
 
     def body(carry: Any, t: jax.Array) -> Any:
         s, q, buf = carry
@@ -296,6 +331,7 @@ def _zero_scan(
     policy: ZeroPolicy,
     prefetch: int,
     depth: int,
+    offload: bool = False,
 ) -> Any:
     """The stage 2–3 schedule (see the module docstring)."""
     plan, diff, wholes = _scan_plan(treedef, nodes, policy.comm, prefetch, depth, schedule_for(policy))
@@ -319,10 +355,11 @@ def _zero_scan(
 
     def forward(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> tuple[Any, Any]:
         def step(c: Any, i: Any, params: PyTree) -> tuple[Any, Any]:
-            # Keep only the layer's input (cut over the model axes with partition_activations).
-            return layer(params, c, float_consts), partition_saved(c, policy)
+            # Keep only the layer's input (cut over the model axes with partition_activations,
+            # in host memory with offload_activations).
+            return layer(params, c, float_consts), saved_to_host(partition_saved(c, policy), offload)
 
-        out, inputs = _pipelined(plan, step, carry, diff, wholes, reverse=False)
+        out, inputs = _pipelined(plan, step, carry, diff, wholes, reverse=False, host_ys=offload)
         plain = [None if s else d for s, d in zip(sharded, diff, strict=True)]
         return out, (plain, wholes, inputs, float_consts)
 
@@ -332,7 +369,8 @@ def _zero_scan(
         def step(state: tuple[Any, Any], i: Any, params: PyTree) -> tuple[Any, Any]:
             g, g_consts = state
             # The recompute waits for the layer's cotangent (the schedule's tie_recompute).
-            saved = plan.schedule.recompute_after(jax.tree.map(lambda a: a[i], inputs), g)[0]
+            fetched = saved_to_device(jax.tree.map(lambda a: a[i], inputs), offload)
+            saved = plan.schedule.recompute_after(fetched, g)[0]
             carry_in = regather_saved(saved, policy)
             # Recompute layer i from its input (remat) to get its VJP.
             _, vjp = jax.vjp(layer, params, carry_in, float_consts)

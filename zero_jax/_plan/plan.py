@@ -156,6 +156,14 @@ class Plan:
             if r.layers is not None and any(b.forward for b in r.layers.blocks)
         }
 
+    @property
+    def host_activations(self) -> dict[int, int]:
+        """stage -> bytes per device the compiled step keeps in host memory
+        while it runs (``memory_analysis()``'s host temp: the saved block
+        inputs with ``offload_activations``, on TPU; XLA:CPU reports none).
+        Each crosses the host link twice per step."""
+        return {r.stage: int(r.memory["host_temp"]) for r in self.reports if r.memory.get("host_temp")}
+
     def layer_notes(self) -> list[str]:
         """One line per layer-wise stage: blocks, working set, layers alive in the compiled schedule."""
         out = []
@@ -239,6 +247,11 @@ class Plan:
             )
         lines.extend(f"{s:>5} refused by the TPU compiler: {said}" for s, said in self.out_of_memory.items())
         lines.extend(self.layer_notes())
+        lines.extend(
+            f"stage {s}: {fmt_bytes(b)} per device in host memory while the step runs (offload_activations), "
+            f"{fmt_bytes(2 * b)} over the host link per step"
+            for s, b in self.host_activations.items()
+        )
         if self.device_bytes is not None:
             rec = self.recommended
             lines.append(f"recommended: stage {rec}" if rec is not None else "recommended: none fits")
@@ -298,6 +311,7 @@ def reference_step(
     quantize_weights: str | None = None,
     quantize_grads: str | None = None,
     quant_block: int = DEFAULT_BLOCK,
+    offload_activations: bool = False,
 ) -> tuple[Any, Any, Any]:
     """The default :func:`plan` factory: the reference transformer
     (``zero_jax.models``) with AdamW, stacked layers run layer-wise
@@ -305,7 +319,9 @@ def reference_step(
     abstract_batch)``. ``compute_dtype="bfloat16"`` plans mixed precision.
     ``quantize_weights`` / ``quantize_grads`` (ZeRO++, ``ZeroPolicy``'s
     arguments) apply where the stage has them: qwZ at stage 3, qgZ at stages
-    1–3 (a plan of every stage compiles stages 0–2 without qwZ, 0 without qgZ)."""
+    1–3 (a plan of every stage compiles stages 0–2 without qwZ, 0 without qgZ).
+    ``offload_activations`` (ZeRO-R's P_a+cpu) applies at stages 2–3, whose
+    layer-wise schedule keeps the block inputs (see :attr:`Plan.host_activations`)."""
     n = mesh.size
     batch = global_batch if global_batch is not None else batch_per_device * n * accum_steps
     check_global_batch(batch, n, accum_steps)
@@ -314,6 +330,7 @@ def reference_step(
     if compute_dtype is not None:
         extra["precision"] = Precision(compute_dtype=jnp.dtype(compute_dtype))
     extra |= quantization_at(stage, quantize_weights, quantize_grads)
+    extra["offload_activations"] = bool(offload_activations) and stage >= 2 and gather == "manual"
     policy = ZeroPolicy(stage, mesh, stacked="layers", quant_block=quant_block, **extra)
     tx = shard_optimizer(optax.adamw(learning_rate), policy)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))

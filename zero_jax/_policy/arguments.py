@@ -14,7 +14,7 @@ from zero_jax._base.problems import Problem
 from zero_jax._base.units import is_whole_number
 from zero_jax._layout.leaf import LeafLayout, piece_elements
 from zero_jax._policy.batch import batch_spec_problem
-from zero_jax._policy.memory import offload_problems
+from zero_jax._policy.memory import activation_offload_problems, offload_problems
 from zero_jax._policy.precision import Precision
 from zero_jax._theory.checks import BAD_STAGE, is_stage, wire_problems
 from zero_jax._theory.wire import DEFAULT_BLOCK
@@ -87,6 +87,7 @@ def argument_problems(
     quant_block: Any = DEFAULT_BLOCK,
     offload_optimizer: Any = False,
     offload_params: Any = False,
+    offload_activations: Any = False,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments, each with its exception type."""
     problems: list[Problem] = []
@@ -128,6 +129,7 @@ def argument_problems(
     known_stage = int(stage) if stage_ok else None
     problems.extend(wire_problems(known_stage, quantize_weights, quantize_grads, quant_block, WHERE))
     problems.extend(offload_problems(offload_optimizer, offload_params, known_stage, mesh))
+    problems.extend(activation_offload_problems(offload_activations, known_stage, mesh))
     return problems
 
 

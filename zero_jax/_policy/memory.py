@@ -1,5 +1,6 @@
 """Memory kinds: where an array lives (device or pinned host memory), the
-offload options a policy is built with, and the in-step move to the device.
+offload options a policy is built with (state between steps, activation
+checkpoints within one), and the in-step move to the device.
 """
 
 from __future__ import annotations
@@ -76,13 +77,46 @@ def offload_problems(offload_optimizer: Any, offload_params: Any, stage: int | N
         problems.append((TypeError, f"ZeroPolicy: offload_params must be True or False, got {offload_params!r}."))
     elif offload_params and stage is not None and stage < 3:
         problems.append((ValueError, OFFLOAD_PARAMS_STAGE.format(stage=stage)))
-    if (fraction > 0 or offload_params is True) and hasattr(mesh, "devices"):
-        device = mesh.devices.flat[0]
-        kinds = memory_kinds(device)
-        if HOST not in kinds:
-            kinds_text = sorted(kinds) or "no memory kinds"
-            problems.append((ValueError, NO_HOST_MEMORY.format(host=HOST, platform=device.platform, kinds=kinds_text)))
+    if fraction > 0 or offload_params is True:
+        problems.extend(_host_memory_problems(mesh, NO_HOST_MEMORY))
     return problems
+
+
+def _host_memory_problems(mesh: Any, message: str) -> list[Problem]:
+    """The missing ``pinned_host`` memory kind on ``mesh``'s devices, as a problem worded by ``message``."""
+    if not hasattr(mesh, "devices"):
+        return []
+    device = mesh.devices.flat[0]
+    kinds = memory_kinds(device)
+    if HOST in kinds:
+        return []
+    kinds_text = sorted(kinds) or "no memory kinds"
+    return [(ValueError, message.format(host=HOST, platform=device.platform, kinds=kinds_text))]
+
+
+BAD_OFFLOAD_ACTIVATIONS = "ZeroPolicy: offload_activations must be True or False, got {!r}."
+OFFLOAD_ACTIVATIONS_STAGE = (
+    "ZeroPolicy: offload_activations=True moves the layer inputs that zj.scan_layers and zj.apply_layer(s) keep "
+    "for their backward recompute to host memory; they keep them in the layer-wise schedule of stages 2-3, and "
+    "stage {stage} runs layers under a plain jax.checkpoint. Use stage=2 or 3, or drop offload_activations."
+)
+NO_HOST_MEMORY_ACTIVATIONS = (
+    "ZeroPolicy: offload_activations=True keeps the saved layer inputs in the {host!r} memory kind, but the "
+    "{platform!r} backend's devices have {kinds}. Drop offload_activations on this backend (partition_activations "
+    "with a model axis, or a smaller batch per device, also saves activation memory)."
+)
+
+
+def activation_offload_problems(offload_activations: Any, stage: int | None, mesh: Any) -> list[Problem]:
+    """Every problem with ``ZeroPolicy(offload_activations=...)`` (P_a+cpu)."""
+    if not isinstance(offload_activations, (bool, np.bool_)):
+        return [(TypeError, BAD_OFFLOAD_ACTIVATIONS.format(offload_activations))]
+    if not offload_activations:
+        return []
+    problems: list[Problem] = []
+    if stage is not None and stage < 2:
+        problems.append((ValueError, OFFLOAD_ACTIVATIONS_STAGE.format(stage=stage)))
+    return problems + _host_memory_problems(mesh, NO_HOST_MEMORY_ACTIVATIONS)
 
 
 def offload_options(offload_optimizer: bool | float, offload_params: bool) -> OffloadOptions:

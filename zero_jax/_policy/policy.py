@@ -140,6 +140,13 @@ class ZeroPolicy:
         inputs take 1/M of the memory for one all-gather per layer. Meant for
         layer inputs replicated over the model axes (Megatron-style tensor
         parallelism); a no-op when every model axis has size 1.
+      offload_activations: ZeRO-R's P_a+cpu, stages 2-3: the default of
+        ``scan_layers`` / ``apply_layer(s)``'s ``offload_activations`` (and
+        so of the adapters' ``layers=`` blocks): each saved layer input (the
+        partitioned piece with ``partition_activations``) is moved to
+        ``pinned_host`` memory after its layer's forward pass and back just
+        before its recompute. Values are bitwise unchanged; the saved inputs
+        leave device memory for 2x their bytes over the host link per step.
       batch_spec: sequence parallelism: how the batch leaves' dimensions after
         the first split over model axes, e.g. ``P(None, "seq")`` for
         (batch, seq, ...) leaves; dimension 0 always splits over the batch
@@ -197,6 +204,7 @@ class ZeroPolicy:
     offload_params: bool = False
     param_specs: PyTree | Callable[[KeyPath, Any], PartitionSpec] | None = None
     partition_activations: bool = False
+    offload_activations: bool = False
     batch_spec: PartitionSpec | None = None
     quantize_weights: str | None = None
     quantize_grads: str | None = None
@@ -222,6 +230,7 @@ class ZeroPolicy:
             "offload_optimizer": offload.fraction,
             "offload_params": offload.params,
             "partition_activations": bool(self.partition_activations),
+            "offload_activations": bool(self.offload_activations),
             "quant_block": int(self.quant_block),
         }
         names = self.mesh.axis_names

@@ -141,6 +141,57 @@ def model_state_bytes(
     )
 
 
+class ActivationCheckpointBytes(NamedTuple):
+    """The saved block inputs of a layer-wise step on one device (ZeRO-R's
+    activation checkpoints): what stays in device memory, what waits in host
+    memory (``offload_activations``), and the host-link traffic per step
+    (each offloaded byte goes out after its block's forward pass and comes
+    back before its recompute: 2x)."""
+
+    device: float
+    host: float
+    host_link: float
+
+
+def activation_checkpoint_bytes(
+    batch_per_device: float,
+    seq: float,
+    dim: float,
+    depth: int,
+    *,
+    element_bytes: float = 2,
+    partition_activations: int = 1,
+    offload_activations: bool = False,
+) -> ActivationCheckpointBytes:
+    """Bytes of the block inputs ``scan_layers`` / ``apply_layer(s)`` keep
+    for the backward recompute, per device: ``depth`` x ``batch_per_device``
+    x ``seq`` x ``dim`` x ``element_bytes`` (the compute dtype's), divided by
+    M with P_a (``partition_activations=M``: the model axes' size; 1
+    without), in host memory with P_a+cpu (``offload_activations``), where
+    they cost 2x their bytes over the host link per step. Other activations
+    (one block's temporaries while it runs) are not counted.
+
+    The reference transformer at dim 512, depth 16, seq 1024, one sequence
+    per chip in bf16 (``benchmarks/results/offload_activations.txt``):
+
+    >>> import zero_jax as zj
+    >>> a = zj.activation_checkpoint_bytes(1, 1024, 512, 16, offload_activations=True)
+    >>> a.device, a.host / 2**20, a.host_link / 2**20
+    (0.0, 16.0, 32.0)
+    """
+    where = "activation_checkpoint_bytes"
+    b, t, d = (check_nonneg(v, f"{where}: {n}") for v, n in ((batch_per_device, "batch_per_device"), (seq, "seq"),
+                                                               (dim, "dim")))  # fmt: skip
+    layers = check_devices(depth, where, "depth")
+    m = check_devices(partition_activations, where, "partition_activations")
+    saved = layers * b * t * d * check_nonneg(element_bytes, f"{where}: element_bytes") / m
+    if not isinstance(offload_activations, bool):
+        raise TypeError(f"{where}: offload_activations must be True or False, got {offload_activations!r}.")
+    if offload_activations:
+        return ActivationCheckpointBytes(device=0.0, host=saved, host_link=2 * saved)
+    return ActivationCheckpointBytes(device=saved, host=0.0, host_link=0.0)
+
+
 def comm_bytes(
     num_params: float,
     num_devices: int,
