@@ -1,4 +1,4 @@
-"""Every stage x many optax transformations x N in {1, 2, 8}: the sharded step
+"""Every stage x many optax transformations (N = 8; stage 3 also on N = 1 and 2): the sharded step
 reproduces plain, unsharded optax on the same global batch.
 
 Tolerance: float32, relative L2 error of each leaf's accumulated update
@@ -51,8 +51,12 @@ def _reference(name: str):
     return params, losses
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# Every optimizer in every stage on 8 devices (padding: 100 and 6 do not divide 8), and on 1 and 2 devices
+# in stage 3, which partitions all three (the other stages' small meshes take no other code path).
+CASES = [(stage, 8) for stage in range(4)] + [(3, 1), (3, 2)]
+
+
+@pytest.mark.parametrize(("stage", "n"), CASES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_matches_unsharded_optax(name: str, stage: int, n: int) -> None:
     ref_params, ref_losses = _reference(name)

@@ -73,7 +73,7 @@ def _train(adapted, stage: int, batches, gather: str, eps: float):
 
 
 @pytest.mark.slow
-def test_t5_trains_like_plain_optax_in_every_stage_and_gather_mode() -> None:
+def test_t5_trains_like_plain_optax_layerwise_and_gathered_whole() -> None:
     # Tolerance, and why (research: T5_NUMERICS.md): data parallelism sums the batch's gradient in another
     # order than one device does; the gradients then agree to ~1e-6 relative (fp32), but Adam's first steps
     # divide each element by |g| + eps, and an element with |g| near eps (1e-8) moves by up to ~0.1 lr when
@@ -81,15 +81,17 @@ def test_t5_trains_like_plain_optax_in_every_stage_and_gather_mode() -> None:
     # stage (also stage 0, plain DP); other seeds and the Hugging Face T5 (d 64, d_ff 256) reach 6e-4 at step 1
     # and 5e-3 at step 5 in stage 0 alike (one device with the batch mean taken in 8 slices: 5.6e-4 at step 1).
     # So: 1e-4 here at eps 1e-8; and a wider eps, which no element's gradient reaches, keeps it at fp32 noise.
-    # Every stage and gather mode at the wide eps; the narrow one (the gap's home) for plain DP and layer-wise
-    # ZeRO-3. Depth 2 keeps the suite's time: both stacks and each block 0's extra leaf are there already.
+    # At the wide eps, the stages and gather modes whose code sees the blocks: layer-wise ZeRO-2 and -3, and
+    # ZeRO-3 gathering all at once (stages 0-2 with gather="all" run no T5-specific path; the conformance tests
+    # have them); the narrow eps (the gap's home) for layer-wise ZeRO-3. Depth 2 keeps the suite's time: both
+    # stacks and each block 0's extra leaf are there already.
     model, variables = t5(2)
     loss = t5_loss(model)
     batches = t5_batches(4)
     adapted = zj.adapters.from_linen(model, variables, loss, layers="auto")
     p0 = adapted.params
-    every = ((0, "all"), (1, "all"), (2, "all"), (2, "manual"), (3, "all"), (3, "manual"))
-    for eps, tol, configs in ((1e-5, 3e-5, every), (1e-8, 1e-4, ((0, "all"), (3, "manual")))):
+    every = ((2, "manual"), (3, "all"), (3, "manual"))
+    for eps, tol, configs in ((1e-5, 3e-5, every), (1e-8, 1e-4, ((3, "manual"),))):
         ref, ref_losses = reference_run(optax.adam(1e-2, eps=eps), p0, batches, lambda p, b: loss({"params": p}, b))
         for stage, gather in configs:
             state, losses = _train(adapted, stage, batches, gather, eps)
