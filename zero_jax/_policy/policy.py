@@ -182,6 +182,11 @@ class ZeroPolicy:
     >>> policy.param_sharding(params)["w"].spec
     P('data',)
 
+    Communication buffers of at most 4 MiB (ZeRO-R's constant-size buffers):
+
+    >>> zj.ZeroPolicy(stage=3, mesh=mesh, bucket_bytes="4MiB").bucket_bytes
+    4194304
+
     Hybrid (2 replicas x 4-way partitions, e.g. 2 hosts of 4 chips):
 
     >>> mesh2 = jax.make_mesh((2, jax.device_count() // 2), ("replica", "data"))
