@@ -61,7 +61,7 @@ from here.
     synchronous and nothing overlaps. With ``ZeroPolicy(bucket_bytes=...)``,
     also the bound for the backend's collective combiner
     (:data:`BUCKET_OPTIONS`, :func:`bucket_options`): the TPU compiler (v5p)
-    merges the gradient all-reduces of every block into one buffer that grows
+    merges the gradient all-reduces of several blocks into one buffer that grows
     with depth (its threshold is 120 MiB by default); told the bound, it
     closes a buffer before it passes it. XLA:CPU combines nothing (each
     collective of the post-SPMD program runs alone): it needs no option.
