@@ -422,6 +422,9 @@ def audit(
     # gather="all" and local accumulation (one gather per step) hold the whole model by design.
     layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
     violations += layer_violations(layers, policy, layerwise)
+    buffers = comm_buffers(colls, program, policy.bucket_bytes)
+    if policy.bucket_bytes is not None:
+        violations += buffers.over(policy.bucket_bytes, single_alone=True, what="bucket_bytes")
     return AuditReport(
         stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
         formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
@@ -431,7 +434,7 @@ def audit(
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
         abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
         compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
-        fragmentation=fragmentation, buffers=comm_buffers(colls, program),
+        fragmentation=fragmentation, buffers=buffers,
     )  # fmt: skip
 
 

@@ -63,9 +63,14 @@ def _post_spmd(colls: Iterable[Collective]) -> list[CommBuffer]:
         members.setdefault(c.name, []).append(c)
     return [
         CommBuffer(
-            POST_SPMD, "+".join(sorted({c.kind for c in group})), name, sum(c.bytes for c in group),
-            tuple(f"{c.dtype}[{','.join(map(str, c.shape))}]" for c in group), group[0].op_name,
-            block_of(group[0].op_name, group[0].trips), group[0].trips,
+            POST_SPMD,
+            "+".join(sorted({c.kind for c in group})),
+            name,
+            sum(c.bytes for c in group),
+            tuple(f"{c.dtype}[{','.join(map(str, c.shape))}]" for c in group),
+            group[0].op_name,
+            block_of(group[0].op_name, group[0].trips),
+            group[0].trips,
         )  # fmt: skip
         for name, group in members.items()
     ]
@@ -97,9 +102,10 @@ def _order(name: str) -> tuple[int, int, str]:
     return (0, int(m.group(1)), "") if m else (1 if name.startswith("loop") else 2, 0, name)
 
 
-def comm_buffers(colls: tuple[Collective, ...], program: CompiledProgram | None) -> Buffers:
+def comm_buffers(colls: tuple[Collective, ...], program: CompiledProgram | None, bound: int | None = None) -> Buffers:
     """The step's communication buffers (:class:`zero_jax._audit.report.Buffers`)
-    from its post-SPMD collectives and (where read) its compiled program."""
+    from its post-SPMD collectives and (where read) its compiled program,
+    judged by ``bound`` (the policy's ``bucket_bytes``) where given."""
     post = _post_spmd(colls)
     compiled, compiled_kinds = _compiled(program.collectives if program is not None else ())
     post_kinds: dict[str, dict[str, int]] = {}
@@ -114,4 +120,4 @@ def comm_buffers(colls: tuple[Collective, ...], program: CompiledProgram | None)
         BlockComm(name, post_kinds.get(name, {}), compiled_kinds.get(name, {}), largest.get(name, 0))
         for name in sorted({*post_kinds, *compiled_kinds}, key=_order)
     )
-    return Buffers(blocks, tuple(sorted(post + compiled, key=lambda b: (-b.bytes, b.program, b.name))))
+    return Buffers(blocks, tuple(sorted(post + compiled, key=lambda b: (-b.bytes, b.program, b.name))), bound)

@@ -48,10 +48,16 @@ OUTSIDE_BLOCKS = "outside blocks"
 
 BUFFER_MESSAGE = (
     "{program} {kind} '{name}' (op {op_name}{block}, x{trips} per step) moves one buffer of {nbytes} ({shapes}), "
-    "over max_buffer_bytes = {bound}: a communication buffer must not grow with the model (ZeRO's constant-size "
-    "buffers). Split the block's collectives into buckets of at most the bound, or lower the backend's combiner "
-    "threshold."
+    "over {what} = {bound}: a communication buffer must not grow with the model (ZeRO's constant-size "
+    "buffers). {fix}"
 )
+#: What :data:`BUFFER_MESSAGE` advises, for a bound passed to ``check`` and for the policy's own.
+BUFFER_FIX = {
+    "max_buffer_bytes": "Build the policy with ZeroPolicy(..., bucket_bytes=...) (the backend's combiner is then told "
+    "the bound), or split the block's collectives into buckets of at most the bound.",
+    "bucket_bytes": "The backend combined collectives past the bound it was given (ZeroPolicy(bucket_bytes=...)): "
+    "this backend's combiner options (zero_jax/_layerwise/schedule.py, BUCKET_OPTIONS) do not bound this kind.",
+}
 BAD_BOUND = "check: max_buffer_bytes must be a positive number of bytes (or None), got {bound!r}."
 NO_BUFFERS = (
     "check(max_buffer_bytes=...): this report has no communication buffers read (report.buffers is None); "
@@ -516,26 +522,52 @@ class Buffers:
 
     blocks: tuple[BlockComm, ...]
     buffers: tuple[CommBuffer, ...]  # largest first
+    #: The policy's ``bucket_bytes`` (None: unbounded): no buffer but a single tensor's may exceed it.
+    bound: int | None = None
 
     def largest(self, program: str = POST_SPMD) -> CommBuffer | None:
         """The step's largest single buffer in ``program`` (None: no collective)."""
         return next((b for b in self.buffers if b.program == program), None)
 
-    def over(self, bound: float) -> list[Violation]:
-        """One violation per buffer (either program) over ``bound`` bytes."""
+    def over(self, bound: float, *, single_alone: bool = False, what: str = "max_buffer_bytes") -> list[Violation]:
+        """One violation per buffer (either program) over ``bound`` bytes;
+        with ``single_alone``, not a buffer of one tensor (which no bucket
+        can split: ``bucket_bytes`` lets it go alone)."""
         return [
-            Violation(BUFFER_OVER_BOUND, f"{b.program}:{b.name}", BUFFER_MESSAGE.format(
-                program=b.program, kind=b.kind, name=b.name, op_name=b.op_name or "-", trips=b.trips,
-                block="" if b.block == OUTSIDE_BLOCKS else f", {b.block}", nbytes=fmt_bytes(b.bytes),
-                shapes=b.shape_text, bound=fmt_bytes(bound),
-            ))  # fmt: skip
+            Violation(
+                BUFFER_OVER_BOUND,
+                f"{b.program}:{b.name}",
+                BUFFER_MESSAGE.format(
+                    program=b.program,
+                    kind=b.kind,
+                    name=b.name,
+                    op_name=b.op_name or "-",
+                    trips=b.trips,
+                    block="" if b.block == OUTSIDE_BLOCKS else f", {b.block}",
+                    nbytes=fmt_bytes(b.bytes),
+                    shapes=b.shape_text,
+                    bound=fmt_bytes(bound),
+                    what=what,
+                    fix=BUFFER_FIX[what],
+                ),
+            )  # fmt: skip
             for b in self.buffers
-            if b.bytes > bound
+            if b.bytes > bound and not (single_alone and len(b.shapes) == 1)
         ]
 
+    def bound_lines(self) -> list[str]:
+        """The bound (``bucket_bytes``) and how the buffers stand against it."""
+        if self.bound is None:
+            return []
+        alone = [b for b in self.buffers if b.bytes > self.bound and len(b.shapes) == 1]
+        over = len([b for b in self.buffers if b.bytes > self.bound]) - len(alone)
+        return [f"communication buffers bounded by bucket_bytes = {fmt_bytes(self.bound)}: "
+                + (f"{over} combined buffer(s) over it" if over else "none combined over it")
+                + (f"; {len(alone)} single tensor(s) larger than the bound go alone" if alone else "")]  # fmt: skip
+
     def lines(self) -> list[str]:
-        """The report's text: the largest buffers and the collectives per block."""
-        out = []
+        """The report's text: the bound, the largest buffers and the collectives per block."""
+        out = self.bound_lines()
         for program in (POST_SPMD, COMPILED):
             b = self.largest(program)
             if b is not None:
@@ -585,8 +617,10 @@ class AuditReport:
         allocation exceeds the live peak by more than 10%.
       buffers: the communication buffers (:class:`Buffers`): collectives per
         layer-wise block per step (post-SPMD executions and compiled ops by
-        kind) and every buffer, the largest of the step first;
-        ``check(max_buffer_bytes=...)`` flags each one over the bound.
+        kind) and every buffer, the largest of the step first, and the
+        policy's ``bucket_bytes`` (``buffers.bound``: each combined buffer
+        over it is a violation); ``check(max_buffer_bytes=...)`` flags each
+        one over another bound.
       collectives: the partitioned program's collectives (kind, dtype, shape,
         bytes, trips), and ``loops``: instruction name -> trip counts of the
         loops around it, outermost first.
@@ -659,14 +693,17 @@ class AuditReport:
 
         ``max_buffer_bytes``: a bound on any single communication buffer
         (:attr:`buffers`, post-SPMD and compiled): each buffer over it is a
-        violation naming the collective."""
+        violation naming the collective, a single tensor's included. A policy
+        with ``bucket_bytes`` is judged by that bound without being asked
+        (in :attr:`violations`; a single tensor larger than it goes alone)."""
         violations = self.violations
         if max_buffer_bytes is not None:
             if not is_real_number(max_buffer_bytes) or not max_buffer_bytes > 0:
                 raise ValueError(BAD_BOUND.format(bound=max_buffer_bytes))
             if self.buffers is None:
                 raise ValueError(NO_BUFFERS)
-            violations += tuple(self.buffers.over(max_buffer_bytes))
+            named = {v.subject for v in violations}
+            violations += tuple(v for v in self.buffers.over(max_buffer_bytes) if v.subject not in named)
         if violations:
             raise AuditError(violations, f"zj.audit: stage {self.stage} at N = {self.num_devices}")
         return self

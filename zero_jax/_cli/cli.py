@@ -74,6 +74,11 @@ COMPILED_WIRE = (
     "; compiled with ZeroPolicy(quantize_weights={quantize_weights!r}, quantize_grads={quantize_grads!r}, "
     "quant_block={quant_block}) where the stage has each (qwZ: stage 3; qgZ: stages 1-3)"
 )
+BUCKETS_LINE = (
+    "Communication buffers: at most {bound} each per device (ZeroPolicy(..., bucket_bytes={bucket}); a single tensor "
+    "larger goes alone); one buffer fused from every gradient would grow with the model to {fused} (Ψ x "
+    "--grad-bytes{tp})."
+)
 QUANT_BLOCK_ALONE = (
     "--quant-block sets the block of the int8 wire formats, but none is asked for: add --quantize-weights int8 "
     "and/or --quantize-grads int8, or drop --quant-block."
@@ -173,6 +178,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 16GiB (default with --topology: its HBM)")
     p.add_argument("--activations", default="0", help="activation memory per device, e.g. 10GB (default 0)")
+    p.add_argument(
+        "--bucket-bytes",
+        help="bound every communication buffer, e.g. 4MiB (ZeroPolicy's bucket_bytes): the buffer memory it implies; "
+        "with --compile, the compiled steps' largest buffers",
+    )  # fmt: skip
     p.add_argument("--bandwidth", help="bandwidth per device, e.g. 300GB/s or 200Gb/s (with --compute-time)")
     p.add_argument("--compute-time", help="compute time per step, e.g. 10s or 250ms (with --bandwidth)")
     p.add_argument("--target-efficiency", type=float, default=0.9, help="efficiency to size bandwidth for (0.9)")
@@ -276,7 +286,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.compile and m > 1:
         raise ValueError(COMPILE_TP.format(m=m, n=devices))
     choice = choose_stage(num_params, devices, memory, activations, model_parallel=m, **per)
+    bucket = None if args.bucket_bytes is None else int(parse_size_argument(args.bucket_bytes, "--bucket-bytes"))
+    if bucket is not None and bucket < 1:
+        raise ValueError(f"--bucket-bytes must be at least 1 byte, e.g. 4MiB; got {args.bucket_bytes!r}.")
     model, note = _compile_model(args) if args.compile else (None, "")  # bad model sizes fail before printing
+    if model is not None and bucket is not None:
+        model["bucket_bytes"] = bucket
     if tpu is not None:
         out.print(f"TPU slice {tpu}")
     out.print(_formula_table(choice, args, bandwidth))
@@ -291,6 +306,9 @@ def _plan_command(args: argparse.Namespace) -> int:
             **_wire(args, s),
         )  # fmt: skip
         out.print(f"Bandwidth for {args.target_efficiency:.0%} efficiency at stage {s}: {_si(need)}/s per device.")
+    if bucket is not None:
+        fused = fmt_bytes(num_params * args.grad_bytes / m)
+        out.print(BUCKETS_LINE.format(bound=fmt_bytes(bucket), bucket=bucket, fused=fused, tp=" / M" if m > 1 else ""))
     if args.replicas > 1:
         out.print(_hybrid_table(num_params, n, args, per, m))
     if args.plot:
@@ -411,7 +429,7 @@ def _compiled_table(
     out.print(_result_table(result, model))
     for stage, said in result.out_of_memory.items():
         out.print(f"stage {stage}: the TPU compiler refused the step: {said}")
-    for line in result.layer_notes():
+    for line in result.layer_notes() + result.buffer_notes():
         out.print(line)
     if result.recommended is None:
         out.print("[bold]Compiled: no stage fits.[/bold]")

@@ -58,7 +58,14 @@ from here.
 ``compiler_options``
     Options the step compiles with: on TPU, libtpu's async all-gather
     (:data:`TPU_ASYNC_ALL_GATHER`); with libtpu's defaults every gather is
-    synchronous and nothing overlaps.
+    synchronous and nothing overlaps. With ``ZeroPolicy(bucket_bytes=...)``,
+    also the bound for the backend's collective combiner
+    (:data:`BUCKET_OPTIONS`, :func:`bucket_options`): the TPU compiler (v5p)
+    merges the gradient all-reduces of several blocks into one buffer that grows
+    with depth (its threshold is 120 MiB by default); told the bound, it
+    closes a buffer before it passes it. XLA:CPU combines nothing (each
+    collective of the post-SPMD program runs alone): it needs no option.
+    ``benchmarks/buckets.py`` re-measures it (``benchmarks/results/buckets.txt``).
 
 Each was measured on XLA:CPU (jax 0.10.2, 8 simulated devices) with the
 reference transformer at depths 4 to 16: ``benchmarks/unscanned.py``
@@ -137,6 +144,39 @@ TPU_ASYNC_ALL_GATHER = (
     ("xla_enable_async_all_gather", "true"),
 )
 
+#: The XLA options that bound one combined collective's bytes, per backend (``bucket_bytes``). TPU (libtpu
+#: 0.0.42.1, v5p): ``xla_jf_crs_combiner_threshold_in_bytes`` bounds the combined all-reduce (a v5p
+#: reduce-scatter is decomposed into one); the all-gather, reduce-scatter and all-reduce-fusion thresholds
+#: changed nothing in the measured steps, which combine none of those, and are set so that the bound holds
+#: where they would. GPU: XLA's three combiner thresholds, unmeasured (no GPU was at hand).
+BUCKET_OPTIONS: dict[str, tuple[str, ...]] = {
+    "tpu": (
+        "xla_jf_crs_combiner_threshold_in_bytes",
+        "xla_tpu_arf_combiner_threshold_in_bytes",
+        "xla_tpu_ars_combiner_threshold_in_bytes",
+        "xla_tpu_agf_combiner_threshold_in_bytes",
+    ),
+    "gpu": (
+        "xla_gpu_all_reduce_combine_threshold_bytes",
+        "xla_gpu_reduce_scatter_combine_threshold_bytes",
+        "xla_gpu_all_gather_combine_threshold_bytes",
+    ),
+}
+
+
+def bucket_options(backend: str, bucket_bytes: int | None) -> tuple[tuple[str, str], ...]:
+    """The compiler options that keep every combined collective of ``backend``
+    within ``bucket_bytes`` (none without a bound, or on a backend that
+    combines nothing, like XLA:CPU).
+
+    >>> bucket_options("tpu", 2**20)[0], bucket_options("cpu", 2**20)
+    (('xla_jf_crs_combiner_threshold_in_bytes', '1048576'), ())
+    """
+    if bucket_bytes is None:
+        return ()
+    return tuple((name, str(int(bucket_bytes))) for name in BUCKET_OPTIONS.get(backend, ()))
+
+
 #: The schedule of each backend that was measured (see the module docstring).
 MEASURED: dict[str, Schedule] = {
     "cpu": Schedule("cpu"),
@@ -157,9 +197,12 @@ NOT_A_SWITCH = "trying: {names} are not schedule switches; the switches are {kno
 
 def schedule_for(policy: Any) -> Schedule:
     """The schedule for the backend of ``policy``'s devices (XLA:CPU's for a
-    backend not measured), with the switches of an enclosing :func:`trying`."""
+    backend not measured; the combiner bounds of ``policy.bucket_bytes``
+    added to its options), with the switches of an enclosing :func:`trying`."""
     backend = str(policy.mesh.devices.flat[0].platform)
-    return MEASURED.get(backend, MEASURED["cpu"])._replace(backend=backend, **dict(_TRIAL.current().changes))
+    measured = MEASURED.get(backend, MEASURED["cpu"])
+    options = measured.compiler_options + bucket_options(backend, policy.bucket_bytes)
+    return measured._replace(backend=backend, compiler_options=options, **dict(_TRIAL.current().changes))
 
 
 def trying(**switches: Any) -> contextlib.AbstractContextManager[Trial]:

@@ -29,8 +29,10 @@ import optax
 
 from zero_jax._audit.audit import audit
 from zero_jax._audit.report import AuditReport
+from zero_jax._base.problems import raise_problems
 from zero_jax._base.units import fmt_bytes, parse_bytes
 from zero_jax._plan.topology import TpuSlice, topology_mesh, tpu_slice
+from zero_jax._policy.arguments import bucket_problems, bucket_size
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import Precision
 from zero_jax._processes.child import importable_path, resolve, run_child
@@ -44,6 +46,10 @@ from zero_jax.models.transformer import TransformerConfig, init_params, make_los
 #: The default factory of :func:`plan`.
 REFERENCE_STEP = "zero_jax._plan.plan:reference_step"
 BATCH_NOT_SPLIT = "plan: the global batch of {batch} cannot be split over {n} devices{micro}; use a multiple of {m}."
+BUCKETS_OF_BUILT_STEP = (
+    "plan: bucket_bytes goes to the reference step or a factory; a built step already has its policy's bound. "
+    "Build its policy with ZeroPolicy(..., bucket_bytes=...) instead."
+)
 STEP_SPANS_OTHER_SIZE = (
     "plan: the step's policy spans {n} devices, not num_devices={num_devices}. To plan for another "
     "size, pass a factory (or its 'module:function' path), which runs on a simulated mesh of that size."
@@ -109,6 +115,8 @@ class Plan:
         the peak).
       out_of_memory: stage -> the TPU compiler's refusal, for a stage whose
         step does not fit HBM at all (libtpu fails the compile: no report).
+      bucket_bytes: the bound on any communication buffer the steps were
+        compiled with (``ZeroPolicy(bucket_bytes=...)``; ``None``: unbounded).
     """
 
     reports: tuple[AuditReport, ...]
@@ -120,6 +128,30 @@ class Plan:
     topology: TpuSlice | None = None
     hbm: dict[int, int] = dataclasses.field(default_factory=dict)
     out_of_memory: dict[int, str] = dataclasses.field(default_factory=dict)
+    bucket_bytes: int | None = None
+
+    @property
+    def largest_buffers(self) -> dict[int, int]:
+        """stage -> the step's largest single communication buffer in bytes per
+        device (the compiled program's, else the post-SPMD one's): with
+        ``bucket_bytes``, what the bound leaves of the buffer memory that
+        would otherwise grow with the model (a single tensor larger than the
+        bound goes alone)."""
+        out = {}
+        for r in self.reports:
+            b = r.buffers
+            big = None if b is None else (b.largest("compiled") or b.largest())
+            if big is not None:
+                out[r.stage] = big.bytes
+        return out
+
+    def buffer_notes(self) -> list[str]:
+        """With ``bucket_bytes``, one line: the bound and each stage's largest communication buffer."""
+        if self.bucket_bytes is None or not self.largest_buffers:
+            return []
+        largest = ", ".join(f"stage {s} {fmt_bytes(b)}" for s, b in self.largest_buffers.items())
+        return [f"communication buffers bounded by bucket_bytes = {fmt_bytes(self.bucket_bytes)}: the largest per "
+                f"device, {largest}"]  # fmt: skip
 
     @property
     def peaks(self) -> dict[int, int]:
@@ -247,6 +279,7 @@ class Plan:
             )
         lines.extend(f"{s:>5} refused by the TPU compiler: {said}" for s, said in self.out_of_memory.items())
         lines.extend(self.layer_notes())
+        lines.extend(self.buffer_notes())
         lines.extend(
             f"stage {s}: {fmt_bytes(b)} per device in host memory while the step runs (offload_activations), "
             f"{fmt_bytes(2 * b)} over the host link per step"
@@ -312,6 +345,7 @@ def reference_step(
     quantize_grads: str | None = None,
     quant_block: int = DEFAULT_BLOCK,
     offload_activations: bool = False,
+    bucket_bytes: int | str | None = None,
 ) -> tuple[Any, Any, Any]:
     """The default :func:`plan` factory: the reference transformer
     (``zero_jax.models``) with AdamW, stacked layers run layer-wise
@@ -321,7 +355,8 @@ def reference_step(
     arguments) apply where the stage has them: qwZ at stage 3, qgZ at stages
     1–3 (a plan of every stage compiles stages 0–2 without qwZ, 0 without qgZ).
     ``offload_activations`` (ZeRO-R's P_a+cpu) applies at stages 2–3, whose
-    layer-wise schedule keeps the block inputs (see :attr:`Plan.host_activations`)."""
+    layer-wise schedule keeps the block inputs (see :attr:`Plan.host_activations`).
+    ``bucket_bytes`` bounds every communication buffer (``ZeroPolicy``'s)."""
     n = mesh.size
     batch = global_batch if global_batch is not None else batch_per_device * n * accum_steps
     check_global_batch(batch, n, accum_steps)
@@ -331,7 +366,7 @@ def reference_step(
         extra["precision"] = Precision(compute_dtype=jnp.dtype(compute_dtype))
     extra |= quantization_at(stage, quantize_weights, quantize_grads)
     extra["offload_activations"] = bool(offload_activations) and stage >= 2 and gather == "manual"
-    policy = ZeroPolicy(stage, mesh, stacked="layers", quant_block=quant_block, **extra)
+    policy = ZeroPolicy(stage, mesh, stacked="layers", quant_block=quant_block, bucket_bytes=bucket_bytes, **extra)
     tx = shard_optimizer(optax.adamw(learning_rate), policy)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     state = init_state(params, tx, policy)
@@ -445,6 +480,7 @@ def plan(
     timeout: float = 600.0,
     tensor_parallel: int | None = None,
     topology: str | None = None,
+    bucket_bytes: int | str | None = None,
 ) -> Plan:
     """Will the step fit on ``num_devices`` devices of ``device_bytes``?
     Compile it for a simulated mesh of that size and read the compiled program.
@@ -488,6 +524,12 @@ def plan(
         device count); a built step must be built on
         ``zj.topology_mesh(topology, ...)``. Fit is judged on the HBM of each
         stage's buffer assignment (``Plan.hbm``).
+      bucket_bytes: compile with ``ZeroPolicy(..., bucket_bytes=...)``, the
+        bound on any communication buffer (an int or ``"4MiB"``; factories
+        only: passed to the factory as ``bucket_bytes=``): the plan reports
+        the bound and the largest buffer per stage
+        (:attr:`Plan.largest_buffers`), and each audit judges the buffers by
+        it.
 
     Example (compiles the 865k-parameter reference model's stage-3 step for 64
     simulated devices in a child process):
@@ -508,7 +550,11 @@ def plan(
     tpu = None if topology is None else tpu_slice(topology)  # no libtpu, a bad name: fail here, before any process
     if mem is None and tpu is not None:
         mem = tpu.hbm_per_device
+    raise_problems(bucket_problems(bucket_bytes), "plan")
+    bucket = bucket_size(bucket_bytes)
     if hasattr(target, "lower"):  # a built step: compile here
+        if bucket is not None:
+            raise TypeError(BUCKETS_OF_BUILT_STEP)
         m = _built_step_model_parallel(target, tensor_parallel)
         _check_step_on(target, tpu)
         report, hbm, said = _plan_built_step(target, abstract_state, abstract_batch, num_devices, grads)
@@ -518,7 +564,8 @@ def plan(
             n, stage = getattr(policy, "num_shards", 0), getattr(policy, "stage", 0)
             return Plan((), n, mem, max_rss(), seconds, m, tpu, {}, {stage: said})
         hbms = {} if hbm is None else {report.stage: hbm}
-        return Plan((report,), report.num_devices, mem, max_rss(), seconds, m, tpu, hbms)
+        own = getattr(getattr(target, "policy", None), "bucket_bytes", None)
+        return Plan((report,), report.num_devices, mem, max_rss(), seconds, m, tpu, hbms, bucket_bytes=own)
     if abstract_state is not None or abstract_batch is not None:
         raise TypeError("plan: abstract_state and abstract_batch go with a built step, not with a factory.")
     if tpu is not None:
@@ -534,7 +581,7 @@ def plan(
     stages = [check_stage(s, "plan") for s in stages]
     if not stages:
         raise ValueError("plan: stages is empty; pass some of 0, 1, 2, 3.")
-    kwargs = dict(factory_kwargs or {})
+    kwargs = dict(factory_kwargs or {}) | ({} if bucket is None else {"bucket_bytes": bucket})
     path = factory_path(target)
     if path == REFERENCE_STEP and kwargs.get("global_batch") is not None:  # fail fast, without a process
         check_global_batch(kwargs["global_batch"], n, kwargs.get("accum_steps", 1))
@@ -547,7 +594,18 @@ def plan(
     except TimeoutError as e:
         raise TimeoutError(f"plan: compiling for {where} took longer than timeout={timeout} s.") from e
     seconds = time.perf_counter() - started
-    return Plan(tuple(out["reports"]), n, mem, out["max_rss"], seconds, 1, tpu, out["hbm"], out["out_of_memory"])
+    return Plan(
+        tuple(out["reports"]),
+        n,
+        mem,
+        out["max_rss"],
+        seconds,
+        1,
+        tpu,
+        out["hbm"],
+        out["out_of_memory"],
+        bucket_bytes=bucket_size(kwargs.get("bucket_bytes")),
+    )
 
 
 def _check_step_on(step: Any, tpu: TpuSlice | None) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zero_jax._base.problems import Problem
-from zero_jax._base.units import is_whole_number
+from zero_jax._base.units import UNITS_HELP, is_real_number, is_whole_number, parse_bytes
 from zero_jax._layout.leaf import LeafLayout, piece_elements
 from zero_jax._policy.batch import batch_spec_problem
 from zero_jax._policy.memory import activation_offload_problems, offload_problems
@@ -57,6 +57,10 @@ PARTITION_ACTIVATIONS_STAGE = (
     "zj.apply_layer(s) keep each layer's input for its backward recompute there); stage {stage} runs layers under "
     "a plain jax.checkpoint. Use stage=2 or 3, or drop partition_activations."
 )
+BAD_BUCKET_BYTES = (
+    "ZeroPolicy: bucket_bytes must be a positive whole number of bytes or a size such as '4MiB', got {value!r}{why}. "
+    "Pass e.g. bucket_bytes=4 * 2**20 or bucket_bytes='4MiB' (None leaves the backend's combiner unbounded)."
+)
 QUANT_BLOCK_TOO_LARGE = (
     "ZeroPolicy: quant_block={block} is larger than every piece it would quantize: the largest, '{path}', "
     "is {elements} elements per device and layer. Pass quant_block <= {elements} (a power of two such as "
@@ -88,6 +92,7 @@ def argument_problems(
     offload_optimizer: Any = False,
     offload_params: Any = False,
     offload_activations: Any = False,
+    bucket_bytes: Any = None,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments, each with its exception type."""
     problems: list[Problem] = []
@@ -130,7 +135,30 @@ def argument_problems(
     problems.extend(wire_problems(known_stage, quantize_weights, quantize_grads, quant_block, WHERE))
     problems.extend(offload_problems(offload_optimizer, offload_params, known_stage, mesh))
     problems.extend(activation_offload_problems(offload_activations, known_stage, mesh))
+    problems.extend(bucket_problems(bucket_bytes))
     return problems
+
+
+def bucket_problems(value: Any) -> list[Problem]:
+    """The problem with ``ZeroPolicy(bucket_bytes=...)``, if any: a positive
+    whole number of bytes, or a size string (``"4MiB"``, ``"1MB"``)."""
+    if value is None:
+        return []
+    if not isinstance(value, str) and not is_real_number(value):
+        return [(TypeError, BAD_BUCKET_BYTES.format(value=value, why=f" ({type(value).__name__})"))]
+    try:
+        size = parse_bytes(value, "ZeroPolicy: bucket_bytes")
+    except ValueError:
+        return [(ValueError, BAD_BUCKET_BYTES.format(value=value, why=f" (the units are {UNITS_HELP})"))]
+    if not size >= 1 or size != int(size):
+        why = " (not a whole number of bytes)" if size >= 1 else ""
+        return [(ValueError, BAD_BUCKET_BYTES.format(value=value, why=why))]
+    return []
+
+
+def bucket_size(value: Any) -> int | None:
+    """``bucket_bytes`` as a number of bytes (checked by :func:`bucket_problems`)."""
+    return None if value is None else int(parse_bytes(value, "ZeroPolicy: bucket_bytes"))
 
 
 def _activation_problems(mesh: Any, axis: Any, replica_axis: Any, param_specs: Any, partition: Any) -> list[Problem]:

@@ -22,7 +22,7 @@ from zero_jax._base.tree import KeyPath, PyTree, path_str, split_prefix, under, 
 from zero_jax._comm.collectives import Axes
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, is_float, is_layout, shape_dtype
 from zero_jax._layout.leaf import leaf_layout as layout_of
-from zero_jax._policy.arguments import WHERE, argument_problems, check_quant_block
+from zero_jax._policy.arguments import WHERE, argument_problems, bucket_size, check_quant_block
 from zero_jax._policy.batch import batch_leaf_specs, batch_partition_spec, is_replicated_leaf
 from zero_jax._policy.batch import check_batch as check_batch_leaves
 from zero_jax._policy.memory import OffloadOptions, offload_options
@@ -162,6 +162,16 @@ class ZeroPolicy:
         (all-reduced) and the replica-axis reduction stay unquantized.
       quant_block: elements per float32 scale (a piece smaller than it is
         one block).
+      bucket_bytes: ZeRO-R's constant-size buffers (C_B): no communication
+        buffer of the step is larger than this many bytes (an int, or a size
+        such as ``"4MiB"``), however deep the model; a single tensor larger
+        than the bound goes alone, in a buffer of its own size. The step's
+        collectives are one per leaf already; what could grow with the model
+        is the backend combining several into one buffer, so the bound is
+        given to the backend's combiner (``_layerwise/schedule.py``: on TPU
+        and GPU; XLA:CPU combines nothing). ``None``: the backend's default.
+        Values and bytes on the wire are unchanged; ``zj.audit``'s
+        ``report.check()`` then flags a buffer over the bound.
 
     Example:
 
@@ -171,6 +181,11 @@ class ZeroPolicy:
     >>> params = {"w": jax.ShapeDtypeStruct((4096, 512), "float32")}
     >>> policy.param_sharding(params)["w"].spec
     P('data',)
+
+    Communication buffers of at most 4 MiB (ZeRO-R's constant-size buffers):
+
+    >>> zj.ZeroPolicy(stage=3, mesh=mesh, bucket_bytes="4MiB").bucket_bytes
+    4194304
 
     Hybrid (2 replicas x 4-way partitions, e.g. 2 hosts of 4 chips):
 
@@ -209,6 +224,7 @@ class ZeroPolicy:
     quantize_weights: str | None = None
     quantize_grads: str | None = None
     quant_block: int = DEFAULT_BLOCK
+    bucket_bytes: int | str | None = None
     #: The mesh with every axis Auto: what the step runs on (sharding constraints inside the step are
     #: rejected on Explicit axes, and jit accepts arrays placed on either).
     auto_mesh: Mesh = dataclasses.field(init=False, repr=False, compare=False)
@@ -232,6 +248,7 @@ class ZeroPolicy:
             "partition_activations": bool(self.partition_activations),
             "offload_activations": bool(self.offload_activations),
             "quant_block": int(self.quant_block),
+            "bucket_bytes": bucket_size(self.bucket_bytes),
         }
         names = self.mesh.axis_names
         normalised["precision_chosen"] = self.precision is not None
