@@ -10,7 +10,8 @@ benchmarks/results/gpu.txt benchmarks/results/gpu.json "$OUT"/``: the files hold
 section even when the run is cut short). ``XLA_PYTHON_CLIENT_MEM_FRACTION`` defaults to 0.90 here.
 
 ``--dry-run`` runs the same code paths at tiny sizes (on CPU with 8 simulated devices when no
-accelerator is installed) and writes to a temporary directory or ``--out``; it never touches
+accelerator is installed, or with ``JAX_PLATFORMS=cpu`` where a plugin such as libtpu is installed
+but no chip is) and writes to a temporary directory or ``--out``; it never touches
 ``benchmarks/results/gpu.*`` and says that its times, MFU and memory ceilings mean nothing.
 
 Sections (run in the order 1, 3, 4, 2 so the riskiest, the host-memory search, comes last; a time
@@ -1092,6 +1093,13 @@ def main() -> None:
         )
     if not args.dry_run and jax.default_backend() == "cpu":
         parser.error("no accelerator: the full run measures a GPU; use --dry-run here")
+    if args.dry_run and not SIMULATED and jax.default_backend() == "cpu":
+        # libtpu (the test extra's TPU compiler) or a CUDA plugin is installed but found no chip: the dry run
+        # would read device memory that the CPU does not report and size its searches to nothing.
+        parser.error(
+            "an accelerator plugin is installed but jax runs on the CPU: for a dry run on the CPU, "
+            "set JAX_PLATFORMS=cpu (JAX_PLATFORMS=cpu python benchmarks/gpu.py --dry-run)"
+        )
     args.budget = args.budget or (300.0 if args.dry_run else 420.0)
     run = Run(args, DRY_SIZES if args.dry_run else GPU_SIZES)
     run.timed("1", section_overhead, run)

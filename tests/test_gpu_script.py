@@ -20,9 +20,10 @@ def positive(x: object) -> bool:
 def test_gpu_script_dry_run_writes_every_section(tmp_path: Path) -> None:
     done = subprocess.run(
         # --budget: the time guard's deadlines are for the lent GPU's session; on a loaded CI machine the
-        # default dry-run budget would skip a section this test exists to run.
+        # default dry-run budget would skip a section this test exists to run. JAX_PLATFORMS=cpu: libtpu is
+        # installed (the test extra) but there is no chip; the dry run simulates 8 CPU devices.
         [sys.executable, "benchmarks/gpu.py", "--dry-run", "--budget", "3000", "--out", str(tmp_path)],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=child_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = (tmp_path / "gpu.txt").read_text()
