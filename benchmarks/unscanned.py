@@ -5,6 +5,8 @@ Run: ``python benchmarks/unscanned.py`` (8 simulated CPU devices in one process;
 must-show checks as PASS/FAIL lines with their numbers and the prefetch schedule, and writes them
 with the command and the machine to ``benchmarks/results/unscanned.txt``, the raw numbers to
 ``unscanned.json`` and a plot (peak memory against depth, one line per variant) to ``unscanned.png``.
+``--fragmentation`` prints only zj.audit's fragmentation line (allocated against XLA's live peak, ZeRO-R's
+M_D) for every variant at depths 4 and 8 (or ``--depths``), into ``results/unscanned_fragmentation.txt``.
 
 The model is the reference transformer of ``zero_jax.models`` (vocab 256, dim 256, 4 heads, seq 64,
 MLP 1024, fp32) written as users write one: ``params["blocks"]`` is a Python list of per-block
@@ -306,7 +308,8 @@ class Run:
     final_loss: float = float("nan")
 
 
-def make_run(variant: str, depth: int, mesh: jax.sharding.Mesh) -> Run:
+def build(variant: str, depth: int, mesh: jax.sharding.Mesh) -> tuple[Callable, Any, Any]:
+    """A variant's train step, its state and a batch."""
     stage, kind, prefetch = VARIANTS[variant]
     cfg = config(depth)
     policy = zj.ZeroPolicy(stage, mesh, stacked="layers") if kind == "scan" else zj.ZeroPolicy(stage, mesh)
@@ -323,6 +326,13 @@ def make_run(variant: str, depth: int, mesh: jax.sharding.Mesh) -> Run:
         step_fn = zj.make_train_step(loss, tx, policy, gather="all" if kind == "all" else "manual",
                                      accum_steps=ACCUM.get(variant, 1))  # fmt: skip
     batch = jax.device_put(synthetic_batch(cfg, GLOBAL_BATCH, jax.random.key(1)), policy.batch_sharding())
+    return step_fn, state, batch
+
+
+def make_run(variant: str, depth: int, mesh: jax.sharding.Mesh) -> Run:
+    stage, kind, prefetch = VARIANTS[variant]
+    cfg = config(depth)
+    step_fn, state, batch = build(variant, depth, mesh)
     compiled, spmd, live_peak = common.compile_once(step_fn, state, batch)
     text = compiled.as_text()
     counts = common.kind_counts(measure.parse_collectives(text, N))
@@ -530,8 +540,40 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     common.save_figure(fig, path)
 
 
+def fragmentation(depths: tuple[int, ...], out_dir: str | None) -> None:
+    """Issue 28's M_D on every variant: zj.audit's fragmentation line (allocated against XLA's live peak)."""
+    record = common.Record()
+    mesh = jax.make_mesh((N,), ("data",))
+    lines, rows = [], []
+    for d in depths:
+        for v in VARIANTS:
+            f = zj.audit(*build(v, d, mesh), grads=False).fragmentation
+            assert f is not None, "the audit read no live-range dump"
+            rows.append({"variant": v, "depth": d, "allocated": f.allocated, "live_peak": f.live_peak,
+                         "ratio": f.ratio, "fragmented": f.fragmented})  # fmt: skip
+            lines += [f"{v:<15} L={d:<3} {f.lines()[0]}", *f.lines()[1:]]
+        print(f"L={d} done ({record.wall_s():.0f} s)", file=sys.stderr)
+    header = record.header(
+        "The audit's fragmentation line on benchmarks/unscanned.py's variants (ZeRO-R's M_D)",
+        f"devices: {jax.device_count()} simulated {jax.devices()[0].platform} devices, mesh ('data',) = {N}",
+        f"model: transformer {MODEL}, fp32, a Python list of blocks, global batch {GLOBAL_BATCH}; "
+        "zj.audit(step, state, batch).fragmentation per variant",
+    )
+    worst = max(rows, key=lambda r: r["ratio"])
+    summary = (f"largest allocated / live peak: {worst['ratio']:.3f} ({worst['variant']}, L={worst['depth']}); "
+               f"{sum(r['fragmented'] for r in rows)} of {len(rows)} compiles over the audit's 10% slack")  # fmt: skip
+    text = "\n\n".join([header, "\n".join(lines), summary])
+    print(text)
+    if out_dir:
+        common.write_results("unscanned_fragmentation", text, {"meta": record.meta(), "rows": rows}, out_dir)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--fragmentation", action="store_true",
+        help="only the audit's fragmentation line per variant (results/unscanned_fragmentation.txt)",
+    )  # fmt: skip
     ap.add_argument("--depths", type=int, nargs="+", default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed rounds (default 3, --quick 2)")
     ap.add_argument("--quick", action="store_true", help=f"depths {QUICK_DEPTHS}, 2 rounds, no files unless --out")
@@ -540,6 +582,9 @@ def main() -> None:
     depths = args.depths or (QUICK_DEPTHS if args.quick else DEPTHS)
     steps = args.steps or (2 if args.quick else 3)
     out_dir = args.out or (None if args.quick else common.RESULTS)
+    if args.fragmentation:
+        fragmentation(tuple(args.depths or QUICK_DEPTHS), args.out or common.RESULTS)
+        return
 
     record = common.Record()
     mesh = jax.make_mesh((N,), ("data",))
