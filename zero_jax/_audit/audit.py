@@ -537,7 +537,9 @@ def _fragmentation(
     largest buffers alive there (read off the compiled program)."""
     if peak is None or not peak.bytes:
         return None
-    op_names = {ins.name: ins.op_name for body in program.computations.values() for ins in body}
+    # HLO metadata escapes quotes (state.params[\'blocks\']): shown as the key path reads.
+    op_names = {ins.name: ins.op_name.replace("\\'", "'").replace('\\"', '"')
+                for body in program.computations.values() for ins in body}  # fmt: skip
     buffers = tuple(PeakBuffer(name, index, nbytes, op_names.get(name, ""))
                     for name, index, nbytes in peak.buffers[:PEAK_BUFFERS_SHOWN])  # fmt: skip
     allocated = int(memory.get("allocated", memory["peak"]))
