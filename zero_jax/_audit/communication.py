@@ -290,6 +290,13 @@ def _leaf_theory(p: ParamInfo, policy: ZeroPolicy, rb: int, reduces: int, gather
     if policy.optimizer_over_replicas and not policy.partitions_params:
         return out + ring_all * stored * itemsize  # all-gather of the update over both axes
     gather_pass = wire_pass if wire.weights is not None and policy.partitions_params else ring * stored * itemsize
+    if policy.secondary_axis:
+        # hpZ: the forward gather crosses every axis (in two steps, the same bytes as one); the backward
+        # re-gathers only within the node, (S - 1) of its S secondary pieces: A = N/S primary pieces each.
+        s = policy.num_secondary_shards
+        within = gather_pass / (n - 1) * (s - 1) * (n // s) if wire.weights is not None else (s - 1) / s * stored * itemsize
+        forward = max(1, gathers // 2)
+        return out + gather_pass * forward + within * (gathers - forward)
     out += gather_pass * gathers  # all-gather(s) of the parameter (stages 1-2: the update, never quantized)
     if policy.optimizer_over_replicas:
         out += ring_replica * stored / n * itemsize  # update pieces -> parameter pieces

@@ -20,10 +20,12 @@ collective runs inside a ``shard_map`` nested over the leaf's model axes
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
 from zero_jax._comm.quantized import dequantize_blocks, quantize_blocks
@@ -39,18 +41,30 @@ class Axes(NamedTuple):
     of the partitioned state. ``scatter_replicas``: the reduced gradient
     piece is cut once more across ``replica`` (optimizer state partitioned
     over both). ``wire``: how weight gathers and gradient reduce-scatters
-    travel (int8 blocks with ZeRO++'s qwZ / qgZ).
+    travel (int8 blocks with ZeRO++'s qwZ / qgZ). ``secondary``: ZeRO++'s
+    hpZ, the fast axis (chips of one node) of ``shard``, which it leads: a
+    piece is gathered over the other shard axes (across nodes) into the
+    secondary piece, then over ``secondary`` into the whole, and a backward
+    re-gather starts from the secondary piece (:func:`secondary_piece`).
     """
 
     shard: tuple[str, ...]
     replica: tuple[str, ...] = ()
     scatter_replicas: bool = False
     wire: WireFormat = WireFormat()
+    secondary: str | None = None
 
     @property
     def all(self) -> tuple[str, ...]:
         """Every axis the batch is split over."""
         return self.replica + self.shard
+
+    @property
+    def across(self) -> tuple[str, ...]:
+        """With ``secondary``: the shard axes it leaves out (the slow ones,
+        across nodes), which only the forward gather and the gradient
+        reduction cross."""
+        return tuple(a for a in self.shard if a != self.secondary)
 
 
 AxisName = str | tuple[str, ...] | Axes
@@ -153,12 +167,20 @@ def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.
     if layout.dim is None:
         return sum_all_reduce_leaf(x, layout, axis)
     axes = _axes(axis)
-    shard, block = _name(axes.shard), axes.wire.block
-    if axes.wire.grads is not None:
-        return per_model_shard(lambda g: _quantized_reduce_scatter(pad(g, layout), shard, layout.dim, block), layout, x)
-    return per_model_shard(
-        lambda g: jax.lax.psum_scatter(pad(g, layout), shard, scatter_dimension=layout.dim, tiled=True), layout, x
-    )
+    block = axes.wire.block
+    # hpZ: within the node first (into the secondary piece), then across nodes: the transpose of the gathers.
+    steps = [axes.secondary, _name(axes.across)] if axes.secondary else [_name(axes.shard)]
+
+    def scatter(g: jax.Array) -> jax.Array:
+        g = pad(g, layout)
+        for over in steps:
+            if axes.wire.grads is not None:
+                g = _quantized_reduce_scatter(g, over, layout.dim, block)
+            else:
+                g = jax.lax.psum_scatter(g, over, scatter_dimension=layout.dim, tiled=True)
+        return g
+
+    return per_model_shard(scatter, layout, x)
 
 
 def _quantized_reduce_scatter(g: jax.Array, shard: Any, dim: int, block: int) -> jax.Array:
@@ -223,11 +245,65 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
         return to_varying(x, axis)
     if _axes(axis).wire.weights is not None:
         return _quantized_gather_for_use(x, layout, _axes(axis))
+    if _axes(axis).secondary:
+        return gather_secondary(secondary_piece(x, layout, axis), layout, axis)
     shard = _name(_axes(axis).shard)
     whole = per_model_shard(lambda p: jax.lax.all_gather(p, shard, axis=layout.dim, tiled=True), layout, x)
     # Per-replica too: the gathered weights meet replica-varying activations,
     # and an invariant value there would make autodiff all-reduce the whole
     # gradient across the replicas behind our back.
+    return to_varying(unpad(whole, layout), axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Pieces:
+    """hpZ with qwZ: a secondary piece as the int8 blocks (``codes``) and
+    float32 ``scales`` of the primary pieces it is made of (leading axis:
+    one per primary piece, in order), each of ``shape`` and ``dtype``."""
+
+    codes: jax.Array
+    scales: jax.Array
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+jax.tree_util.register_dataclass(Int8Pieces, data_fields=["codes", "scales"], meta_fields=["shape", "dtype"])
+
+
+def secondary_piece(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """hpZ: this device's piece of the secondary partition (over the fast
+    ``secondary`` axis only, N/S times the primary piece): the primary pieces
+    all-gathered across the other shard axes (the forward pass's only
+    crossing of the slow link). With qwZ they cross as int8 blocks and the
+    secondary piece holds their dequantized values, so the whole parameter
+    gathered from it is the one a single int8 gather gives. A leaf kept
+    whole is returned as it is."""
+    axes = _axes(axis)
+    if layout.dim is None:
+        return x
+    across = _name(axes.across)
+    if axes.wire.weights is not None:
+        q, scale = quantize_blocks(x, axes.wire.block)
+        return Int8Pieces(jax.lax.all_gather(q, across), jax.lax.all_gather(scale, across), x.shape, x.dtype)
+    return per_model_shard(lambda p: jax.lax.all_gather(p, across, axis=layout.dim, tiled=True), layout, x)
+
+
+def gather_secondary(piece: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+    """hpZ: the whole, unpadded parameter from a :func:`secondary_piece`,
+    all-gathered over the fast axis only (within the node), per-device
+    (varying). Its transpose reduce-scatters within the node only: the
+    layer-wise primitives reduce gradients themselves
+    (:func:`sum_reduce_scatter`, which also crosses the nodes)."""
+    if layout.dim is None:
+        return to_varying(piece, axis)
+    secondary = _axes(axis).secondary
+    if isinstance(piece, Int8Pieces):  # qwZ: (S, A, blocks...) -> the S·A primary pieces, secondary-major
+        q, scale = jax.lax.all_gather(piece.codes, secondary), jax.lax.all_gather(piece.scales, secondary)
+        q, scale = q.reshape(-1, *q.shape[2:]), scale.reshape(-1, *scale.shape[2:])
+        dequantize = lambda qi, si: dequantize_blocks(qi, si, piece.shape, piece.dtype)  # noqa: E731
+        whole = _join_pieces(jax.vmap(dequantize)(q, scale), layout.dim)
+    else:
+        whole = per_model_shard(lambda p: jax.lax.all_gather(p, secondary, axis=layout.dim, tiled=True), layout, piece)
     return to_varying(unpad(whole, layout), axis)
 
 
@@ -240,6 +316,8 @@ def _quantized_gather_for_use(x: jax.Array, layout: LeafLayout, axes: Axes) -> j
 
     @jax.custom_vjp
     def zero_jax_quantized_gather(piece: jax.Array) -> jax.Array:
+        if axes.secondary:
+            return gather_secondary(secondary_piece(piece, layout, axes), layout, axes)
         gather = lambda p: _quantized_all_gather(p, shard, layout.dim, axes.wire.block)  # noqa: E731
         return to_varying(unpad(per_model_shard(gather, layout, piece), layout), axes)
 
@@ -286,6 +364,9 @@ def fetch_with_grad_slot(
     again whenever the caller's remat recomputes it.
     """
 
+    if gather and layout.dim is not None and _axes(axis).secondary:
+        return _fetch_secondary_with_grad_slot(source, slot, layout, axis)
+
     @jax.custom_vjp
     def zero_jax_fetch(src: jax.Array, slot: jax.Array) -> jax.Array:
         del slot
@@ -299,6 +380,34 @@ def fetch_with_grad_slot(
 
     zero_jax_fetch.defvjp(fwd, bwd)
     return zero_jax_fetch(source, slot)
+
+
+#: The name (``jax.ad_checkpoint.checkpoint_name``) of hpZ's secondary pieces
+#: outside the layer-wise primitives: a remat policy that saves it keeps them
+#: from the forward pass to the backward (``gather="all"``'s stage 3 does).
+SECONDARY_PIECE = "zero_jax_secondary_piece"
+
+
+def _fetch_secondary_with_grad_slot(source: jax.Array, slot: jax.Array, layout: LeafLayout, axis: AxisName) -> Any:
+    """hpZ's :func:`fetch_with_grad_slot`: the secondary piece is made (across
+    the nodes) outside the custom VJP and named :data:`SECONDARY_PIECE`, so a
+    remat that recomputes the whole parameter for the backward gathers it
+    again from that piece, within the node."""
+    piece = jax.tree.map(lambda a: checkpoint_name(a, SECONDARY_PIECE), secondary_piece(source, layout, axis))
+
+    @jax.custom_vjp
+    def zero_jax_fetch_secondary(piece: Any, slot: jax.Array) -> jax.Array:
+        del slot
+        return gather_secondary(piece, layout, axis)
+
+    def fwd(piece: Any, slot: jax.Array) -> tuple[jax.Array, None]:
+        return zero_jax_fetch_secondary(piece, slot), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
+        return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis)
+
+    zero_jax_fetch_secondary.defvjp(fwd, bwd)
+    return zero_jax_fetch_secondary(piece, slot)
 
 
 def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName, dtype: object) -> jax.Array:

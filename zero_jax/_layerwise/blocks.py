@@ -110,15 +110,41 @@ class _Block:
 
     def wholes(self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any] = ()) -> list[Any]:
         """The whole parameters of the Sharded leaves (all-gathered in stage 3,
-        each piece due after ``anchor``, or its entry of ``anchors``); else None."""
-        gather, schedule = policy.partitions_params, schedule_for(policy)
+        each piece due after ``anchor``, or its entry of ``anchors``); else None.
+        ``sources`` are what the backward re-gathers from (:meth:`first_gather`)."""
+        return self._gathered(sources, policy, anchor, anchors, again=True)[0]
+
+    def first_gather(
+        self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any] = ()
+    ) -> tuple[list[Any], list[Any]]:
+        """The forward pass's gather: the whole parameters, and what the
+        backward pass re-gathers them from: the pieces themselves, or with
+        hpZ (``secondary_axis``) the secondary pieces this gather made on
+        its way (then the re-gather stays within the node)."""
+        return self._gathered(sources, policy, anchor, anchors, again=False)
+
+    def _gathered(
+        self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any], *, again: bool
+    ) -> tuple[list[Any], list[Any]]:
+        gather, schedule, axis = policy.partitions_params, schedule_for(policy), policy.comm
         anchors = list(anchors) or [anchor] * len(sources)
+        wholes, kept = [], []
         with jax.named_scope(f"zj_block{self.index}_gather"):
-            return [
-            None if src is None else coll.fetch(schedule.due(to_device(src), a) if gather else src, lay, policy.comm,
-                                                gather=gather)
-            for src, lay, a in zip(sources, self.layouts, anchors, strict=True)
-        ]  # fmt: skip
+            for src, lay, a in zip(sources, self.layouts, anchors, strict=True):
+                if src is None or not gather:
+                    wholes.append(None if src is None else coll.fetch(src, lay, axis, gather=False))
+                    kept.append(src)
+                    continue
+                # A secondary piece (hpZ's re-gather) is made in the step, on the device.
+                ready = schedule.due(src if again and axis.secondary else to_device(src), a)
+                if axis.secondary:  # hpZ
+                    piece = ready if again else coll.secondary_piece(ready, lay, axis)
+                    wholes.append(coll.gather_secondary(piece, lay, axis))
+                    kept.append(piece)
+                else:  # the backward starts again from the piece as stored (in host memory with offload_params)
+                    wholes.append(coll.fetch(ready, lay, axis, gather=True))
+                    kept.append(src)
+        return wholes, kept
 
     def tree(self, wholes: Sequence[Any], plain: Sequence[Any]) -> PyTree:
         leaves = [w if s else p for s, w, p in zip(self.sharded, wholes, plain, strict=True)]
@@ -159,6 +185,7 @@ class _Call:
     token: list[Any]  # its token output: zeros shaped like its block's whole parameters
     block: _Block
     needed: list[int]  # its leaves in the order its forward pass first uses them (see schedule.use_order)
+    kept: list[Any]  # what its backward pass re-gathers from (_Block.first_gather)
 
 
 class LayerChain:
@@ -206,22 +233,22 @@ class LayerChain:
             raise ValueError(UNDER_VMAP.format(where=self.where, index=index))
         block = _Block.of(index, params)
         trace = get_opaque_trace_state()
-        wholes = self._forward_wholes(index, block, trace, args)
+        wholes, kept = self._forward_wholes(index, block, trace, args)
         for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.layers))) if self._gathers else ():
             if ahead not in self._queue:
                 nxt = _Block.of(ahead, self.layers[ahead])
-                self._queue[ahead] = (trace, nxt.wholes(nxt.sources, policy, inputs_anchor(args)))
+                self._queue[ahead] = (trace, nxt.first_gather(nxt.sources, policy, inputs_anchor(args)))
         previous = self._last if self._last is not None and self._last.trace == trace else None
         out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block,
-                               wholes, args, previous, self.offload)  # fmt: skip
+                               wholes, kept, args, previous, self.offload)  # fmt: skip
         self._last = call
         return out
 
-    def _forward_wholes(self, index: int, block: _Block, trace: Any, args: Any) -> list[Any]:
+    def _forward_wholes(self, index: int, block: _Block, trace: Any, args: Any) -> tuple[list[Any], list[Any]]:
         queued = self._queue.pop(index, None)
         if queued is not None and queued[0] == trace:
             return queued[1]
-        return block.wholes(block.sources, self.policy, inputs_anchor(args))
+        return block.first_gather(block.sources, self.policy, inputs_anchor(args))
 
 
 def _token_zeros(wholes: list[Any], axis: Any) -> list[Any]:
@@ -268,6 +295,7 @@ def _run_block(
     layer_fn: Callable[..., Any],
     block: _Block,
     wholes: list[Any],
+    kept: list[Any],
     args: tuple[Any, ...],
     previous: _Call | None,
     offload: bool = False,
@@ -292,7 +320,7 @@ def _run_block(
     # that call's token output, whose cotangent is its re-gathered block.
     chained = prefetch > 0 and previous is not None
     token_in = previous.token if chained else []
-    prev_sources = list(previous.block.sources) if chained else []
+    prev_sources = list(previous.kept) if chained else []
 
     # Values that are not differentiated (integers, keys) enter the custom VJP
     # as inputs too: its backward pass is traced later and may not close over them.
@@ -355,9 +383,9 @@ def _run_block(
     zero_jax_block.defvjp(fwd, bwd, symbolic_zeros=True)
     with jax.named_scope(f"zj_block{index}_compute"):
         out, token = zero_jax_block(
-            slots, plain_floats, arg_floats, const_floats, token_in, wholes, list(block.sources), prev_sources, fixed
+            slots, plain_floats, arg_floats, const_floats, token_in, wholes, kept, prev_sources, fixed
         )
-    call = _Call(index=index, trace=trace, token=token, block=block, needed=needed)
+    call = _Call(index=index, trace=trace, token=token, block=block, needed=needed, kept=kept)
     return out, call
 
 

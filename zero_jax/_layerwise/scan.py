@@ -206,20 +206,41 @@ class _ScanPlan(NamedTuple):
     depth: int
     schedule: Schedule
     order: tuple[list[int], list[int]] | None = None  # use_order of the layer, for the backward prefetch
+    # hpZ (secondary_axis): "make" -- the forward gathers across nodes and hands on the secondary pieces;
+    # "use" -- the backward gathers from them, within the node. "": no hpZ.
+    secondary: str = ""
+
+
+class _Fetched(NamedTuple):
+    """One layer's whole parameters, and (hpZ's forward) its secondary pieces."""
+
+    params: PyTree
+    secondary: list[Any]
 
 
 def _fetch(
     plan: _ScanPlan, i: jax.Array, diff: list[Any], wholes: list[Any], anchor: Any = None, anchors: Any = None
-) -> PyTree:
+) -> _Fetched:
     """Layer i's whole parameters (all-gathers for stage-3 pieces; one layer in
     from the host), each piece due after ``anchor`` when given (the
     schedule's ``tie_gathers``), or after its own entry of ``anchors``."""
     anchors = anchors or [anchor] * len(diff)
-    out = [
-        coll.fetch(plan.schedule.due(to_device(w[i]), a), lay, plan.axis, gather=g) if s else d[i]
-        for s, d, w, lay, g, a in zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, anchors, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(plan.treedef, out)
+    out, secondary = [], []
+    for s, d, w, lay, g, a in zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, anchors, strict=True):
+        if not s:
+            out.append(d[i])
+            continue
+        if plan.secondary == "use":  # hpZ's secondary pieces (int8 blocks with qwZ): made in the step, on device
+            source = plan.schedule.due(jax.tree.map(lambda x: x[i], w), a)
+        else:
+            source = plan.schedule.due(to_device(w[i]), a)
+        if g and plan.secondary:
+            piece = coll.secondary_piece(source, lay, plan.axis) if plan.secondary == "make" else source
+            secondary.append(piece)
+            out.append(coll.gather_secondary(piece, lay, plan.axis))
+        else:
+            out.append(coll.fetch(source, lay, plan.axis, gather=g))
+    return _Fetched(jax.tree_util.tree_unflatten(plan.treedef, out), secondary)
 
 
 def _reduce_layer(plan: _ScanPlan, g_layer: PyTree) -> list[Any]:
@@ -238,7 +259,8 @@ def _pipelined(
 ) -> Any:  # fmt: skip
     """Run ``step(state, i, layer_i_params)`` for every layer, in order or in
     reverse, with the gathers of the next ``prefetch`` layers in flight
-    (``host_ys``: ``step``'s float outputs live in host memory)."""
+    (``host_ys``: the float leaves of the first of ``step``'s outputs, the
+    saved inputs, live in host memory)."""
     depth, prefetch = plan.depth, plan.prefetch
 
     def index(t: Any) -> Any:
@@ -256,7 +278,8 @@ def _pipelined(
     # The outputs go into one buffer for every layer, updated in place: the
     # loop's own stacked outputs with the last layers' concatenated to them
     # are one more copy of all of them.
-    ys = saved_to_host(_ys_buffer(step, state, queue[0], index, depth), host_ys)
+    ys = _ys_buffer(step, state, queue[0], index, depth)
+    ys = (saved_to_host(ys[0], True), *ys[1:]) if host_ys else ys
 
     def body(carry: Any, t: jax.Array) -> Any:
         s, q, buf = carry
@@ -319,6 +342,7 @@ def _scan_plan(
         prefetch=int(prefetch),
         depth=depth,
         schedule=schedule,
+        secondary="make" if axis.secondary else "",
     )
     return plan, diff, wholes
 
@@ -337,7 +361,7 @@ def _zero_scan(
     plan, diff, wholes = _scan_plan(treedef, nodes, policy.comm, prefetch, depth, schedule_for(policy))
     sharded = plan.sharded
     with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)
-        example = _fetch(plan, jnp.asarray(0), diff, wholes)
+        example = _fetch(plan, jnp.asarray(0), diff, wholes).params
     fn, all_consts = jax.closure_convert(layer_fn, example, carry)
     if prefetch and policy.partitions_params:
         plan = plan._replace(order=use_order(fn, example, (carry,), all_consts))
@@ -354,20 +378,25 @@ def _zero_scan(
         return forward(diff, wholes, carry, float_consts)[0]
 
     def forward(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> tuple[Any, Any]:
-        def step(c: Any, i: Any, params: PyTree) -> tuple[Any, Any]:
+        def step(c: Any, i: Any, fetched: _Fetched) -> tuple[Any, Any]:
             # Keep only the layer's input (cut over the model axes with partition_activations,
-            # in host memory with offload_activations).
-            return layer(params, c, float_consts), saved_to_host(partition_saved(c, policy), offload)
+            # in host memory with offload_activations), and with hpZ its secondary pieces.
+            saved = saved_to_host(partition_saved(c, policy), offload)
+            return layer(fetched.params, c, float_consts), (saved, fetched.secondary)
 
-        out, inputs = _pipelined(plan, step, carry, diff, wholes, reverse=False, host_ys=offload)
+        out, (inputs, secondary) = _pipelined(plan, step, carry, diff, wholes, reverse=False, host_ys=offload)
         plain = [None if s else d for s, d in zip(sharded, diff, strict=True)]
+        if plan.secondary:  # the backward re-gathers from the secondary pieces
+            pieces = iter(secondary)
+            wholes = [next(pieces) if g else w for g, w in zip(plan.gathers, wholes, strict=True)]
         return out, (plain, wholes, inputs, float_consts)
 
     def backward(res: Any, g_out: Any) -> tuple[Any, ...]:
         plain, wholes, inputs, float_consts = res
 
-        def step(state: tuple[Any, Any], i: Any, params: PyTree) -> tuple[Any, Any]:
+        def step(state: tuple[Any, Any], i: Any, fetched: _Fetched) -> tuple[Any, Any]:
             g, g_consts = state
+            params = fetched.params
             # The recompute waits for the layer's cotangent (the schedule's tie_recompute).
             fetched = saved_to_device(jax.tree.map(lambda a: a[i], inputs), offload)
             saved = plan.schedule.recompute_after(fetched, g)[0]
@@ -378,7 +407,8 @@ def _zero_scan(
             return (g_in, jax.tree.map(jnp.add, g_consts, g_k)), _reduce_layer(plan, g_params)
 
         zeros = jax.tree.map(jnp.zeros_like, float_consts)
-        (g_carry, g_consts), g_reversed = _pipelined(plan, step, (g_out, zeros), plain, wholes, reverse=True)
+        back = plan._replace(secondary="use") if plan.secondary else plan
+        (g_carry, g_consts), g_reversed = _pipelined(back, step, (g_out, zeros), plain, wholes, reverse=True)
         # The loop ran from the last layer to the first: put layer 0 first again.
         g_diff = [None if g is None else jnp.flip(g, axis=0) for g in g_reversed]
         return g_diff, [None] * len(wholes), g_carry, g_consts

@@ -45,6 +45,24 @@ OVER_REPLICAS_WITHOUT_REPLICAS = (
     "ZeroPolicy: optimizer_over_replicas=True partitions the optimizer state across replica_axis as "
     "well; pass replica_axis=... (the mesh axis holding the replicas)."
 )
+SECONDARY_NOT_IN_AXIS = (
+    "ZeroPolicy: secondary_axis={secondary!r} must be one of the partition axes axis={axis!r}, the fast one "
+    "(the chips of one node): e.g. mesh = jax.make_mesh((nodes, chips), ('node', 'chip')) and "
+    "ZeroPolicy(stage=3, mesh=mesh, axis=('node', 'chip'), secondary_axis='chip')."
+)
+SECONDARY_ONE_AXIS = (
+    "ZeroPolicy: secondary_axis={secondary!r} needs axis to name several mesh axes (got axis={axis!r}): hpZ keeps "
+    "a secondary partition over the fast axis inside the primary partition over all of them. Partition over "
+    "both, axis=('node', {secondary!r}), or drop secondary_axis."
+)
+SECONDARY_STAGE = (
+    "ZeroPolicy: secondary_axis (ZeRO++'s hpZ) acts on stage 3's parameter gathers; stage {stage} gathers no "
+    "parameters in the step. Use stage=3, or drop secondary_axis."
+)
+SECONDARY_WITH = (
+    "ZeroPolicy: secondary_axis does not combine with {what} (not built). Drop one of them; for a slow link "
+    "between replicas, replica_axis with stage 3 (HSDP) keeps every parameter gather inside a replica."
+)
 BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
 BAD_PARTITION_ACTIVATIONS = "ZeroPolicy: partition_activations must be True or False, got {!r}."
 PARTITION_ACTIVATIONS_WITHOUT_MODEL = (
@@ -93,6 +111,7 @@ def argument_problems(
     offload_params: Any = False,
     offload_activations: Any = False,
     bucket_bytes: Any = None,
+    secondary_axis: Any = None,
 ) -> list[Problem]:
     """Every problem with ``ZeroPolicy``'s arguments, each with its exception type."""
     problems: list[Problem] = []
@@ -136,6 +155,28 @@ def argument_problems(
     problems.extend(offload_problems(offload_optimizer, offload_params, known_stage, mesh))
     problems.extend(activation_offload_problems(offload_activations, known_stage, mesh))
     problems.extend(bucket_problems(bucket_bytes))
+    problems.extend(secondary_problems(secondary_axis, stage, axis, replica_axis, optimizer_over_replicas, param_specs))
+    return problems
+
+
+def secondary_problems(
+    secondary: Any, stage: Any, axis: Any, replica_axis: Any, over_replicas: Any, param_specs: Any
+) -> list[Problem]:
+    """The problems with ``ZeroPolicy(secondary_axis=...)`` (hpZ), if any."""
+    if secondary is None:
+        return []
+    axes = _names(axis)
+    if not isinstance(secondary, str) or secondary not in axes:
+        return [(ValueError, SECONDARY_NOT_IN_AXIS.format(secondary=secondary, axis=axis))]
+    problems: list[Problem] = []
+    if len(axes) < 2:
+        problems.append((ValueError, SECONDARY_ONE_AXIS.format(secondary=secondary, axis=axis)))
+    if is_stage(stage) and int(stage) != 3:
+        problems.append((ValueError, SECONDARY_STAGE.format(stage=stage)))
+    others = [what for what, given in (("replica_axis", replica_axis), ("optimizer_over_replicas", over_replicas),
+                                       ("param_specs (tensor parallelism)", param_specs)) if given]  # fmt: skip
+    if others:
+        problems.append((ValueError, SECONDARY_WITH.format(what=" or ".join(others))))
     return problems
 
 

@@ -58,6 +58,13 @@ def _names(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value or ())
 
 
+def _secondary_first(axes: tuple[str, ...], secondary: str | None) -> tuple[str, ...]:
+    """hpZ's partition order: the secondary (fast) axis leads, so the pieces
+    across the other axes of one position along it are contiguous, and
+    gathering them gives that position's secondary piece."""
+    return axes if secondary is None else (secondary, *(a for a in axes if a != secondary))
+
+
 def _prefixes(value: Any) -> tuple[str, ...]:
     """A ``stacked=`` argument as a tuple of "a/b" prefixes (a valid argument itself)."""
     return tuple("/".join(split_prefix(p)) for p in _names(value))
@@ -212,6 +219,7 @@ class ZeroPolicy:
     _: dataclasses.KW_ONLY
     replica_axis: str | Sequence[str] | None = None
     optimizer_over_replicas: bool = False
+    secondary_axis: str | None = None
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
     stacked: str | Sequence[str] = ()
     precision: Precision | None = None
@@ -237,7 +245,7 @@ class ZeroPolicy:
         offload = offload_options(self.offload_optimizer, self.offload_params)
         normalised = {
             "stage": int(self.stage),
-            "axis": _names(self.axis),
+            "axis": _secondary_first(_names(self.axis), self.secondary_axis),
             "replica_axis": _names(self.replica_axis),
             "optimizer_over_replicas": bool(self.optimizer_over_replicas),
             "min_shard_size": int(self.min_shard_size),
@@ -400,7 +408,13 @@ class ZeroPolicy:
     @property
     def comm(self) -> Axes:
         """The axes the step's collectives run over (a ``_collectives.Axes``)."""
-        return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas, self.wire)
+        return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas, self.wire, self.secondary_axis)
+
+    @property
+    def num_secondary_shards(self) -> int:
+        """hpZ: S, how many devices share one secondary partition (the
+        ``secondary_axis``'s size); 0 without hpZ."""
+        return self.mesh.shape[self.secondary_axis] if self.secondary_axis else 0
 
     # -- which state a stage partitions ---------------------------------------------
 

@@ -262,7 +262,12 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
         # backward. (A name-based policy is not enough: ops applied after the
         # gather -- unpadding, the model's own transposes and casts -- would
         # produce unnamed whole-parameter values that get saved instead.)
-        return jax.checkpoint(micro, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        # hpZ: the secondary pieces are kept too, so the backward gathers within the node only.
+        saved = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if policy.secondary_axis:
+            keep = jax.checkpoint_policies.save_only_these_names(coll.SECONDARY_PIECE)
+            saved = jax.checkpoint_policies.save_from_both_policies(saved, keep)
+        return jax.checkpoint(micro, policy=saved)
     return micro
 
 

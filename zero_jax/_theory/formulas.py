@@ -71,6 +71,7 @@ def model_state_bytes(
     offload_optimizer: float = 0.0,
     offload_params: bool = False,
     model_parallel: int = 1,
+    secondary: int = 0,
 ) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state on one device.
 
@@ -94,6 +95,12 @@ def model_state_bytes(
     the ZeRO formula / M, for a model whose parameters are all split M ways
     (leaves the model spec leaves whole, such as norms, add their share).
 
+    ZeRO++'s hpZ (``secondary``: S, the size of ``ZeroPolicy``'s
+    ``secondary_axis``, stage 3) adds the secondary pieces the step keeps
+    from the forward pass to the backward: Ψ/S parameters' bytes (also with
+    ``offload_params``: they are made on the device, in the step), counted
+    in ``params``.
+
     The paper's Figure 1 (Ψ = 7.5B, N = 64):
 
     >>> import zero_jax as zj
@@ -115,6 +122,11 @@ def model_state_bytes(
     [2.0, 2.0, 3.0]
     >>> [x / 1e9 for x in zj.model_state_bytes(1e9, 4, 1, model_parallel=2)]
     [1.0, 1.0, 1.5]
+
+    hpZ on 8 devices as 2 nodes x 4 chips: Ψ/8 primary plus Ψ/4 secondary parameters:
+
+    >>> zj.model_state_bytes(1e9, 8, 3).params / 1e9, zj.model_state_bytes(1e9, 8, 3, secondary=4).params / 1e9
+    (0.25, 0.75)
     """
     psi = check_params(num_params, "model_state_bytes")
     n = check_devices(num_devices, "model_state_bytes")
@@ -132,10 +144,11 @@ def model_state_bytes(
         )
     if offload_params and stage < 3:
         raise ValueError(f"model_state_bytes: offload_params needs stage 3 (got stage {stage}).")
+    s = _check_secondary(secondary, n, stage, "model_state_bytes")
     params = p * psi / m / (n if stage >= 3 else 1)
     optimizer = k * psi / (finer if stage >= 1 else m)
     return ModelStateBytes(
-        params=0.0 if offload_params else params,
+        params=(0.0 if offload_params else params) + (p * psi / m / s if s else 0.0),
         grads=g * psi / (finer if stage >= 2 else m),
         optimizer=optimizer * (1 - f),
     )
@@ -248,6 +261,19 @@ def comm_bytes(
     return (plain * psi / m * b + quantized * psi / m) * (n - 1) / n
 
 
+def _check_secondary(secondary: int, n: int, stage: int, where: str) -> int:
+    """hpZ's S (0: no hpZ), which must divide N and needs stage 3."""
+    if secondary in (0, None):
+        return 0
+    s = check_devices(secondary, where, "secondary")
+    if stage != 3 or n % s or s == n:
+        raise ValueError(
+            f"{where}: secondary={secondary} (ZeRO++'s hpZ: the chips per node of ZeroPolicy's secondary_axis) "
+            f"needs stage 3 and a size dividing num_devices={n} (below it; got stage {stage})."
+        )
+    return s
+
+
 def comm_bytes_per_axis(
     num_params: float,
     num_devices: int,
@@ -259,6 +285,7 @@ def comm_bytes_per_axis(
     quantize_weights: str | None = None,
     quantize_grads: str | None = None,
     quant_block: int = DEFAULT_BLOCK,
+    secondary: int = 0,
 ) -> dict[str, float]:
     """Bytes one device sends per step on a hybrid mesh, by axis (ring-counted).
 
@@ -288,6 +315,21 @@ def comm_bytes_per_axis(
     {'shard': 3.76171875, 'replica': 0.5}
     >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 4, 3, replicas=2, model_parallel=2).items()}
     {'shard': 2.25, 'replica': 0.25, 'model': 0.0}
+
+    ZeRO++'s hpZ (``secondary``: S, the size of ``ZeroPolicy``'s
+    ``secondary_axis``; ``num_devices``: N, all of ``axis``, A = N/S nodes):
+    ``"across"`` the nodes, the forward gather builds the secondary pieces
+    and the gradient reduction finishes there, (A−1)/A·Ψ/S each, 2 passes
+    instead of stage 3's 3; ``"within"`` the node, the forward gather, the
+    backward re-gather and the reduction, (S−1)/S·Ψ each. With qwZ and qgZ
+    both sides move int8 blocks: across, 2·(A−1)/A·Ψ/S·(1 + 4/block) bytes,
+    ZeRO++'s ≈ 1Ψ (in bf16 bytes) per ring of S.
+
+    >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 8, 3, secondary=4).items()}
+    {'within': 4.5, 'across': 0.5}
+    >>> {k: v / 1e9 for k, v in zj.comm_bytes_per_axis(1e9, 8, 3, secondary=4, quantize_weights="int8",
+    ...                                               quantize_grads="int8", quant_block=64).items()}
+    {'within': 2.390625, 'across': 0.265625}
     """
     psi = check_params(num_params, "comm_bytes_per_axis")
     n = check_devices(num_devices, "comm_bytes_per_axis")
@@ -295,6 +337,13 @@ def comm_bytes_per_axis(
     b = check_nonneg(dtype_bytes, "comm_bytes_per_axis: dtype_bytes")
     m = check_devices(model_parallel, "comm_bytes_per_axis", "model_parallel")
     wire = {"quantize_weights": quantize_weights, "quantize_grads": quantize_grads, "quant_block": quant_block}
+    s = _check_secondary(secondary, n, stage, "comm_bytes_per_axis")
+    if s:
+        if r > 1:
+            raise ValueError("comm_bytes_per_axis: secondary (hpZ) does not combine with replicas (not built).")
+        qw, qg = wire_rates(stage, quantize_weights, quantize_grads, quant_block, "comm_bytes_per_axis")
+        weight, grad, nodes = (qw or b) * psi / m, (qg or b) * psi / m, n // s
+        return {"within": (2 * weight + grad) * (s - 1) / s, "across": (weight + grad) / s * (nodes - 1) / nodes}
     out = {
         "shard": comm_bytes(psi, n, stage, dtype_bytes=b, model_parallel=m, **wire),
         "replica": 2 * psi / m / n * b * (r - 1) / r,
