@@ -264,7 +264,9 @@ def communication(
         expected = gathers * sum(m for _, m, _ in members)
         ran = gathered[(dt, shape)]
         if 0 < ran < expected:
-            one = members[0][2] if dt == "s8" else math.prod(shape) * DTYPE_BYTES.get(dt, 4) * (n - 1) / n
+            # A skipped re-gather is one pass; with hpZ one within the node, over its S devices.
+            ring = (n - 1) / n if not policy.secondary_axis else 1 - 1 / policy.num_secondary_shards
+            one = members[0][2] if dt == "s8" else math.prod(shape) * DTYPE_BYTES.get(dt, 4) * ring
             skipped_bytes += (expected - ran) * one
             names = ", ".join(path for path, _, _ in members)
             notes.append(f"{dt}[{','.join(map(str, shape))}] gathered {ran}x, theory {expected}x ({names})")
@@ -294,7 +296,8 @@ def _leaf_theory(p: ParamInfo, policy: ZeroPolicy, rb: int, reduces: int, gather
         # hpZ: the forward gather crosses every axis (in two steps, the same bytes as one); the backward
         # re-gathers only within the node, (S - 1) of its S secondary pieces: A = N/S primary pieces each.
         s = policy.num_secondary_shards
-        within = gather_pass / (n - 1) * (s - 1) * (n // s) if wire.weights is not None else (s - 1) / s * stored * itemsize
+        quantized = wire.weights is not None
+        within = gather_pass / (n - 1) * (s - 1) * (n // s) if quantized else (s - 1) / s * stored * itemsize
         forward = max(1, gathers // 2)
         return out + gather_pass * forward + within * (gathers - forward)
     out += gather_pass * gathers  # all-gather(s) of the parameter (stages 1-2: the update, never quantized)

@@ -28,6 +28,7 @@ import numpy as np
 
 from zero_jax._audit.communication import QUANTIZED_KINDS, is_float_dtype, wire_shape, wire_stored_by_shape
 from zero_jax._audit.compiled import CompiledCollective, CompiledProgram, Instruction, as_program
+from zero_jax._audit.hlo import Collective, replica_group
 from zero_jax._audit.model_axes import model_shard_layout
 from zero_jax._audit.report import BlockSchedule, LayerSchedule, Overlap, OverlapRow, ParamInfo
 from zero_jax._layout.leaf import LeafLayout, shard_shape
@@ -280,6 +281,8 @@ def _count(
                 continue
             k, scope = trips.get(comp, 1), _scope(op, ins.op_name)
             gather = op == "all-gather"
+            if gather and makes_secondary_pieces(ins, policy):
+                continue  # hpZ's gather across the nodes: a secondary piece, not a whole layer
             if (gather and not policy.partitions_params) or (op == "all-to-all" and not int8):
                 continue  # stage 2: the update's all-gathers, not layers; a float all-to-all: the model's
             whole = [stored.get(d, (0, b))[1] if dt == "s8" else b * (1 if gather else policy.num_shards)
@@ -329,7 +332,7 @@ def layer_schedule(
     elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
 
     def classify(ins: Instruction) -> Any:
-        if not policy.partitions_params:
+        if not policy.partitions_params or makes_secondary_pieces(ins, policy):
             return None
         scope = _scope(ins.op, ins.op_name)
         if scope is not None:
@@ -339,6 +342,17 @@ def layer_schedule(
 
     alive = layers_alive(program, classify, elements)
     return LayerSchedule(tuple(blocks), max(b.bytes for b in blocks), alive.layers, alive.where, prefetch, True)
+
+
+def makes_secondary_pieces(ins: Instruction, policy: ZeroPolicy) -> bool:
+    """hpZ: whether an all-gather runs across the nodes only (the policy's
+    shard axes but its ``secondary_axis``): it makes secondary pieces, which
+    live from the forward pass to the backward by design, not whole layers."""
+    if not policy.secondary_axis or ins.op.removesuffix("-start") != "all-gather":
+        return False
+    size, group = replica_group(ins.attrs, policy.mesh.size)
+    axes = Collective("all-gather", "", (), 0, size, group=group).axes(policy.mesh)
+    return bool(axes) and policy.secondary_axis not in axes and set(axes) <= set(policy.axes)
 
 
 def _layer_shapes(groups: list[_Group], policy: ZeroPolicy) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:

@@ -183,6 +183,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="bound every communication buffer, e.g. 4MiB (ZeroPolicy's bucket_bytes): the buffer memory it implies; "
         "with --compile, the compiled steps' largest buffers",
     )  # fmt: skip
+    p.add_argument(
+        "--secondary-axis", type=positive_int, metavar="S", default=0,
+        help="ZeRO++'s hpZ at stage 3 (ZeroPolicy's secondary_axis): S chips per node of the N devices; prints the "
+        "memory it adds and the bytes across and within the nodes (with --compile, compiled so)",
+    )  # fmt: skip
     p.add_argument("--bandwidth", help="bandwidth per device, e.g. 300GB/s or 200Gb/s (with --compute-time)")
     p.add_argument("--compute-time", help="compute time per step, e.g. 10s or 250ms (with --bandwidth)")
     p.add_argument("--target-efficiency", type=float, default=0.9, help="efficiency to size bandwidth for (0.9)")
@@ -311,6 +316,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         out.print(BUCKETS_LINE.format(bound=fmt_bytes(bucket), bucket=bucket, fused=fused, tp=" / M" if m > 1 else ""))
     if args.replicas > 1:
         out.print(_hybrid_table(num_params, n, args, per, m))
+    if args.secondary_axis:
+        out.print(_secondary_line(num_params, n, args, per, m))
+        if model is not None:
+            model["secondary"] = args.secondary_axis
     if args.plot:
         plot_choice(choice, args.plot)
         out.print(f"Chart written to {args.plot}")
@@ -363,17 +372,33 @@ def _wire_caption(args: argparse.Namespace) -> str:
     return WIRE_CAPTION.format(what=" + ".join(what), block=args.quant_block, rate=qw or qg)
 
 
+def _secondary_line(num_params: float, n: int, args: argparse.Namespace, per: dict[str, float], m: int) -> str:
+    """hpZ at stage 3 by the formulas: the memory it adds, the bytes across and within the nodes."""
+    s = args.secondary_axis
+    with_hpz = model_state_bytes(num_params, n, 3, secondary=s, model_parallel=m, **per)
+    without = model_state_bytes(num_params, n, 3, model_parallel=m, **per)
+    comm = comm_bytes_per_axis(num_params, n, 3, secondary=s, dtype_bytes=args.grad_bytes, model_parallel=m,
+                               **_wire(args, 3))  # fmt: skip
+    flat = comm["across"] * 3 / 2 if not (args.quantize_weights or args.quantize_grads) else None
+    was = f" (without hpZ {_si(flat)}: the backward re-gather crosses them too)" if flat else ""
+    return (
+        f"hpZ, stage 3 ({n // s} nodes x {s} chips, ZeroPolicy(axis=('node', 'chip'), secondary_axis='chip')): "
+        f"{_si(with_hpz.total)} per device ({_si(with_hpz.params - without.params)} of secondary pieces); per step "
+        f"{_si(comm['across'])} across the nodes{was}, {_si(comm['within'])} within each."
+    )
+
+
 def _hybrid_table(num_params: float, n: int, args: argparse.Namespace, per: dict[str, float], m: int = 1) -> Table:
     """Per-device model states and per-axis communication of the hybrid policies (tensor-parallel over ``m``)."""
     r, b = args.replicas, args.grad_bytes
     tp = f" x M = {m} tensor-parallel" if m > 1 else ""
     table = Table(
         title=f"Hybrid mesh: R = {r} replicas x N = {n} partitions{tp} ({r * n * m} devices)",
-        caption="HSDP: ZeroPolicy(..., replica_axis=...); hpZ: also optimizer_over_replicas=True. Per step, per "
+        caption="HSDP: ZeroPolicy(..., replica_axis=...); over R: also optimizer_over_replicas=True. Per step, per "
         "device, as a ring moves it: within the partition axis (fast), across the replica axis (slow)"
         + (HYBRID_WIRE if args.quantize_weights or args.quantize_grads else "."),
     )
-    for col in ("stage", "HSDP per device", "hpZ per device", "comm within N", "comm across R"):
+    for col in ("stage", "HSDP per device", "over R per device", "comm within N", "comm across R"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for s in range(1, 4):
         hsdp = model_state_bytes(num_params, n, s, replicas=r, model_parallel=m, **per).total
@@ -429,7 +454,7 @@ def _compiled_table(
     out.print(_result_table(result, model))
     for stage, said in result.out_of_memory.items():
         out.print(f"stage {stage}: the TPU compiler refused the step: {said}")
-    for line in result.layer_notes() + result.buffer_notes():
+    for line in result.layer_notes() + result.buffer_notes() + result.secondary_notes():
         out.print(line)
     if result.recommended is None:
         out.print("[bold]Compiled: no stage fits.[/bold]")

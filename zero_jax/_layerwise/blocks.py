@@ -287,15 +287,15 @@ def _recompute_inputs(arg_f: Any, ws: Any, ct_out: Any, policy: ZeroPolicy, offl
     return arg_f, ws
 
 
-def _run_block(
+def _run_block(  # house: one custom VJP's forward and backward read as one unit, over 80 lines
     policy: ZeroPolicy,
     prefetch: int,
     index: int,
     trace: Any,
     layer_fn: Callable[..., Any],
     block: _Block,
-    wholes: list[Any],
-    kept: list[Any],
+    wholes: list[Any],  # its whole parameters, gathered (or handed over by the prefetch queue)
+    kept: list[Any],  # what its backward re-gathers from (_Block.first_gather)
     args: tuple[Any, ...],
     previous: _Call | None,
     offload: bool = False,

@@ -112,8 +112,12 @@ class Schedule(NamedTuple):
     compiler_options: tuple[tuple[str, str], ...] = ()
 
     def due(self, piece: Any, anchor: Any) -> Any:
-        """``piece`` for a gather, computed only once ``anchor`` exists (``tie_gathers``)."""
-        return tie(piece, anchor) if self.tie_gathers else piece
+        """``piece`` for a gather, computed only once ``anchor`` exists (``tie_gathers``).
+        Integer leaves are tied too: hpZ's int8 secondary pieces, whose backward
+        re-gather XLA would otherwise merge with the forward's (the same
+        collective of the same operand), keeping every layer's gathered codes
+        alive from the forward pass to the backward."""
+        return tie(piece, anchor, integers=True) if self.tie_gathers else piece
 
     def recompute_after(self, inputs: PyTree, cotangent: Any) -> tuple[PyTree, bool]:
         """A block's recompute inputs, waiting for its output's cotangent
@@ -275,7 +279,7 @@ def inputs_anchor(args: Any) -> Any:
 _BITS = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def tie(value: PyTree, anchor: Any) -> PyTree:
+def tie(value: PyTree, anchor: Any, *, integers: bool = False) -> PyTree:
     """``value`` bitwise unchanged, but computed only once ``anchor`` exists.
 
     Each float leaf's bits are or-ed with ``z``, an integer that is 0 for
@@ -287,7 +291,8 @@ def tie(value: PyTree, anchor: Any) -> PyTree:
     prototype it never turns a value into NaN (an fp16 overflow step, a NaN
     input), and XLA cannot fold it (it does not assume floats are finite, so
     it cannot prove ``z`` is 0). Non-float leaves, and an anchor without
-    elements, pass through.
+    elements, pass through; with ``integers`` integer leaves are or-ed with
+    ``z`` too.
 
     >>> import jax, jax.numpy as jnp
     >>> x = jnp.array([1.0, -0.0, jnp.inf, jnp.nan, 1e-45])
@@ -295,10 +300,12 @@ def tie(value: PyTree, anchor: Any) -> PyTree:
     >>> bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32) == jax.lax.bitcast_convert_type(x, jnp.uint32)))
     True
     """
-    return tie_keeping_types(value, anchor, keep_types=False)[0]
+    return tie_keeping_types(value, anchor, keep_types=False, integers=integers)[0]
 
 
-def tie_keeping_types(value: PyTree, anchor: Any, *, keep_types: bool = True) -> tuple[PyTree, bool]:
+def tie_keeping_types(
+    value: PyTree, anchor: Any, *, keep_types: bool = True, integers: bool = False
+) -> tuple[PyTree, bool]:
     """:func:`tie` each float leaf of ``value`` whose type the tie keeps: one
     that varies over every ``shard_map`` axis the anchor varies over (tying a
     replicated value to a per-device one would make it per-device, changing
@@ -310,11 +317,14 @@ def tie_keeping_types(value: PyTree, anchor: Any, *, keep_types: bool = True) ->
     needs, tied = varying_axes(a), []
 
     def one(x: Any) -> Any:
-        if not is_real_float(x):
+        integer = integers and jnp.issubdtype(getattr(x, "dtype", None) or jnp.bool_, jnp.integer)
+        if not is_real_float(x) and not integer:
             return x
         if keep_types and not needs <= varying_axes(x):
             return x
         tied.append(True)
+        if integer:
+            return x | zero.astype(x.dtype)
         bits = _BITS[jnp.dtype(x.dtype).itemsize]
         raw = jax.lax.bitcast_convert_type(x, bits)
         return jax.lax.bitcast_convert_type(raw | zero.astype(bits), x.dtype)

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from zero_jax._audit.audit import audit
 from zero_jax._audit.report import AuditReport
@@ -53,6 +54,10 @@ BUCKETS_OF_BUILT_STEP = (
 STEP_SPANS_OTHER_SIZE = (
     "plan: the step's policy spans {n} devices, not num_devices={num_devices}. To plan for another "
     "size, pass a factory (or its 'module:function' path), which runs on a simulated mesh of that size."
+)
+SECONDARY_SIZE = (
+    "plan: secondary={s} (hpZ's chips per node) must divide the {n} devices and lie between 2 and {n} - 1: "
+    "the devices are laid out as N/S nodes x S chips."
 )
 TP_NOT_COMPILED = (
     "plan: compiling a factory with tensor_parallel={m} is not supported yet: the planning process builds a "
@@ -117,6 +122,8 @@ class Plan:
         step does not fit HBM at all (libtpu fails the compile: no report).
       bucket_bytes: the bound on any communication buffer the steps were
         compiled with (``ZeroPolicy(bucket_bytes=...)``; ``None``: unbounded).
+      secondary: hpZ's chips per node the steps were compiled with (0: none);
+        ``str(plan)`` then shows stage 3's bytes across and within the nodes.
     """
 
     reports: tuple[AuditReport, ...]
@@ -129,6 +136,23 @@ class Plan:
     hbm: dict[int, int] = dataclasses.field(default_factory=dict)
     out_of_memory: dict[int, str] = dataclasses.field(default_factory=dict)
     bucket_bytes: int | None = None
+    secondary: int = 0
+
+    def secondary_notes(self) -> list[str]:
+        """hpZ: what stage 3 sends across the nodes and within each, per device per step."""
+        if not self.secondary:
+            return []
+        out = []
+        for r in self.reports:
+            kinds = r.comm_per_axis_kind
+            if r.stage != 3 or "node" not in kinds:
+                continue
+            across = " + ".join(f"{k} {fmt_bytes(b)}" for k, b in sorted(kinds["node"].items()))
+            within = sum(kinds.get("chip", {}).values())
+            out.append(f"stage 3, hpZ ({self.num_devices // self.secondary} nodes x {self.secondary} chips): across "
+                       f"the nodes {across} per device per step (no backward re-gather crosses them), within "
+                       f"{fmt_bytes(within)}")  # fmt: skip
+        return out
 
     @property
     def largest_buffers(self) -> dict[int, int]:
@@ -280,6 +304,7 @@ class Plan:
         lines.extend(f"{s:>5} refused by the TPU compiler: {said}" for s, said in self.out_of_memory.items())
         lines.extend(self.layer_notes())
         lines.extend(self.buffer_notes())
+        lines.extend(self.secondary_notes())
         lines.extend(
             f"stage {s}: {fmt_bytes(b)} per device in host memory while the step runs (offload_activations), "
             f"{fmt_bytes(2 * b)} over the host link per step"
@@ -346,6 +371,7 @@ def reference_step(
     quant_block: int = DEFAULT_BLOCK,
     offload_activations: bool = False,
     bucket_bytes: int | str | None = None,
+    secondary: int = 0,
 ) -> tuple[Any, Any, Any]:
     """The default :func:`plan` factory: the reference transformer
     (``zero_jax.models``) with AdamW, stacked layers run layer-wise
@@ -356,8 +382,18 @@ def reference_step(
     1–3 (a plan of every stage compiles stages 0–2 without qwZ, 0 without qgZ).
     ``offload_activations`` (ZeRO-R's P_a+cpu) applies at stages 2–3, whose
     layer-wise schedule keeps the block inputs (see :attr:`Plan.host_activations`).
-    ``bucket_bytes`` bounds every communication buffer (``ZeroPolicy``'s)."""
+    ``bucket_bytes`` bounds every communication buffer (``ZeroPolicy``'s).
+    ``secondary``: ZeRO++'s hpZ with S chips per node: the mesh's devices as
+    (N/S nodes, S chips), partitioned over both, ``secondary_axis="chip"`` at
+    stage 3 (stages 0–2 on the same two axes, without it: they gather no
+    parameters in the step)."""
     n = mesh.size
+    hpz: dict[str, Any] = {}
+    if secondary:
+        if n % secondary or not 1 < secondary < n:
+            raise ValueError(SECONDARY_SIZE.format(s=secondary, n=n))
+        mesh = Mesh(mesh.devices.reshape(n // secondary, secondary), ("node", "chip"))
+        hpz = {"axis": ("node", "chip")} | ({"secondary_axis": "chip"} if stage == 3 else {})
     batch = global_batch if global_batch is not None else batch_per_device * n * accum_steps
     check_global_batch(batch, n, accum_steps)
     cfg = TransformerConfig(vocab=vocab, dim=dim, depth=depth, heads=heads, seq=seq, mlp=mlp)
@@ -366,7 +402,8 @@ def reference_step(
         extra["precision"] = Precision(compute_dtype=jnp.dtype(compute_dtype))
     extra |= quantization_at(stage, quantize_weights, quantize_grads)
     extra["offload_activations"] = bool(offload_activations) and stage >= 2 and gather == "manual"
-    policy = ZeroPolicy(stage, mesh, stacked="layers", quant_block=quant_block, bucket_bytes=bucket_bytes, **extra)
+    extra |= hpz | {"quant_block": quant_block, "bucket_bytes": bucket_bytes}
+    policy = ZeroPolicy(stage, mesh, stacked="layers", **extra)
     tx = shard_optimizer(optax.adamw(learning_rate), policy)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     state = init_state(params, tx, policy)
@@ -481,6 +518,7 @@ def plan(
     tensor_parallel: int | None = None,
     topology: str | None = None,
     bucket_bytes: int | str | None = None,
+    secondary: int = 0,
 ) -> Plan:
     """Will the step fit on ``num_devices`` devices of ``device_bytes``?
     Compile it for a simulated mesh of that size and read the compiled program.
@@ -524,6 +562,9 @@ def plan(
         device count); a built step must be built on
         ``zj.topology_mesh(topology, ...)``. Fit is judged on the HBM of each
         stage's buffer assignment (``Plan.hbm``).
+      secondary: ZeRO++'s hpZ: compile the reference step's stage 3 with
+        this many chips per node as ``secondary_axis`` (the N devices as N/S
+        nodes x S chips; factories only: passed as ``secondary=``).
       bucket_bytes: compile with ``ZeroPolicy(..., bucket_bytes=...)``, the
         bound on any communication buffer (an int or ``"4MiB"``; factories
         only: passed to the factory as ``bucket_bytes=``): the plan reports
@@ -582,6 +623,7 @@ def plan(
     if not stages:
         raise ValueError("plan: stages is empty; pass some of 0, 1, 2, 3.")
     kwargs = dict(factory_kwargs or {}) | ({} if bucket is None else {"bucket_bytes": bucket})
+    kwargs |= {"secondary": int(secondary)} if secondary else {}
     path = factory_path(target)
     if path == REFERENCE_STEP and kwargs.get("global_batch") is not None:  # fail fast, without a process
         check_global_batch(kwargs["global_batch"], n, kwargs.get("accum_steps", 1))
@@ -605,6 +647,7 @@ def plan(
         out["hbm"],
         out["out_of_memory"],
         bucket_bytes=bucket_size(kwargs.get("bucket_bytes")),
+        secondary=int(kwargs.get("secondary", 0) or 0),
     )
 
 
