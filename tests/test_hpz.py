@@ -213,3 +213,22 @@ def test_plan_cli_prints_hpz_by_the_formulas(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())
     assert "hpZ, stage 3 (2 nodes x 4 chips" in out
     assert "500.0 MB across the nodes (without hpZ 750.0 MB" in out and "4.5 GB within each" in out
+
+
+def test_hpz_through_the_nnx_adapters_layers_trains_like_optax() -> None:
+    """The adapters' layers= path (LayerChain, as apply_layers) under hpZ: the nodes are crossed by one gather
+    and one reduction per step, and training matches plain optax."""
+    from _models import reference_run, relative_update_error
+    from test_adapters_layers_nnx import Net, _batches
+    from test_adapters_layers_nnx import loss as nnx_loss
+
+    batches = _batches()
+    adapted = zj.adapters.from_nnx(Net(), nnx_loss, layers="blocks/*")
+    policy = adapted.policy(3, _mesh(2, 4), axis=("node", "chip"), secondary_axis="chip", min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state, step = adapted.init_state(tx, policy), adapted.make_train_step(tx, policy)
+    for b in batches:
+        state, _ = step(state, b)
+    ref, _ = reference_run(optax.adam(1e-2), adapted.params, batches, lambda p, b: nnx_loss(adapted.to_model(p), b))
+    assert max(relative_update_error(zj.full_params(state), ref, adapted.params).values()) <= 1e-5
+    assert set(zj.audit(step, state, batches[0]).comm_per_axis_kind["node"]) == {"all-gather", "reduce-scatter"}

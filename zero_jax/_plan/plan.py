@@ -504,7 +504,7 @@ def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditRe
     return report, (report.memory.get("allocated") if on_tpu else None), ""
 
 
-def plan(
+def plan(  # house: one public entry, its argument checks in order beside what they guard
     target: Any = None,
     abstract_state: Any = None,
     abstract_batch: Any = None,
@@ -623,7 +623,7 @@ def plan(
     if not stages:
         raise ValueError("plan: stages is empty; pass some of 0, 1, 2, 3.")
     kwargs = dict(factory_kwargs or {}) | ({} if bucket is None else {"bucket_bytes": bucket})
-    kwargs |= {"secondary": int(secondary)} if secondary else {}
+    kwargs |= {"secondary": int(secondary)} if secondary else {}  # hpZ: the reference step's mesh, nodes x chips
     path = factory_path(target)
     if path == REFERENCE_STEP and kwargs.get("global_batch") is not None:  # fail fast, without a process
         check_global_batch(kwargs["global_batch"], n, kwargs.get("accum_steps", 1))
