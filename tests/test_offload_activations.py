@@ -51,8 +51,10 @@ def _params(kind: str) -> dict:
     return {"layers": [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(L)]}
 
 
-def _setup(kind: str, stage: int, offload: bool, *, call: bool = False, accum: int = 1, model: int = 1):
-    """(state, step, batches): ``offload`` as the policy's default, or (``call``) as the call's keyword."""
+def _setup(kind: str, stage: int, offload: bool, *, call: bool = False, accum: int = 1, model: int = 1,
+           state_offload: bool = False):  # fmt: skip
+    """(state, step, batches): ``offload`` as the policy's default, or (``call``) as the call's keyword;
+    ``state_offload``: the optimizer state and the parameters in host memory too (both runs)."""
     mesh = _mesh(model)
     specs = None
     if model > 1:
@@ -60,7 +62,8 @@ def _setup(kind: str, stage: int, offload: bool, *, call: bool = False, accum: i
         specs = {"layers": {k: P(None, *v) for k, v in layer.items()}} if kind == "scan" else {"layers": [layer] * L}
     policy = zj.ZeroPolicy(stage, mesh, min_shard_size=0, stacked="layers" if kind == "scan" else (),
                            param_specs=specs, partition_activations=model > 1,
-                           offload_activations=offload and not call)  # fmt: skip
+                           offload_activations=offload and not call, offload_optimizer=state_offload,
+                           offload_params=state_offload)  # fmt: skip
     keyword = {"offload_activations": offload} if call else {}
 
     def loss_fn(p: dict, batch: dict) -> jax.Array:
@@ -88,6 +91,10 @@ CASES = {
     "scan-stage2-accum2": dict(kind="scan", stage=2, accum=2),
     "apply-stage3-keyword-accum2": dict(kind="apply", stage=3, call=True, accum=2),
     "scan-stage3-P_a": dict(kind="scan", stage=3, model=2),
+    # Stages 0-1 run blocks under a checkpoint whose saved inputs wait in host memory (a custom VJP).
+    "scan-stage1": dict(kind="scan", stage=1),
+    "apply-stage0-keyword": dict(kind="apply", stage=0, call=True),
+    "apply-stage3-offload_params-offload_optimizer": dict(kind="apply", stage=3, state_offload=True),
 }
 
 
@@ -110,8 +117,10 @@ def test_the_saved_inputs_move_to_host_and_back(pair) -> None:
     show: each saved input's device_put to host memory, then one back to the device before the recompute;
     none without the option."""
     name, (_, plain), (_, traced) = pair
-    assert not TO_HOST.search(plain)
-    to_host = TO_HOST.findall(traced)
+    activation = re.compile(rf"f32<host>\[(\d+,)?{B},8,{H}\]\S* = device_put")  # offload_params moves weights
+    assert not activation.search(plain)
+    moves = activation if CASES[name].get("state_offload") else TO_HOST
+    to_host = [m.group(0) for m in moves.finditer(traced)]
     back = re.findall(r"\n\s*\S+:f32\[[^\]]*\]\S* = device_put\[\s*copy_semantics", traced)
     kw = CASES[name]
     # (B, 8, H) per data shard: with P_a the piece's cut over "model" is the compiler's, inside this type.
@@ -217,27 +226,27 @@ def test_tpu_program_keeps_the_saved_inputs_in_host_memory(tpu_pair) -> None:
 
 def test_errors_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     mesh = _mesh()
-    with pytest.raises(ValueError, match=r"offload_activations=True .* stage 1 runs layers under a plain"):
-        zj.ZeroPolicy(1, mesh, offload_activations=True)
     with pytest.raises(TypeError, match="offload_activations must be True or False, got 'yes'"):
         zj.ZeroPolicy(3, mesh, offload_activations="yes")
     monkeypatch.setattr(_memory, "memory_kinds", lambda device: frozenset({"device"}))
     zj.ZeroPolicy(3, mesh)  # nothing asked of host memory: fine
     with pytest.raises(
         ValueError,
-        match=r"2 problems(.|\n)*stage=2 or 3(.|\n)*'pinned_host' memory kind, but the "
+        match=r"2 problems(.|\n)*must be True or False(.|\n)*'pinned_host' memory kind, but the "
         r"'cpu' backend's devices have \['device'\]\. Drop offload_activations",
     ):
-        zj.ZeroPolicy(1, mesh, offload_activations=True)
+        zj.ZeroPolicy(1, mesh, offload_activations=True, partition_activations="no")
 
 
 def test_the_call_keyword_is_checked() -> None:
     for stage, value, error, words in ((3, "yes", TypeError, "zj.scan_layers: offload_activations must be True, "
-                                        "False or None"), (1, True, ValueError, "Use stage=2 or 3")):  # fmt: skip
+                                        "False or None"), (1, True, ValueError, "Pass remat=True")):  # fmt: skip
         policy = zj.ZeroPolicy(stage, _mesh(), min_shard_size=0, stacked="layers")
 
-        def loss_fn(p: dict, batch: dict, policy=policy, value=value) -> jax.Array:
-            return jnp.mean(zj.scan_layers(_block, p["layers"], batch["x"], policy, offload_activations=value))
+        def loss_fn(p: dict, batch: dict, policy=policy, value=value, remat=stage > 1) -> jax.Array:
+            # Stage 1 runs layers under a plain checkpoint: offloading its inputs needs the remat.
+            x = zj.scan_layers(_block, p["layers"], batch["x"], policy, offload_activations=value, remat=remat)
+            return jnp.mean(x)
 
         tx = zj.shard_optimizer(optax.sgd(0.1), policy)
         step = zj.make_train_step(loss_fn, tx, policy, gather="manual")

@@ -43,3 +43,22 @@ def test_a_backend_not_measured_gets_the_cpu_schedule() -> None:
     policy = zj.ZeroPolicy(3, make_mesh(8))
     assert schedule_for(policy) == MEASURED["cpu"]._replace(backend="cpu")
     assert set(MEASURED) >= {"cpu"}
+
+
+def test_a_trial_replaces_the_compiler_options() -> None:
+    """zj.measure.trying_schedule(compiler_options=...) replaces the backend's options (the bound of
+    bucket_bytes still added); it raised before, once bucket options joined the measured ones."""
+    policy = zj.ZeroPolicy(3, make_mesh(8), bucket_bytes="1MiB")
+    with zj.measure.trying_schedule(compiler_options={"xla_example_option": "true"}):
+        assert schedule_for(policy).compiler_options == (("xla_example_option", "true"),)
+    assert schedule_for(policy).compiler_options == MEASURED["cpu"].compiler_options
+
+
+def test_integer_leaves_are_tied_only_when_asked() -> None:
+    """hpZ's int8 secondary pieces are tied for their re-gather: bitwise unchanged, and untouched by default."""
+    codes = jnp.arange(-4, 4, dtype=jnp.int8)
+    anchor = jnp.array([jnp.nan, 1.0])
+    assert tie(codes, anchor) is codes
+    np.testing.assert_array_equal(np.asarray(tie(codes, anchor, integers=True)), np.asarray(codes))
+    text = str(jax.make_jaxpr(lambda c, a: tie(c, a, integers=True))(codes, anchor))
+    assert "or" in text  # the integer zero made from the anchor joins the codes

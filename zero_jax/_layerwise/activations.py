@@ -14,6 +14,7 @@ TPU compiler turns them into host transfers
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -114,7 +115,7 @@ def offloads_activations(policy: ZeroPolicy | None, offload: bool | None, where:
     if offload is None or offload == policy.offload_activations:
         return policy.offload_activations
     if offload:
-        try:  # what the policy's own option would raise: stage < 2, no host memory
+        try:  # what the policy's own option would raise: no host memory
             policy.replace(offload_activations=True)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}(offload_activations=True): {e}") from None
@@ -133,3 +134,39 @@ def saved_to_device(tree: PyTree, offload: bool) -> PyTree:
     """A :func:`saved_to_host` input brought back to device memory for its
     recompute; ``tree`` itself without ``offload``."""
     return jax.tree.map(to_device, tree) if offload else tree
+
+
+def checkpointed(layer_fn: Callable[..., Any], offload: bool) -> Callable[..., Any]:
+    """Stages 0-1 (and no policy): ``jax.checkpoint(layer_fn)`` (called as
+    ``(params, *inputs)``), whose residuals are the layer's parameters and
+    inputs; with ``offload`` (P_a+cpu) the inputs wait for the recompute in
+    host memory (a custom VJP whose residuals are their host copies:
+    ``jax.checkpoint`` keeps its inputs where they are). Values are bitwise
+    those of ``jax.checkpoint``."""
+    if not offload:
+        return jax.checkpoint(layer_fn)
+
+    def call(params: PyTree, *inputs: Any) -> Any:
+        fn, consts = jax.closure_convert(layer_fn, params, *inputs)
+        floats = [is_float(c) for c in consts]
+        fixed = [c for c, f in zip(consts, floats, strict=True) if not f]
+
+        def run(p: PyTree, a: tuple[Any, ...], c: tuple[Any, ...]) -> Any:
+            given, others = iter(c), iter(fixed)
+            return fn(p, *a, *[next(given) if f else next(others) for f in floats])
+
+        @jax.custom_vjp
+        def zero_jax_offloaded_layer(p: PyTree, a: tuple[Any, ...], c: tuple[Any, ...]) -> Any:
+            return run(p, a, c)
+
+        def fwd(p: PyTree, a: tuple[Any, ...], c: tuple[Any, ...]) -> tuple[Any, Any]:
+            return run(p, a, c), (p, saved_to_host(a, True), c)
+
+        def bwd(res: Any, ct: Any) -> tuple[Any, Any, Any]:
+            p, a, c = res
+            return jax.vjp(run, p, saved_to_device(a, True), c)[1](ct)
+
+        zero_jax_offloaded_layer.defvjp(fwd, bwd)
+        return zero_jax_offloaded_layer(params, inputs, tuple(c for c, f in zip(consts, floats, strict=True) if f))
+
+    return call

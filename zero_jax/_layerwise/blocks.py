@@ -38,6 +38,7 @@ from zero_jax._base.tree import PyTree
 from zero_jax._base.units import is_whole_number
 from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.activations import (
+    checkpointed,
     offloads_activations,
     partition_saved,
     regather_saved,
@@ -207,7 +208,9 @@ class LayerChain:
         self.policy = policy
         self.where = where
         # The saved inputs in host memory (P_a+cpu); None: the policy's choice.
-        self.offload = offloads_activations(policy, offload_activations, where)
+        # (Without an active policy -- stages 0-1, local accumulation -- the caller checked it against its own.)
+        self.offload = bool(offload_activations) if policy is None else offloads_activations(
+            policy, offload_activations, where)
         self.layers = list(layers)
         self.prefetch = prefetch
         self._queue: dict[int, tuple[Any, list[Any]]] = {}
@@ -228,7 +231,7 @@ class LayerChain:
             or not policy.partitions_grads
             or not any(_is_sharded(x) for x in jax.tree.leaves(params, is_leaf=_is_sharded))
         ):
-            return jax.checkpoint(layer_fn)(params, *args)
+            return checkpointed(layer_fn, self.offload)(params, *args)
         if any(batched_by_vmap(a) for a in jax.tree.leaves(args)):
             raise ValueError(UNDER_VMAP.format(where=self.where, index=index))
         block = _Block.of(index, params)
@@ -403,9 +406,10 @@ def apply_layer(
     compute and again before its backward recompute, and its gradient is
     reduce-scattered as soon as it exists. Stage 2: the same without gathers
     (the gradient of the block is reduce-scattered at once). Stages 0–1 and
-    ``policy=None``: ``jax.checkpoint(layer_fn)(layer_params, *args)``.
+    ``policy=None``: ``jax.checkpoint(layer_fn)(layer_params, *args)`` (its
+    saved inputs in host memory with ``offload_activations``).
     For a loop over several blocks, :func:`apply_layers` also prefetches.
-    ``offload_activations``: ZeRO-R's P_a+cpu (stages 2-3), the block's saved
+    ``offload_activations``: ZeRO-R's P_a+cpu (any stage), the block's saved
     inputs wait for its recompute in host memory (``None``: the policy's
     ``offload_activations``).
 
@@ -462,7 +466,7 @@ def apply_layers(
       policy: the step's policy, or ``None`` outside a step.
       prefetch: how many blocks ahead to gather (stage 3); 0 gathers each
         block only when it runs.
-      offload_activations: ZeRO-R's P_a+cpu (stages 2-3): each block's saved
+      offload_activations: ZeRO-R's P_a+cpu (any stage): each block's saved
         inputs go to host memory after its forward pass and come back just
         before its recompute; ``None`` follows the policy's
         ``offload_activations``.

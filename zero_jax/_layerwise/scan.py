@@ -34,6 +34,7 @@ from zero_jax._base.tree import PyTree, path_str
 from zero_jax._base.units import is_whole_number
 from zero_jax._comm import collectives as coll
 from zero_jax._layerwise.activations import (
+    checkpointed,
     offloads_activations,
     partition_saved,
     regather_saved,
@@ -75,6 +76,12 @@ UNSCANNED_BLOCKS = (
     "no common leading layer axis (their leading sizes are hidden sizes). Run a list of blocks with "
     "zj.apply_layers(layer_fn, blocks, carry, policy) (and leave it out of ZeroPolicy(stacked=...)), or stack "
     "them (jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)) for zj.scan_layers."
+)
+
+
+OFFLOAD_WITHOUT_REMAT = (
+    "zj.scan_layers: offload_activations moves the layer inputs a remat keeps to host memory, but remat=False "
+    "keeps every intermediate instead. Pass remat=True (the default), or drop offload_activations."
 )
 
 
@@ -136,7 +143,7 @@ def scan_layers(
         compiler overlaps a gather only with its own consumers (the TPU
         compiler: see ``zero_jax._layerwise.schedule``) the layers are
         gathered in place whatever ``prefetch`` says.
-      offload_activations: ZeRO-R's P_a+cpu (stages 2-3): each layer's
+      offload_activations: ZeRO-R's P_a+cpu (any stage): each layer's
         saved input goes to host memory (``pinned_host``) after the layer's
         forward pass and comes back just before its recompute; ``None``
         follows ``ZeroPolicy(offload_activations=...)``. Bitwise the same
@@ -161,7 +168,7 @@ def scan_layers(
     """
     given, policy = policy, active_policy(policy, "zj.scan_layers")
     # Checked against the policy given: where no pieces are handed (stage 1) the keyword is still wrong.
-    offload = offloads_activations(given, offload_activations, "zj.scan_layers") and policy is not None
+    offload = offloads_activations(given, offload_activations, "zj.scan_layers")
     depth = _depth(stacked_params)
     if not is_whole_number(prefetch) or not 0 <= prefetch <= depth:
         raise ValueError(
@@ -171,7 +178,9 @@ def scan_layers(
     leaves = jax.tree.leaves(stacked_params, is_leaf=_is_sharded)
     if policy is None or not policy.partitions_grads or not any(_is_sharded(x) for x in leaves):
         check_parameter_pieces(stacked_params, policy, "zj.scan_layers") if policy is not None else None
-        body = jax.checkpoint(layer_fn) if remat else layer_fn
+        if offload and not remat:
+            raise ValueError(OFFLOAD_WITHOUT_REMAT)
+        body = checkpointed(layer_fn, offload) if remat else layer_fn
         return jax.lax.scan(lambda c, layer: (body(layer, c), None), carry, stacked_params)[0]
     if not remat:
         raise ValueError(

@@ -205,8 +205,9 @@ def schedule_for(policy: Any) -> Schedule:
     added to its options), with the switches of an enclosing :func:`trying`."""
     backend = str(policy.mesh.devices.flat[0].platform)
     measured = MEASURED.get(backend, MEASURED["cpu"])
-    options = measured.compiler_options + bucket_options(backend, policy.bucket_bytes)
-    return measured._replace(backend=backend, compiler_options=options, **dict(_TRIAL.current().changes))
+    changes = dict(_TRIAL.current().changes)  # a trial's compiler options replace the measured ones
+    options = changes.pop("compiler_options", measured.compiler_options) + bucket_options(backend, policy.bucket_bytes)
+    return measured._replace(backend=backend, compiler_options=options, **changes)
 
 
 def trying(**switches: Any) -> contextlib.AbstractContextManager[Trial]:

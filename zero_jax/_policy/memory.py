@@ -95,11 +95,6 @@ def _host_memory_problems(mesh: Any, message: str) -> list[Problem]:
 
 
 BAD_OFFLOAD_ACTIVATIONS = "ZeroPolicy: offload_activations must be True or False, got {!r}."
-OFFLOAD_ACTIVATIONS_STAGE = (
-    "ZeroPolicy: offload_activations=True moves the layer inputs that zj.scan_layers and zj.apply_layer(s) keep "
-    "for their backward recompute to host memory; they keep them in the layer-wise schedule of stages 2-3, and "
-    "stage {stage} runs layers under a plain jax.checkpoint. Use stage=2 or 3, or drop offload_activations."
-)
 NO_HOST_MEMORY_ACTIVATIONS = (
     "ZeroPolicy: offload_activations=True keeps the saved layer inputs in the {host!r} memory kind, but the "
     "{platform!r} backend's devices have {kinds}. Drop offload_activations on this backend (partition_activations "
@@ -113,10 +108,7 @@ def activation_offload_problems(offload_activations: Any, stage: int | None, mes
         return [(TypeError, BAD_OFFLOAD_ACTIVATIONS.format(offload_activations))]
     if not offload_activations:
         return []
-    problems: list[Problem] = []
-    if stage is not None and stage < 2:
-        problems.append((ValueError, OFFLOAD_ACTIVATIONS_STAGE.format(stage=stage)))
-    return problems + _host_memory_problems(mesh, NO_HOST_MEMORY_ACTIVATIONS)
+    return _host_memory_problems(mesh, NO_HOST_MEMORY_ACTIVATIONS)
 
 
 def offload_options(offload_optimizer: bool | float, offload_params: bool) -> OffloadOptions:

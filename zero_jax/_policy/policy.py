@@ -147,7 +147,7 @@ class ZeroPolicy:
         inputs take 1/M of the memory for one all-gather per layer. Meant for
         layer inputs replicated over the model axes (Megatron-style tensor
         parallelism); a no-op when every model axis has size 1.
-      offload_activations: ZeRO-R's P_a+cpu, stages 2-3: the default of
+      offload_activations: ZeRO-R's P_a+cpu, any stage: the default of
         ``scan_layers`` / ``apply_layer(s)``'s ``offload_activations`` (and
         so of the adapters' ``layers=`` blocks): each saved layer input (the
         partitioned piece with ``partition_activations``) is moved to
