@@ -27,11 +27,13 @@ from zero_jax._step.train import TrainStep, make_train_step
 from zero_jax._theory.choice import StageChoice, choose_stage
 from zero_jax._theory.formulas import (
     ActivationCheckpointBytes,
+    KeepGatheredTrade,
     ModelStateBytes,
     activation_checkpoint_bytes,
     comm_bytes,
     comm_bytes_per_axis,
     efficiency,
+    keep_gathered_trade,
     model_state_bytes,
     required_bandwidth,
 )
@@ -49,6 +51,7 @@ __all__ = [
     "Communication",
     "DEFAULT_MIN_SHARD_SIZE",
     "DynamicLossScale",
+    "KeepGatheredTrade",
     "LeafBytes",
     "LeafLayout",
     "LossScaleState",
@@ -82,6 +85,7 @@ __all__ = [
     "full_params",
     "gather",
     "init_state",
+    "keep_gathered_trade",
     "launch",
     "leaf_layout",
     "load_params",
