@@ -346,6 +346,8 @@ def reference_step(
     quant_block: int = DEFAULT_BLOCK,
     offload_activations: bool = False,
     bucket_bytes: int | str | None = None,
+    prefetch: int = 1,
+    keep_gathered: int | str = 0,
 ) -> tuple[Any, Any, Any]:
     """The default :func:`plan` factory: the reference transformer
     (``zero_jax.models``) with AdamW, stacked layers run layer-wise
@@ -356,7 +358,8 @@ def reference_step(
     1–3 (a plan of every stage compiles stages 0–2 without qwZ, 0 without qgZ).
     ``offload_activations`` (ZeRO-R's P_a+cpu) applies at stages 2–3, whose
     layer-wise schedule keeps the block inputs (see :attr:`Plan.host_activations`).
-    ``bucket_bytes`` bounds every communication buffer (``ZeroPolicy``'s)."""
+    ``bucket_bytes`` bounds every communication buffer (``ZeroPolicy``'s).
+    ``prefetch`` and ``keep_gathered`` go to ``zj.scan_layers`` (a manual step)."""
     n = mesh.size
     batch = global_batch if global_batch is not None else batch_per_device * n * accum_steps
     check_global_batch(batch, n, accum_steps)
@@ -371,7 +374,8 @@ def reference_step(
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     state = init_state(params, tx, policy)
     model_policy = policy if gather == "manual" else None
-    step = make_train_step(make_loss_fn(cfg, model_policy), tx, policy, gather=gather, accum_steps=accum_steps)
+    loss_fn = make_loss_fn(cfg, model_policy, prefetch=prefetch, keep_gathered=keep_gathered)
+    step = make_train_step(loss_fn, tx, policy, gather=gather, accum_steps=accum_steps)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=policy.batch_sharding())
     return step, state, {"tokens": tokens}
 
