@@ -14,6 +14,7 @@ import pytest
 from _models import make_mesh
 
 import zero_jax as zj
+from zero_jax._cli import cli
 from zero_jax._plan.budget import KeepGatheredChoice, compile_candidate, search_candidates
 from zero_jax._processes.child import resolve
 
@@ -246,3 +247,8 @@ def test_a_budget_picks_the_largest_k_whose_compiled_peak_fits() -> None:
     short = KeepGatheredChoice(base.peak / 2, N, DEPTH, tuple(rows), 0.0)
     with pytest.raises(ValueError, match="no keep_gathered / prefetch pair fits .* over\\). A budget of"):
         short.check()
+
+
+def test_the_cli_flag_needs_compile(capsys) -> None:
+    assert cli.main(["plan", "--params", "7e9", "--device-memory", "80GB", "--keep-gathered"]) == 2
+    assert "--keep-gathered compiles the reference transformer's stage-3 step" in capsys.readouterr().err
