@@ -231,11 +231,11 @@ def differentiated(nodes: list[Any]) -> list[Any]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def zero_jax_split_layers(diff: list[Any], first: int) -> tuple[list[Any], list[Any]]:
-    """``diff`` cut into layers ``:first`` and ``first:`` (named ``zero_jax_*``: the library's own use of the
-    slots, ``pieces.OWN_SCOPES``); the gradients of the
-    two parts are joined back by a concatenation (with autodiff's transpose of
-    a slice, a pad and an add, XLA:CPU fused the optimizer update differently
-    and the training was no longer bitwise that of ``keep_gathered=0``)."""
+    """``diff`` cut into layers ``:first`` and ``first:`` (named ``zero_jax_*``:
+    the library's own use of the slots, ``pieces.OWN_SCOPES``). The two parts'
+    gradients are joined by a concatenation: with autodiff's transpose of a
+    slice (a pad and an add) XLA:CPU fused the optimizer update differently and
+    training was no longer bitwise that of ``keep_gathered=0``."""
     return [None if d is None else d[:first] for d in diff], [None if d is None else d[first:] for d in diff]
 
 
