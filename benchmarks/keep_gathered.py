@@ -115,7 +115,8 @@ def main() -> None:
         base.pop("trained")
     scan0 = next(r for r in rows if r["layers"] == "scan_layers" and r["keep_gathered"] == 0)
     device_budget = scan0["peak"] + BUDGET_BLOCKS * scan0["block_bytes"]
-    choice = zj.choose_keep_gathered(device_budget, num_devices=N, factory_kwargs=MODEL)
+    # The same model and batch, built by the planner's reference step in a child process (abstract state).
+    choice = zj.choose_keep_gathered(device_budget, num_devices=N, factory_kwargs=MODEL | {"global_batch": 16})
     print(choice, flush=True)
     ok = all(r["gathers_exact"] and r["comm_exact"] and r["peak_within"] and r["bitwise"] and not r["violations"]
              for r in rows)  # fmt: skip
@@ -137,7 +138,8 @@ def main() -> None:
         "",
         f"every row as claimed: {'yes' if ok else 'NO'}",
         "",
-        f"device budget for zj.choose_keep_gathered: the scanned k = 0 peak + {BUDGET_BLOCKS} blocks",
+        f"zj.choose_keep_gathered (the same model and batch 16, scanned, from the planner's reference step in a "
+        f"child process) for a device budget of the scanned k = 0 peak + {BUDGET_BLOCKS} blocks:",
         str(choice),
     ])  # fmt: skip
     data = {"meta": record.meta(), "model": MODEL, "rows": rows, "all_as_claimed": ok,
