@@ -14,6 +14,7 @@ from zero_jax._layerwise.blocks import apply_layer, apply_layers
 from zero_jax._layerwise.pieces import Sharded, gather
 from zero_jax._layerwise.scan import scan_layers
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, leaf_layout
+from zero_jax._plan.budget import KeepGatheredChoice, choose_keep_gathered
 from zero_jax._plan.plan import Plan, plan
 from zero_jax._plan.topology import TpuSlice, topology_mesh, tpu_slice
 from zero_jax._policy.policy import ZeroPolicy
@@ -27,11 +28,13 @@ from zero_jax._step.train import TrainStep, make_train_step
 from zero_jax._theory.choice import StageChoice, choose_stage
 from zero_jax._theory.formulas import (
     ActivationCheckpointBytes,
+    KeepGatheredTrade,
     ModelStateBytes,
     activation_checkpoint_bytes,
     comm_bytes,
     comm_bytes_per_axis,
     efficiency,
+    keep_gathered_trade,
     model_state_bytes,
     required_bandwidth,
 )
@@ -49,6 +52,8 @@ __all__ = [
     "Communication",
     "DEFAULT_MIN_SHARD_SIZE",
     "DynamicLossScale",
+    "KeepGatheredChoice",
+    "KeepGatheredTrade",
     "LeafBytes",
     "LeafLayout",
     "LossScaleState",
@@ -73,6 +78,7 @@ __all__ = [
     "apply_layers",
     "audit",
     "checkpoint",
+    "choose_keep_gathered",
     "choose_stage",
     "comm_bytes",
     "comm_bytes_per_axis",
@@ -82,6 +88,7 @@ __all__ = [
     "full_params",
     "gather",
     "init_state",
+    "keep_gathered_trade",
     "launch",
     "leaf_layout",
     "load_params",

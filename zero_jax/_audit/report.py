@@ -167,6 +167,9 @@ class BlockSchedule:
         re-gathers of the backward pass).
       reduce_scatters: gradient reduce-scatter executions per step.
       bytes: one layer's gathered (whole) bytes.
+      kept: layers that keep their gathered parameters from the forward pass
+        for the backward (``keep_gathered``: named so in the program), which
+        gather once per step, not twice.
     """
 
     name: str
@@ -176,6 +179,7 @@ class BlockSchedule:
     backward: int
     reduce_scatters: int
     bytes: int
+    kept: int = 0
 
     @property
     def gathers_per_weight(self) -> float:
@@ -219,18 +223,34 @@ class LayerSchedule:
     prefetch: int
     judged: bool = True
 
+    @property
+    def kept(self) -> int:
+        """Layers kept gathered from the forward pass to the backward (``keep_gathered``)."""
+        return sum(b.kept for b in self.blocks)
+
+    @property
+    def limit(self) -> int:
+        """The whole layers a stage-3 manual step may hold at once: ``prefetch + 1``, plus the kept layers."""
+        return self.prefetch + 1 + self.kept
+
     def lines(self) -> list[str]:
         """The report's text for the schedule."""
+        kept = f" + {self.kept} kept" if self.kept else ""
         if not any(b.forward + b.backward for b in self.blocks):
             out = ["layer schedule: no layer all-gathers (the parameters are whole)"]
         else:
-            out = [f"layer schedule: at most {self.max_alive} whole layer(s) alive at once (prefetch {self.prefetch}: "
-                   f"limit {self.prefetch + 1}{'' if self.judged else ', scans: reported, not judged'}; layer "
+            out = [f"layer schedule: at most {self.max_alive} whole layer(s) alive at once (prefetch {self.prefetch}"
+                   f"{kept}: limit {self.limit}{'' if self.judged else ', scans: reported, not judged'}; layer "
                    f"{fmt_bytes(self.layer_bytes)}; at {self.where or '-'})"]  # fmt: skip
         out += [
             f"  {b.name:<16} x{b.layers:<3} {b.weights} weight(s): all-gathers {b.forward} forward + {b.backward} "
             f"backward ({b.gathers_per_weight:g} per weight), gradient reductions {b.reduce_scatters} "
             f"({b.reduces_per_weight:g} per weight), {fmt_bytes(b.bytes)} per layer"
+            + (
+                f"; {'kept gathered' if b.layers == 1 else f'{b.kept} kept gathered'} (no backward re-gather)"
+                if b.kept
+                else ""
+            )  # fmt: skip
             for b in self.blocks
         ]
         return out

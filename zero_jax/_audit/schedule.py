@@ -31,6 +31,7 @@ from zero_jax._audit.compiled import CompiledCollective, CompiledProgram, Instru
 from zero_jax._audit.hlo import Collective, replica_group
 from zero_jax._audit.model_axes import model_shard_layout
 from zero_jax._audit.report import BlockSchedule, LayerSchedule, Overlap, OverlapRow, ParamInfo
+from zero_jax._layerwise.keep import KEPT_SCOPE
 from zero_jax._layout.leaf import LeafLayout, shard_shape
 from zero_jax._policy.policy import ZeroPolicy
 
@@ -261,16 +262,17 @@ def _count(
     stored: Mapping[tuple[int, ...], tuple[int, int]],
 ) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
     """Per named block [weights, forward, backward, reduces, bytes, elements,
-    weights, bytes] and per group [forward, backward, reduces]: all-gather /
-    reduce-scatter arrays per step (weights, bytes, elements: of one forward
-    gather; the last two: of one reduction, whole). On a quantized wire an
+    weights, bytes, kept] and per group [forward, backward, reduces, kept]:
+    all-gather / reduce-scatter arrays per step (weights, bytes, elements: of
+    one forward gather; the next two: of one reduction, whole; kept: forward
+    gathers named kept, ``keep_gathered``). On a quantized wire an
     int8 all-gather is a gather, an int8 all-to-all a reduction, its float32
     scales ride along uncounted, and its whole bytes are the leaf's
     (``stored``: int8 shape -> the dequantized stored elements and bytes)."""
     comps, trips = program.computations, program.trips
     heads = scale_heads(comps.values(), policy.wire.block)
     named: dict[int, list[int]] = {}
-    unnamed = {g.name: [0, 0, 0] for g in groups}
+    unnamed = {g.name: [0, 0, 0, 0] for g in groups}
     slot = {"forward": 1, "backward": 2, "reduce": 3}
     for comp, instrs in comps.items():
         for ins in instrs:
@@ -287,11 +289,13 @@ def _count(
                 continue  # stage 2: the update's all-gathers, not layers; a float all-to-all: the model's
             whole = [stored.get(d, (0, b))[1] if dt == "s8" else b * (1 if gather else policy.num_shards)
                      for dt, d, b in arrays]  # fmt: skip
+            kept = gather and KEPT_SCOPE in ins.op_name
             if scope is not None:
-                row = named.setdefault(scope[0], [0] * 8)
+                row = named.setdefault(scope[0], [0] * 9)
                 row[slot[scope[1]]] += k * len(arrays)
                 if scope[1] == "forward":
                     row[0] += len(arrays)
+                    row[8] += k * len(arrays) * kept
                     row[4] += sum(whole)
                     row[5] += sum(stored.get(d, (0,))[0] if dt == "s8" else math.prod(d) for dt, d, _ in arrays)
                 elif scope[1] == "reduce":
@@ -303,6 +307,7 @@ def _count(
                           _in(dims, g.gathered if gather else g.pieces))), None)  # fmt: skip
                 if g is not None:
                     unnamed[g.name][(1 if "transpose(" in ins.op_name else 0) if gather else 2] += k
+                    unnamed[g.name][3] += k * kept
     return named, unnamed
 
 
@@ -319,10 +324,13 @@ def layer_schedule(
     groups = _layer_groups(params, policy)
     named, unnamed = _count(program, groups, policy, stored)
     blocks = [
-        BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7]) for i, r in sorted(named.items())
+        BlockSchedule(f"block {i}", 1, r[0] or r[6], r[1], r[2], r[3], r[4] or r[7], int(r[8] > 0))
+        for i, r in sorted(named.items())
     ]
     blocks += [
-        BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name], g.bytes) for g in groups if any(unnamed[g.name])
+        BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name][:3], g.bytes, unnamed[g.name][3] // g.weights)
+        for g in groups
+        if any(unnamed[g.name])
     ]
     if not blocks:
         return None

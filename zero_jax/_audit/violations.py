@@ -50,8 +50,9 @@ ACCUM_MESSAGE = (
 
 LAYERS_MESSAGE = (
     "the stage-3 step holds {alive} whole layers at once (at {where} in the compiled schedule; {layer} per layer), "
-    "more than prefetch + 1 = {limit}: layers are gathered ahead of use (XLA hoists an all-gather whose operand does "
-    "not depend on the layer's input to the start of the program, e.g. zj.gather of each block in a Python loop). "
+    "more than prefetch + 1{kept} = {limit}: layers are gathered ahead of use (XLA hoists an all-gather whose "
+    "operand does not depend on the layer's input to the start of the program, e.g. zj.gather of each block in a "
+    "Python loop). "
     "Run each block through zj.apply_layers / zj.apply_layer (zj.scan_layers for stacked layers) or the adapters' "
     "layers=; pass zj.audit(..., prefetch=k) if the step prefetches k blocks."
 )
@@ -185,13 +186,15 @@ def accum_violations(
 
 
 def layer_violations(schedule: LayerSchedule | None, policy: ZeroPolicy, manual: bool) -> list[Violation]:
-    """A stage-3 manual step holding more than ``prefetch + 1`` whole layers."""
+    """A stage-3 manual step holding more than ``prefetch + 1`` whole layers
+    (plus the layers it keeps gathered for the backward pass, ``keep_gathered``)."""
     if schedule is None or not schedule.judged or not manual or not policy.partitions_params:
         return []
-    limit = schedule.prefetch + 1
-    if schedule.max_alive <= limit:
+    if schedule.max_alive <= schedule.limit:
         return []
+    kept = f" + {schedule.kept} kept (keep_gathered)" if schedule.kept else ""
     message = LAYERS_MESSAGE.format(
-        alive=schedule.max_alive, where=schedule.where, layer=fmt_bytes(schedule.layer_bytes), limit=limit
-    )
+        alive=schedule.max_alive, where=schedule.where, layer=fmt_bytes(schedule.layer_bytes), limit=schedule.limit,
+        kept=kept,
+    )  # fmt: skip
     return [Violation(LAYERS_ALIVE, schedule.where or "layers", message)]

@@ -30,6 +30,7 @@ from rich.table import Table
 from zero_jax._audit.audit import audit
 from zero_jax._base.units import fmt_bytes, parse_bandwidth, parse_count, parse_size_argument
 from zero_jax._cli import demo as _demo
+from zero_jax._plan.budget import choose_keep_gathered
 from zero_jax._plan.plan import Plan, plan, sized_config
 from zero_jax._plan.topology import TpuSlice, deviceless_environment, tpu_slice
 from zero_jax._policy.policy import ZeroPolicy
@@ -204,6 +205,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(c, vocab=32000, dim=2048, depth=None, heads=16, seq=512, batch_per_device=1)
     c.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
     c.add_argument("--timeout", type=float, default=600.0, help="seconds the compiling process may take (600)")
+    c.add_argument(
+        "--keep-gathered", action="store_true",
+        help="with --compile: also choose the stage-3 keep_gathered and prefetch that fit --device-memory, compiled "
+        "(zj.choose_keep_gathered)",
+    )  # fmt: skip
+
+
+KEEP_GATHERED_NEEDS_COMPILE = (
+    "--keep-gathered compiles the reference transformer's stage-3 step on simulated CPU devices: add --compile "
+    "(and leave --topology out)."
+)
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
@@ -294,6 +306,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     bucket = None if args.bucket_bytes is None else int(parse_size_argument(args.bucket_bytes, "--bucket-bytes"))
     if bucket is not None and bucket < 1:
         raise ValueError(f"--bucket-bytes must be at least 1 byte, e.g. 4MiB; got {args.bucket_bytes!r}.")
+    if args.keep_gathered and (not args.compile or tpu is not None):
+        raise ValueError(KEEP_GATHERED_NEEDS_COMPILE)
     model, note = _compile_model(args) if args.compile else (None, "")  # bad model sizes fail before printing
     if model is not None and bucket is not None:
         model["bucket_bytes"] = bucket
@@ -326,7 +340,11 @@ def _plan_command(args: argparse.Namespace) -> int:
     if model is not None:
         if note:
             out.print(note)
-        return _compiled_table(out, n, choice.device_bytes, model, args.stages, tpu, args.timeout) or 0
+        code = _compiled_table(out, n, choice.device_bytes, model, args.stages, tpu, args.timeout) or 0
+        if args.keep_gathered:
+            kept = choose_keep_gathered(choice.device_bytes, num_devices=n, factory_kwargs=model, timeout=args.timeout)
+            out.print(str(kept))
+        return code
     return 0
 
 

@@ -15,6 +15,11 @@ call of a block is one ``jax.custom_vjp`` whose schedule is ours:
   it over as the cotangent of a "token" output of block i − 1's call (the
   only channel from one custom VJP's backward to another's).
 
+With ``keep_gathered=k`` the last k blocks of the chain keep their gathered
+parameters from the forward pass as residuals of their custom VJP, and their
+backward pass uses them: no re-gather, neither in place nor handed over by the
+next block's backward (:mod:`zero_jax._layerwise.keep`).
+
 An unrolled program gives the compiler more freedom than a loop: what keeps
 it to this schedule (gathers due only when their block is, recomputes and the
 backward pass in order, the backward prefetch leaf by leaf) is
@@ -31,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import get_opaque_trace_state
 
@@ -45,6 +51,7 @@ from zero_jax._layerwise.activations import (
     saved_to_device,
     saved_to_host,
 )
+from zero_jax._layerwise.keep import KEPT_SCOPE, gathered_bytes, kept_count
 from zero_jax._layerwise.pieces import Sharded, check_parameter_pieces
 from zero_jax._layerwise.schedule import inputs_anchor, schedule_for, use_order
 from zero_jax._layerwise.scope import active_policy
@@ -109,43 +116,48 @@ class _Block:
             layouts=tuple(x.layout if s else None for x, s in zip(leaves, sharded, strict=True)),
         )
 
-    def wholes(self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any] = ()) -> list[Any]:
+    def wholes(
+        self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any] = (), kept: bool = False
+    ) -> list[Any]:
         """The whole parameters of the Sharded leaves (all-gathered in stage 3,
-        each piece due after ``anchor``, or its entry of ``anchors``); else None.
-        ``sources`` are what the backward re-gathers from (:meth:`first_gather`)."""
-        return self._gathered(sources, policy, anchor, anchors, again=True)[0]
+        each piece due after ``anchor``, or its entry of ``anchors``; named
+        kept with ``kept``); else None. ``sources`` are what the backward
+        re-gathers from (:meth:`first_gather`)."""
+        return self._gathered(sources, policy, anchor, anchors, again=True, kept=kept)[0]
 
     def first_gather(
-        self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any] = ()
+        self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any] = (), kept: bool = False
     ) -> tuple[list[Any], list[Any]]:
         """The forward pass's gather: the whole parameters, and what the
         backward pass re-gathers them from: the pieces themselves, or with
         hpZ (``secondary_axis``) the secondary pieces this gather made on
         its way (then the re-gather stays within the node)."""
-        return self._gathered(sources, policy, anchor, anchors, again=False)
+        return self._gathered(sources, policy, anchor, anchors, again=False, kept=kept)
 
     def _gathered(
-        self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any], *, again: bool
-    ) -> tuple[list[Any], list[Any]]:
+        self, sources: Sequence[Any], policy: ZeroPolicy, anchor: Any, anchors: Sequence[Any], *, again: bool,
+        kept: bool,
+    ) -> tuple[list[Any], list[Any]]:  # fmt: skip
         gather, schedule, axis = policy.partitions_params, schedule_for(policy), policy.comm
         anchors = list(anchors) or [anchor] * len(sources)
-        wholes, kept = [], []
-        with jax.named_scope(f"zj_block{self.index}_gather"):
+        wholes, regather_from = [], []
+        scope = f"zj_block{self.index}_gather" + (f"/{KEPT_SCOPE}" if kept else "")
+        with jax.named_scope(scope):
             for src, lay, a in zip(sources, self.layouts, anchors, strict=True):
                 if src is None or not gather:
                     wholes.append(None if src is None else coll.fetch(src, lay, axis, gather=False))
-                    kept.append(src)
+                    regather_from.append(src)
                     continue
                 # A secondary piece (hpZ's re-gather) is made in the step, on the device.
                 ready = schedule.due(src if again and axis.secondary else to_device(src), a)
                 if axis.secondary:  # hpZ
                     piece = ready if again else coll.secondary_piece(ready, lay, axis)
                     wholes.append(coll.gather_secondary(piece, lay, axis))
-                    kept.append(piece)
+                    regather_from.append(piece)
                 else:  # the backward starts again from the piece as stored (in host memory with offload_params)
                     wholes.append(coll.fetch(ready, lay, axis, gather=True))
-                    kept.append(src)
-        return wholes, kept
+                    regather_from.append(src)
+        return wholes, regather_from
 
     def tree(self, wholes: Sequence[Any], plain: Sequence[Any]) -> PyTree:
         leaves = [w if s else p for s, w, p in zip(self.sharded, wholes, plain, strict=True)]
@@ -186,7 +198,8 @@ class _Call:
     token: list[Any]  # its token output: zeros shaped like its block's whole parameters
     block: _Block
     needed: list[int]  # its leaves in the order its forward pass first uses them (see schedule.use_order)
-    kept: list[Any]  # what its backward pass re-gathers from (_Block.first_gather)
+    regather_from: list[Any]  # what its backward pass re-gathers from (_Block.first_gather)
+    kept: bool = False  # its gathered parameters kept for its backward pass: the next block hands it nothing
 
 
 class LayerChain:
@@ -199,11 +212,14 @@ class LayerChain:
     ``prefetch``, and its backward pass the re-gather of the block called
     before it. Blocks called in another order, or again, still run (a
     prefetched gather nobody uses is removed by the compiler).
+    ``keep_gathered`` (an int k or a byte budget: :mod:`zero_jax._layerwise.keep`)
+    keeps the gathered parameters of blocks ``count - k`` … ``count - 1`` for
+    their backward pass (stage 3; :attr:`kept` is k).
     """
 
     def __init__(
         self, policy: ZeroPolicy | None, layers: Sequence[PyTree], prefetch: int = 1, where: str = "zj.apply_layers",
-        offload_activations: bool | None = None,
+        offload_activations: bool | None = None, keep_gathered: Any = 0,
     ) -> None:  # fmt: skip
         self.policy = policy
         self.where = where
@@ -213,6 +229,9 @@ class LayerChain:
             policy, offload_activations, where)
         self.layers = list(layers)
         self.prefetch = prefetch
+        # Checked in every stage; only stage 3 gathers, so only stage 3 keeps anything.
+        kept = kept_count(keep_gathered, [gathered_bytes(p) for p in self.layers], where)
+        self.kept = kept if self._gathers else 0
         self._queue: dict[int, tuple[Any, list[Any]]] = {}
         self._last: _Call | None = None
         self.calls = 0
@@ -236,22 +255,29 @@ class LayerChain:
             raise ValueError(UNDER_VMAP.format(where=self.where, index=index))
         block = _Block.of(index, params)
         trace = get_opaque_trace_state()
-        wholes, kept = self._forward_wholes(index, block, trace, args)
+        wholes, regather_from = self._forward_wholes(index, block, trace, args)
         for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.layers))) if self._gathers else ():
             if ahead not in self._queue:
                 nxt = _Block.of(ahead, self.layers[ahead])
-                self._queue[ahead] = (trace, nxt.first_gather(nxt.sources, policy, inputs_anchor(args)))
+                self._queue[ahead] = (
+                    trace,
+                    nxt.first_gather(nxt.sources, policy, inputs_anchor(args), kept=self.keeps(ahead)),
+                )
         previous = self._last if self._last is not None and self._last.trace == trace else None
         out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block,
-                               wholes, kept, args, previous, self.offload)  # fmt: skip
+                               wholes, regather_from, args, previous, self.offload, self.keeps(index))  # fmt: skip
         self._last = call
         return out
+
+    def keeps(self, index: int) -> bool:
+        """Whether block ``index`` keeps its gathered parameters for its backward pass (one of the last ``kept``)."""
+        return self.kept > 0 and index >= len(self.layers) - self.kept
 
     def _forward_wholes(self, index: int, block: _Block, trace: Any, args: Any) -> tuple[list[Any], list[Any]]:
         queued = self._queue.pop(index, None)
         if queued is not None and queued[0] == trace:
             return queued[1]
-        return block.first_gather(block.sources, self.policy, inputs_anchor(args))
+        return block.first_gather(block.sources, self.policy, inputs_anchor(args), kept=self.keeps(index))
 
 
 def _token_zeros(wholes: list[Any], axis: Any) -> list[Any]:
@@ -298,12 +324,14 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
     layer_fn: Callable[..., Any],
     block: _Block,
     wholes: list[Any],  # its whole parameters, gathered (or handed over by the prefetch queue)
-    kept: list[Any],  # what its backward re-gathers from (_Block.first_gather)
+    regather_from: list[Any],  # what its backward re-gathers from (_Block.first_gather)
     args: tuple[Any, ...],
     previous: _Call | None,
     offload: bool = False,
+    keep: bool = False,
 ) -> tuple[Any, _Call]:
-    """One block's call as a custom VJP (see the module docstring)."""
+    """One block's call as a custom VJP (see the module docstring); ``keep``:
+    its gathered parameters are residuals, used by its backward pass."""
     axis = policy.comm
     fn, consts = jax.closure_convert(lambda p, *a: layer_fn(p, *a), block.tree(wholes, block.plain), *args)
     needed, produced = use_order(fn, block.tree(wholes, block.plain), args, consts) if prefetch else ([], [])
@@ -319,11 +347,10 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
     const_is_float = [is_float(c) for c in consts]
     slot_dtypes = [None if s is None else s.dtype for s in block.slots]
     slots = [s for s in block.slots if s is not None]
-    # The channel from this block's backward pass to the previous call's:
-    # that call's token output, whose cotangent is its re-gathered block.
-    chained = prefetch > 0 and previous is not None
-    token_in = previous.token if chained else []
-    prev_sources = list(previous.kept) if chained else []
+    # The channel from this block's backward pass to the previous call's: that call's token
+    # output, whose cotangent is its re-gathered block (none for a kept block: no re-gather).
+    chained = prefetch > 0 and previous is not None and not previous.kept
+    token_in, prev_sources = (previous.token, list(previous.regather_from)) if chained else ([], [])
 
     # Values that are not differentiated (integers, keys) enter the custom VJP
     # as inputs too: its backward pass is traced later and may not close over them.
@@ -350,18 +377,18 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
         del slots, token_in
         out = apply(ws, plain_f, arg_f, const_f, fixed)
         token = _token_zeros(ws, axis) if prefetch else []
-        # Only the inputs are kept (and the pieces, which the step holds anyway), cut with
-        # partition_activations, in host memory with offload_activations.
+        # Only the inputs are kept (and the pieces, which the step holds anyway; with keep the
+        # gathered parameters), cut with partition_activations, in host memory with offload_activations.
         saved = saved_to_host(partition_saved(arg_f, policy, materialize=schedule_for(policy).unfusable_cut), offload)
-        return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed)
+        return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed, ws if keep else None)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]
-        plain_f, arg_f, const_f, sources, prev_sources, fixed = res
+        plain_f, arg_f, const_f, sources, prev_sources, fixed, kept_ws = res
         ct_out, ct_token = cts
         ct_out = jax.tree.map(lambda c: _instantiate(c, axis), ct_out, is_leaf=lambda x: isinstance(x, SymbolicZero))
         handed = ct_token if prefetch and not any(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
             ct_token, is_leaf=lambda x: isinstance(x, SymbolicZero))) else None  # fmt: skip
-        ws = handed if handed is not None else block.wholes(sources, policy, ct_out)
+        ws = list(kept_ws) if keep else handed if handed is not None else block.wholes(sources, policy, ct_out)
         arg_f, ws = _recompute_inputs(arg_f, ws, ct_out, policy, offload)
         _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
@@ -386,9 +413,10 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
     zero_jax_block.defvjp(fwd, bwd, symbolic_zeros=True)
     with jax.named_scope(f"zj_block{index}_compute"):
         out, token = zero_jax_block(
-            slots, plain_floats, arg_floats, const_floats, token_in, wholes, kept, prev_sources, fixed
+            slots, plain_floats, arg_floats, const_floats, token_in, wholes, regather_from, prev_sources, fixed
         )
-    call = _Call(index=index, trace=trace, token=token, block=block, needed=needed, kept=kept)
+    call = _Call(index=index, trace=trace, token=token, block=block, needed=needed, regather_from=regather_from,
+                 kept=keep)
     return out, call
 
 
@@ -398,6 +426,7 @@ def apply_layer(
     *args: Any,
     policy: ZeroPolicy | None,
     offload_activations: bool | None = None,
+    keep_gathered: bool | int | str = False,
 ) -> Any:
     """``layer_fn(layer_params, *args)`` with the block's parameters whole only
     while it runs: the per-block counterpart of ``zj.scan_layers``.
@@ -411,7 +440,12 @@ def apply_layer(
     For a loop over several blocks, :func:`apply_layers` also prefetches.
     ``offload_activations``: ZeRO-R's P_a+cpu (any stage), the block's saved
     inputs wait for its recompute in host memory (``None``: the policy's
-    ``offload_activations``).
+    ``offload_activations``). ``keep_gathered=True`` (stage 3): the block
+    keeps its gathered parameters from its forward pass for its backward pass
+    instead of gathering them again (one block of memory for one all-gather
+    saved; a byte budget such as ``"64MiB"`` keeps it when it fits). In a
+    loop of blocks, keep the last ones (``keep_gathered=i >= len(blocks) -
+    k``), or use :func:`apply_layers`'s ``keep_gathered=k``.
 
     Example:
 
@@ -437,7 +471,9 @@ def apply_layer(
     policy = active_policy(policy, "zj.apply_layer")
     if policy is not None:
         check_parameter_pieces(layer_params, policy, "zj.apply_layer")
-    chain = LayerChain(policy, [layer_params], prefetch=0, where="zj.apply_layer", offload_activations=offload)
+    keep = int(keep_gathered) if isinstance(keep_gathered, (bool, np.bool_)) else keep_gathered
+    chain = LayerChain(policy, [layer_params], prefetch=0, where="zj.apply_layer", offload_activations=offload,
+                       keep_gathered=keep)  # fmt: skip
     return chain.call(0, layer_fn, *args)
 
 
@@ -449,6 +485,7 @@ def apply_layers(
     *,
     prefetch: int = 1,
     offload_activations: bool | None = None,
+    keep_gathered: int | str = 0,
 ) -> Any:
     """Run ``carry = layer_fn(layers_params[i], carry)`` for each block of a
     Python list, block-wise (see :func:`apply_layer`), with block i +
@@ -470,6 +507,13 @@ def apply_layers(
         inputs go to host memory after its forward pass and come back just
         before its recompute; ``None`` follows the policy's
         ``offload_activations``.
+      keep_gathered: stage 3: the last k blocks keep their gathered
+        parameters from the forward pass for the backward pass (k fewer
+        all-gathers per step, k blocks more memory; the last blocks of the
+        forward are the first of the backward, so nothing waits); or a byte
+        budget (``"2GiB"``): the most trailing blocks whose gathered bytes fit
+        it. 0 gathers every block again. Stages 0-2 gather nothing again: it
+        is checked and ignored.
 
     >>> import jax, jax.numpy as jnp, optax, zero_jax as zj
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -505,7 +549,7 @@ def apply_layers(
         )
     if policy is not None:
         check_parameter_pieces(layers, policy, "zj.apply_layers")
-    chain = LayerChain(policy, layers, prefetch=int(prefetch), offload_activations=offload)
+    chain = LayerChain(policy, layers, prefetch=int(prefetch), offload_activations=offload, keep_gathered=keep_gathered)
     for i, fn in enumerate(fns):
         carry = chain.call(i, fn, carry)
     return carry

@@ -14,6 +14,13 @@ schedule is ours, not the compiler's:
 (With JAX's own autodiff the prefetched layer would be a loop carry, and a
 loop carry is saved for the backward pass: every layer would stay alive.)
 
+With ``keep_gathered=k`` (stage 3) the layers are split: the first depth − k
+run as above, the last k by the same machinery in a loop of their own whose
+forward pass also saves each layer's gathered parameters (stacked, per layer)
+and whose backward pass uses them instead of gathering again: k layers of
+memory for k all-gathers (:mod:`zero_jax._layerwise.keep`). Kept layers keep
+their inputs on the device (their backward pass comes first).
+
 With ``ZeroPolicy(partition_activations=True)`` (ZeRO-R's P_a) the kept input
 of each layer is cut over the model axes, and with ``offload_activations``
 (P_a+cpu) it waits in host memory for its recompute
@@ -23,7 +30,9 @@ What keeps the compiler to this schedule is :mod:`zero_jax._layerwise.schedule`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,6 +50,7 @@ from zero_jax._layerwise.activations import (
     saved_to_device,
     saved_to_host,
 )
+from zero_jax._layerwise.keep import KEPT_SCOPE, gathered_bytes, kept_count
 from zero_jax._layerwise.pieces import Sharded, check_parameter_pieces
 from zero_jax._layerwise.schedule import Schedule, schedule_for, use_order
 from zero_jax._layerwise.scope import active_policy
@@ -114,6 +124,7 @@ def scan_layers(
     remat: bool = True,
     prefetch: int = 1,
     offload_activations: bool | None = None,
+    keep_gathered: int | str = 0,
 ) -> Any:
     """Run ``layer_fn(layer_params, carry) -> carry`` over the leading layer
     axis of ``stacked_params``, gathering each layer just in time.
@@ -148,6 +159,13 @@ def scan_layers(
         forward pass and comes back just before its recompute; ``None``
         follows ``ZeroPolicy(offload_activations=...)``. Bitwise the same
         values.
+      keep_gathered: stage 3: the last k layers keep their gathered
+        parameters from the forward pass for the backward pass (k fewer
+        all-gathers per step, k layers more memory), or a byte budget
+        (``"2GiB"``): the most trailing layers whose gathered bytes fit it.
+        0 gathers every layer again; stages 0-2: checked and ignored. Kept
+        layers run in a loop of their own (no prefetch across the two loops)
+        and keep their inputs on the device.
 
     Example (P_a+cpu; on XLA:CPU the moves are only annotations, the TPU
     compiler turns them into host transfers):
@@ -175,6 +193,7 @@ def scan_layers(
             f"zj.scan_layers: prefetch must be an int from 0 to the depth ({depth}), got {prefetch!r}. "
             "1 overlaps the next layer's gather with this layer's compute."
         )
+    kept = kept_count(keep_gathered, [gathered_bytes(stacked_params, stacked=True)] * depth, "zj.scan_layers")
     leaves = jax.tree.leaves(stacked_params, is_leaf=_is_sharded)
     if policy is None or not policy.partitions_grads or not any(_is_sharded(x) for x in leaves):
         check_parameter_pieces(stacked_params, policy, "zj.scan_layers") if policy is not None else None
@@ -198,8 +217,47 @@ def scan_layers(
     # keeps at least two trips: XLA inlines a one-trip loop and then merges the
     # backward re-gathers into the forward gathers, keeping every layer alive.
     carried = policy.partitions_params and schedule_for(policy).prefetch_across_trips
-    ahead = min(prefetch, max(depth - 2, 0)) if carried else 0
-    return _zero_scan(layer_fn, treedef, nodes, carry, policy, ahead, depth, offload)
+
+    def ahead(trips: int) -> int:
+        return min(prefetch, max(trips - 2, 0)) if carried else 0
+
+    first = depth - kept if policy.partitions_params else depth
+    diff = differentiated(nodes)
+    parts = zero_jax_split_layers(diff, first) if 0 < first < depth else (diff, diff)
+    if first:
+        carry = _zero_scan(layer_fn, treedef, nodes, parts[0], carry, policy, ahead(first), first, offload)
+    if first < depth:
+        carry = _zero_scan(layer_fn, treedef, nodes, parts[1], carry, policy, ahead(depth - first), depth - first,
+                           False, start=first, keep=True)  # fmt: skip
+    return carry
+
+
+def differentiated(nodes: list[Any]) -> list[Any]:
+    """What the scan differentiates, per flattened stacked leaf: a partitioned
+    leaf's gradient slot (``None`` when frozen), a plain leaf itself."""
+    return [(x.arrays[1] if len(x.arrays) > 1 else None) if _is_sharded(x) else x for x in nodes]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def zero_jax_split_layers(diff: list[Any], first: int) -> tuple[list[Any], list[Any]]:
+    """``diff`` cut into layers ``:first`` and ``first:`` (named ``zero_jax_*``:
+    the library's own use of the slots, ``pieces.OWN_SCOPES``). The two parts'
+    gradients are joined by a concatenation: with autodiff's transpose of a
+    slice (a pad and an add) XLA:CPU fused the optimizer update differently and
+    training was no longer bitwise that of ``keep_gathered=0``."""
+    return [None if d is None else d[:first] for d in diff], [None if d is None else d[first:] for d in diff]
+
+
+def _split_fwd(diff: list[Any], first: int) -> tuple[tuple[list[Any], list[Any]], None]:
+    return zero_jax_split_layers(diff, first), None
+
+
+def _split_bwd(first: int, _: None, cts: tuple[list[Any], list[Any]]) -> tuple[list[Any]]:
+    del first
+    return ([None if a is None else jnp.concatenate([a, b]) for a, b in zip(*cts, strict=True)],)
+
+
+zero_jax_split_layers.defvjp(_split_fwd, _split_bwd)
 
 
 class _ScanPlan(NamedTuple):
@@ -212,9 +270,10 @@ class _ScanPlan(NamedTuple):
     slot_dtypes: list[Any]  # the gradient slot's dtype (the reduce dtype); None: frozen or plain
     axis: Any
     prefetch: int
-    depth: int
+    depth: int  # the layers this loop runs: start … start + depth - 1 of the stacked ones
     schedule: Schedule
     order: tuple[list[int], list[int]] | None = None  # use_order of the layer, for the backward prefetch
+    start: int = 0
     # hpZ (secondary_axis): "make" -- the forward gathers across nodes and hands on the secondary pieces;
     # "use" -- the backward gathers from them, within the node. "": no hpZ.
     secondary: str = ""
@@ -239,10 +298,10 @@ def _fetch(
         if not s:
             out.append(d[i])
             continue
-        if plan.secondary == "use":  # hpZ's secondary pieces (int8 blocks with qwZ): made in the step, on device
+        if plan.secondary == "use":  # hpZ's secondary pieces (int8 blocks with qwZ): this loop's, made on device
             source = plan.schedule.due(jax.tree.map(lambda x: x[i], w), a)
-        else:
-            source = plan.schedule.due(to_device(w[i]), a)
+        else:  # the whole stack (indexed, never sliced: it may live in host memory); diff is this loop's
+            source = plan.schedule.due(to_device(w[plan.start + i]), a)
         if g and plan.secondary:
             piece = coll.secondary_piece(source, lay, plan.axis) if plan.secondary == "make" else source
             secondary.append(piece)
@@ -279,7 +338,10 @@ def _pipelined(
         return _fetch(plan, index(t), diff, wholes, anchor, anchors)
 
     if prefetch == 0:
-        return jax.lax.scan(lambda s, t: step(s, index(t), fetch(t)), state, jnp.arange(depth))
+        # A one-trip loop is inlined: its gather is tied to the pass's input (the forward's carry, the backward's
+        # cotangent), else XLA merges the backward re-gather into the forward gather (the schedule's tie_gathers).
+        return jax.lax.scan(lambda s, t: step(s, index(t), fetch(t, s if depth == 1 else None)), state,
+                            jnp.arange(depth))  # fmt: skip
     # The queue's first gathers wait for the loop's input (in the backward
     # pass, the cotangent): else the backward's first re-gather may be issued
     # during the forward pass (the schedule's tie_gathers).
@@ -330,14 +392,22 @@ def _put(buf: Any, y: Any, t: Any) -> Any:
 
 
 def _scan_plan(
-    treedef: Any, nodes: list[Any], axis: Any, prefetch: int, depth: int, schedule: Schedule
+    treedef: Any,
+    nodes: list[Any],
+    diff: list[Any],
+    axis: Any,
+    prefetch: int,
+    depth: int,
+    schedule: Schedule,
+    start: int = 0,
 ) -> tuple[_ScanPlan, list[Any], list[Any]]:
-    """The plan of the stage 2–3 scan and its two lists of stacked arrays:
-    what is differentiated (the gradient slots of partitioned leaves, the
-    whole-kept plain leaves; ``None`` for frozen ones) and the sources (stage-3
-    pieces, stage-2 whole parameters), which only feed the forward pass."""
+    """The plan of the stage 2–3 scan of layers ``start`` … ``start + depth -
+    1`` and its two lists of stacked arrays: what is differentiated (the
+    gradient slots of partitioned leaves, the whole-kept plain leaves; ``None``
+    for frozen ones), cut to those layers, and the sources (stage-3 pieces,
+    stage-2 whole parameters; the whole stack), which only feed the forward pass
+    (``diff``: :func:`differentiated`, cut to those layers)."""
     sharded = [_is_sharded(x) for x in nodes]
-    diff = [(x.arrays[1] if len(x.arrays) > 1 else None) if s else x for x, s in zip(nodes, sharded, strict=True)]
     wholes = [x.arrays[0] if s else None for x, s in zip(nodes, sharded, strict=True)]
     plan = _ScanPlan(
         treedef=treedef,
@@ -352,22 +422,35 @@ def _scan_plan(
         depth=depth,
         schedule=schedule,
         secondary="make" if axis.secondary else "",
+        start=start,
     )
     return plan, diff, wholes
+
+
+def _kept_layer(plan: _ScanPlan, kept: list[Any], plain: list[Any], i: Any) -> PyTree:
+    """Layer i's whole parameters from the forward pass's saved ones (``keep_gathered``) and the plain leaves."""
+    out = [k[i] if s else p[i] for s, k, p in zip(plan.sharded, kept, plain, strict=True)]
+    return jax.tree_util.tree_unflatten(plan.treedef, out)
 
 
 def _zero_scan(
     layer_fn: Callable[[PyTree, Any], Any],
     treedef: Any,
     nodes: list[Any],
+    diff: list[Any],
     carry: Any,
     policy: ZeroPolicy,
     prefetch: int,
     depth: int,
     offload: bool = False,
+    *,
+    start: int = 0,
+    keep: bool = False,
 ) -> Any:
-    """The stage 2–3 schedule (see the module docstring)."""
-    plan, diff, wholes = _scan_plan(treedef, nodes, policy.comm, prefetch, depth, schedule_for(policy))
+    """The stage 2–3 schedule (see the module docstring) of layers ``start``
+    … ``start + depth - 1``; ``keep``: their gathered parameters are saved
+    for the backward pass, which gathers nothing."""
+    plan, diff, wholes = _scan_plan(treedef, nodes, diff, policy.comm, prefetch, depth, schedule_for(policy), start)
     sharded = plan.sharded
     with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)
         example = _fetch(plan, jnp.asarray(0), diff, wholes).params
@@ -389,26 +472,31 @@ def _zero_scan(
     def forward(diff: list[Any], wholes: list[Any], carry: Any, float_consts: tuple[Any, ...]) -> tuple[Any, Any]:
         def step(c: Any, i: Any, fetched: _Fetched) -> tuple[Any, Any]:
             # Keep only the layer's input (cut over the model axes with partition_activations,
-            # in host memory with offload_activations), and with hpZ its secondary pieces.
+            # in host memory with offload_activations), with keep its gathered parameters, and with hpZ
+            # (unless kept) its secondary pieces.
             saved = saved_to_host(partition_saved(c, policy), offload)
-            return layer(fetched.params, c, float_consts), (saved, fetched.secondary)
+            leaves = plan.treedef.flatten_up_to(fetched.params)
+            gathered = [w if s else None for s, w in zip(sharded, leaves, strict=True)] if keep else []
+            return layer(fetched.params, c, float_consts), (saved, gathered, [] if keep else fetched.secondary)
 
-        out, (inputs, secondary) = _pipelined(plan, step, carry, diff, wholes, reverse=False, host_ys=offload)
+        with jax.named_scope(KEPT_SCOPE) if keep else contextlib.nullcontext():  # the audit reads kept layers off it
+            out, (inputs, kept, secondary) = _pipelined(plan, step, carry, diff, wholes, reverse=False,
+                                                        host_ys=offload)  # fmt: skip
         plain = [None if s else d for s, d in zip(sharded, diff, strict=True)]
-        if plan.secondary:  # the backward re-gathers from the secondary pieces
+        if plan.secondary and not keep:  # the backward re-gathers from the secondary pieces
             pieces = iter(secondary)
             wholes = [next(pieces) if g else w for g, w in zip(plan.gathers, wholes, strict=True)]
-        return out, (plain, wholes, inputs, float_consts)
+        return out, (plain, wholes, inputs, float_consts, kept)
 
     def backward(res: Any, g_out: Any) -> tuple[Any, ...]:
-        plain, wholes, inputs, float_consts = res
+        plain, wholes, inputs, float_consts, kept = res
 
         def step(state: tuple[Any, Any], i: Any, fetched: _Fetched) -> tuple[Any, Any]:
             g, g_consts = state
             params = fetched.params
             # The recompute waits for the layer's cotangent (the schedule's tie_recompute).
-            fetched = saved_to_device(jax.tree.map(lambda a: a[i], inputs), offload)
-            saved = plan.schedule.recompute_after(fetched, g)[0]
+            brought = saved_to_device(jax.tree.map(lambda a: a[i], inputs), offload)
+            saved = plan.schedule.recompute_after(brought, g)[0]
             carry_in = regather_saved(saved, policy)
             # Recompute layer i from its input (remat) to get its VJP.
             _, vjp = jax.vjp(layer, params, carry_in, float_consts)
@@ -416,8 +504,14 @@ def _zero_scan(
             return (g_in, jax.tree.map(jnp.add, g_consts, g_k)), _reduce_layer(plan, g_params)
 
         zeros = jax.tree.map(jnp.zeros_like, float_consts)
-        back = plan._replace(secondary="use") if plan.secondary else plan
-        (g_carry, g_consts), g_reversed = _pipelined(back, step, (g_out, zeros), plain, wholes, reverse=True)
+        if keep:  # the saved layers, last first: nothing to gather
+            def run(s: Any, t: Any) -> Any:
+                return step(s, depth - 1 - t, _Fetched(_kept_layer(plan, kept, plain, depth - 1 - t), []))
+
+            (g_carry, g_consts), g_reversed = jax.lax.scan(run, (g_out, zeros), jnp.arange(depth))
+        else:
+            back = plan._replace(secondary="use") if plan.secondary else plan
+            (g_carry, g_consts), g_reversed = _pipelined(back, step, (g_out, zeros), plain, wholes, reverse=True)
         # The loop ran from the last layer to the first: put layer 0 first again.
         g_diff = [None if g is None else jnp.flip(g, axis=0) for g in g_reversed]
         return g_diff, [None] * len(wholes), g_carry, g_consts

@@ -372,6 +372,8 @@ def reference_step(
     offload_activations: bool = False,
     bucket_bytes: int | str | None = None,
     secondary: int = 0,
+    prefetch: int = 1,
+    keep_gathered: int | str = 0,
 ) -> tuple[Any, Any, Any]:
     """The default :func:`plan` factory: the reference transformer
     (``zero_jax.models``) with AdamW, stacked layers run layer-wise
@@ -386,7 +388,8 @@ def reference_step(
     ``secondary``: ZeRO++'s hpZ with S chips per node: the mesh's devices as
     (N/S nodes, S chips), partitioned over both, ``secondary_axis="chip"`` at
     stage 3 (stages 0–2 on the same two axes, without it: they gather no
-    parameters in the step)."""
+    parameters in the step). ``prefetch`` and ``keep_gathered`` go to
+    ``zj.scan_layers`` (a manual step)."""
     n = mesh.size
     hpz: dict[str, Any] = {}
     if secondary:
@@ -408,7 +411,8 @@ def reference_step(
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     state = init_state(params, tx, policy)
     model_policy = policy if gather == "manual" else None
-    step = make_train_step(make_loss_fn(cfg, model_policy), tx, policy, gather=gather, accum_steps=accum_steps)
+    loss_fn = make_loss_fn(cfg, model_policy, prefetch=prefetch, keep_gathered=keep_gathered)
+    step = make_train_step(loss_fn, tx, policy, gather=gather, accum_steps=accum_steps)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=policy.batch_sharding())
     return step, state, {"tokens": tokens}
 

@@ -57,6 +57,9 @@ class GradPlan(NamedTuple):
       aux_reduce: how each aux leaf combines over devices and microbatches
         (``make_train_step(aux_reduce=)``; ``None``: floats averaged,
         integers summed).
+      keep_gathered: stage 3, ``gather="all"``: the parameters gathered for
+        the forward pass are kept for the backward (no ``jax.checkpoint``, no
+        re-gather; ``make_train_step(keep_gathered=True)``).
     """
 
     loss_fn: Callable[..., Any]
@@ -72,6 +75,7 @@ class GradPlan(NamedTuple):
     scale_loss: bool
     for_optimizer: bool
     aux_reduce: Any = None
+    keep_gathered: bool = False
 
 
 class Grads(NamedTuple):
@@ -106,6 +110,7 @@ def grad_plan(
     scale_loss: bool,
     for_optimizer: bool,
     aux_reduce: Any = None,
+    keep_gathered: bool = False,
 ) -> GradPlan:
     local = accum_steps > 1 and accum_mode == "local"
     return GradPlan(
@@ -122,6 +127,7 @@ def grad_plan(
         scale_loss=scale_loss,
         for_optimizer=for_optimizer,
         aux_reduce=aux_reduce,
+        keep_gathered=keep_gathered,
     )
 
 
@@ -254,7 +260,7 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
             scaled = scaled * scale
         return scaled, (loss.astype(jnp.float32), aux, new_ms)
 
-    if policy.partitions_params and not plan.manual and not plan.local:
+    if policy.partitions_params and not plan.manual and not plan.local and not plan.keep_gathered:
         # Stage 3 gathers inside jax.checkpoint and keeps only matmul outputs
         # (activations) for the backward pass: everything computed from the
         # gathered parameters is recomputed, so the backward pass gathers again
@@ -262,6 +268,8 @@ def micro_loss_fn(plan: GradPlan, params: PyTree, scale: jax.Array) -> Callable[
         # backward. (A name-based policy is not enough: ops applied after the
         # gather -- unpadding, the model's own transposes and casts -- would
         # produce unnamed whole-parameter values that get saved instead.)
+        # keep_gathered=True skips it: autodiff keeps what it needs of the gathered
+        # parameters for the backward pass (ZeRO-2's parameter memory, 2Ψ).
         # hpZ: the secondary pieces are kept too, so the backward gathers within the node only.
         saved = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         if policy.secondary_axis:
@@ -517,7 +525,6 @@ def over_microbatches(kind: str, a: jax.Array) -> jax.Array:
     if kind == "mean":
         return jnp.mean(a if is_float(a) else a.astype(jnp.float32), 0)
     return {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind](a, 0)
-
 
 
 def split_loss(out: Any) -> tuple[jax.Array, Any]:

@@ -108,6 +108,7 @@ class StepFacts(NamedTuple):
     accum_mode: str | None = None
     accum_steps: int = 1
     tx: optax.GradientTransformation | None = None
+    keep_gathered: bool = False
 
 
 class TrainStep:
@@ -133,8 +134,10 @@ class TrainStep:
         stateful: bool = False,
         compiler_options: dict[str, Any] | None = None,
         aux_reduce: Any = None,
+        keep_gathered: bool = False,
     ) -> None:
         self.loss_fn = loss_fn
+        self.keep_gathered = keep_gathered
         self.aux_reduce = aux_reduce
         self.stateful = stateful
         self.tx = tx
@@ -176,7 +179,7 @@ class TrainStep:
     @property
     def facts(self) -> StepFacts:
         """What this step is (see :class:`StepFacts`)."""
-        return StepFacts(self.policy, self.gather, self.accum_mode, self.accum_steps, self.tx.inner)
+        return StepFacts(self.policy, self.gather, self.accum_mode, self.accum_steps, self.tx.inner, self.keep_gathered)
 
     def _programs(self, batch: PyTree) -> tuple[Any, Any]:
         """The jitted step and gradient program for this batch: :attr:`jitted`
@@ -308,6 +311,7 @@ class TrainStep:
             scale_loss=state.loss_scale is not None,
             for_optimizer=for_optimizer,
             aux_reduce=self.aux_reduce,
+            keep_gathered=self.keep_gathered,
         )
         scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)
         return compute_grads(plan, state.params, batch, scale, state.model_state)
@@ -351,6 +355,7 @@ def make_train_step(
     stateful: bool = False,
     compiler_options: dict[str, Any] | None = None,
     aux_reduce: Any = None,
+    keep_gathered: bool = False,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
 
@@ -419,6 +424,12 @@ def make_train_step(
         zero_jax picks for the mesh's backend (on TPU, libtpu's async
         all-gather: ``zero_jax._layerwise.schedule``); e.g.
         ``{"xla_enable_async_all_gather": "false"}`` turns that one off.
+      keep_gathered: stage 3 with ``gather="all"``: keep the parameters
+        gathered for the forward pass until the backward pass uses them,
+        instead of gathering them again (ZeRO-2's memory for parameters
+        during the step, whole; 2Ψ of traffic instead of 3Ψ). Bitwise the same
+        training. With ``gather="manual"`` give ``keep_gathered=k`` to
+        ``zj.scan_layers`` / ``zj.apply_layers`` (the last k blocks).
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch)`` with
@@ -448,6 +459,7 @@ def make_train_step(
     """
     tx = check_tx(tx, policy, "make_train_step")
     accum_mode = _check_options(loss_fn, policy, gather, accum_steps, accum_mode, clip_norm, stateful)
+    _check_keep_gathered(keep_gathered, policy, gather)
     return TrainStep(
         loss_fn,
         tx,
@@ -460,7 +472,30 @@ def make_train_step(
         stateful=stateful,
         compiler_options=_checked_compiler_options(compiler_options),
         aux_reduce=_checked_aux_reduce(aux_reduce),
+        keep_gathered=keep_gathered,
     )
+
+
+KEEP_GATHERED_STEP = (
+    "make_train_step: keep_gathered=True keeps the parameters gathered for the forward pass for the backward "
+    "(stage 3 with gather='all'); {why}. {fix}"
+)
+
+
+def _check_keep_gathered(keep_gathered: Any, policy: ZeroPolicy, gather: str) -> None:
+    if not isinstance(keep_gathered, bool):
+        why, fix = f"got {keep_gathered!r}", "Pass True or False."
+    elif not keep_gathered:
+        return
+    elif gather != "all":
+        why = "with gather='manual' the loss gathers block by block"
+        fix = "Pass keep_gathered=k to zj.scan_layers / zj.apply_layers (or the adapters' layers=): the last k blocks."
+    elif not policy.partitions_params:
+        why = f"stage {policy.stage} hands the loss parameters it already holds whole"
+        fix = "Leave keep_gathered out (or use ZeroPolicy(stage=3, ...))."
+    else:
+        return
+    raise ValueError(KEEP_GATHERED_STEP.format(why=why, fix=fix))
 
 
 COMPILER_OPTIONS = (
@@ -514,9 +549,7 @@ def _check_options(
             f"make_train_step: accum_mode must be 'local' (reduce once per step) or 'partitioned' "
             f"(reduce every microbatch into a partitioned accumulator), got {accum_mode!r}."
         )
-    if clip_norm is not None and not (
-        is_real_number(clip_norm) and math.isfinite(clip_norm) and clip_norm > 0
-    ):
+    if clip_norm is not None and not (is_real_number(clip_norm) and math.isfinite(clip_norm) and clip_norm > 0):
         raise ValueError(f"make_train_step: clip_norm must be a positive number or None, got {clip_norm!r}.")
     if not isinstance(stateful, bool):
         raise TypeError(f"make_train_step: stateful must be True or False, got {stateful!r}.")

@@ -31,7 +31,7 @@ weight gathers; ``quantize_grads=``: qgZ, the gradient reduction of stages
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from zero_jax._base.units import parse_bytes, parse_seconds
 from zero_jax._theory.checks import check_devices, check_nonneg, check_params, check_stage, wire_rates
@@ -420,3 +420,54 @@ def required_bandwidth(
     wire = {"quantize_weights": quantize_weights, "quantize_grads": quantize_grads, "quant_block": quant_block}
     comm = comm_bytes(num_params, num_devices, stage, dtype_bytes=dtype_bytes, model_parallel=model_parallel, **wire)
     return comm / (t_compute * (1 / target - 1))
+
+
+class KeepGatheredTrade(NamedTuple):
+    """What keeping the last ``kept`` blocks gathered from the forward pass to
+    the backward (``keep_gathered=kept``, stage 3) saves and costs, per device
+    per step.
+
+    Attributes:
+      kept: blocks kept (the last ones of the forward pass).
+      comm_saved: bytes one device sends less: one backward re-gather per
+        kept block, as a ring moves it ((N−1)/N of its gathered bytes).
+      memory_spent: bytes held more at the peak, at most: the kept blocks'
+        gathered (whole) parameters, alive from their forward to their backward.
+    """
+
+    kept: int
+    comm_saved: float
+    memory_spent: float
+
+
+BAD_KEEP_KS = "keep_gathered_trade: ks must be ints from 0 to the number of blocks ({count}), got {ks!r}."
+
+
+def keep_gathered_trade(
+    block_bytes: Any, num_devices: int, *, depth: int | None = None, ks: Any = None
+) -> tuple[KeepGatheredTrade, ...]:
+    """Per k of ``ks`` (default 0 … the number of blocks): the communication
+    that ``keep_gathered=k`` saves and the memory it spends.
+
+    ``block_bytes``: one block's gathered bytes (``"4MiB"`` or a number; then
+    ``depth`` blocks alike) or a list of each block's, in call order (the
+    last ones are kept). A kept block skips its backward re-gather of
+    (N−1)/N·B bytes and holds its B whole bytes from its forward to its
+    backward; ``zj.audit`` measures both (``report.comm``, ``report.memory``).
+
+    >>> [(t.kept, t.comm_saved, t.memory_spent) for t in keep_gathered_trade("1MiB", 8, depth=16, ks=(0, 1, 4))]
+    [(0, 0.0, 0.0), (1, 917504.0, 1048576.0), (4, 3670016.0, 4194304.0)]
+    """
+    where = "keep_gathered_trade"
+    n = check_devices(num_devices, where)
+    if not isinstance(block_bytes, (list, tuple)):
+        if depth is None:
+            raise TypeError(f"{where}: with one block size pass depth=..., or a list of each block's bytes.")
+        block_bytes = [block_bytes] * check_devices(depth, where, "depth")
+    sizes = [check_nonneg(parse_bytes(b, f"{where}: block_bytes"), f"{where}: block_bytes") for b in block_bytes]
+    count = len(sizes)
+    ks = range(count + 1) if ks is None else ks
+    if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= count for k in ks):
+        raise ValueError(BAD_KEEP_KS.format(count=count, ks=ks))
+    kept = [float(sum(sizes[count - k :])) if k else 0.0 for k in ks]
+    return tuple(KeepGatheredTrade(k, (n - 1) / n * b, b) for k, b in zip(ks, kept, strict=True))

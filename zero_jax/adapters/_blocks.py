@@ -53,6 +53,7 @@ import numpy as np
 
 from zero_jax._base.tree import PyTree, key_name
 from zero_jax._base.units import fmt_bytes, is_whole_number
+from zero_jax._layerwise.keep import check_keep
 from zero_jax._layerwise.pieces import gather
 from zero_jax._layerwise.scope import current_scope
 from zero_jax.adapters._groups import (
@@ -348,9 +349,24 @@ BAD_PREFETCH = (
 )
 
 
-def check_layer_options(blocks: Blocks, stacked: tuple[str, ...], prefetch: Any, where: str) -> None:
-    """``layers=`` blocks outside every ``stacked=`` subtree, and ``prefetch``
-    an int from 0 to the number of blocks."""
+KEEP_WITHOUT_LAYERS = (
+    "{where}: keep_gathered={got!r} keeps the last blocks of layers= gathered for the backward pass, but no layers= "
+    "was given. Name the blocks (layers='auto', a pattern such as 'blocks/*', or the block class), or pass "
+    "keep_gathered=k to zj.scan_layers for stacked= layers."
+)
+
+
+def check_layer_options(
+    blocks: Blocks | None, stacked: tuple[str, ...], prefetch: Any, where: str, keep_gathered: Any = 0
+) -> None:
+    """``layers=`` blocks outside every ``stacked=`` subtree, ``prefetch`` an
+    int from 0 to the number of blocks and ``keep_gathered`` an int up to it
+    or a byte budget (only with blocks: ``blocks`` None is no ``layers=``)."""
+    if blocks is None:
+        if keep_gathered not in (None, False):  # 0 is False: nothing kept
+            raise ValueError(KEEP_WITHOUT_LAYERS.format(where=where, got=keep_gathered))
+        return
+    check_keep(keep_gathered, blocks.count, where)
     for path in blocks.paths:
         for prefix in stacked:
             names, pre = split_path(path), split_path(prefix)

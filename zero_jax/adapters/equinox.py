@@ -304,16 +304,19 @@ class _Layerwise:
     """The blocks ``layers=`` matched; in a manual step one :class:`LayerChain` per trace, each block replaced
     (``eqx.tree_at``) by a :class:`_Routed` calling it through the chain, the rest gathered on use."""
 
-    def __init__(self, model: Any, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any) -> None:
-        self.prefixes, self.prefetch = prefixes, prefetch
+    def __init__(
+        self, model: Any, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any, keep_gathered: Any = 0
+    ) -> None:
+        self.prefixes, self.prefetch, self.keep_gathered = prefixes, prefetch, keep_gathered
         self.undeclared = repeated_groups(params) if layers is None and not prefixes else []
         self.blocks: Blocks | None = None
         if layers is None:
+            check_layer_options(None, prefixes, prefetch, _WHERE, keep_gathered)
             return
         modules = _modules(model)
         classes = {name: type(node) for name, (_, node) in modules.items()}
         self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
-        check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
+        check_layer_options(self.blocks, prefixes, prefetch, _WHERE, keep_gathered)
         if odd := [p for p in self.blocks.paths if p not in modules]:
             raise ValueError(NOT_MODULES.format(where=_WHERE, layers=layers, paths=odd))
         self.keys = [modules[p][0] for p in self.blocks.paths]
@@ -325,7 +328,7 @@ class _Layerwise:
             check_declared_blocks(params, self.undeclared, _WHERE)
             params = gather_unstacked(params, self.prefixes, _WHERE)
             return params, _combine(params, static)
-        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch, keep_gathered=self.keep_gathered)
         outside = gather_outside(params, self.blocks, _WHERE)
         routed = [_Routed(functools.partial(_call_block, chain, i, _at(static, k))) for i, k in enumerate(self.keys)]
         return outside, eqx.tree_at(lambda m: [_at(m, k) for k in self.keys], _combine(outside, static), routed)
@@ -343,6 +346,7 @@ def from_equinox(
     state: Any = None,
     layers: Any = None,
     prefetch: int = 1,
+    keep_gathered: int | str = 0,
 ) -> Adapted:
     """Adapt an Equinox model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``) becomes ``loss_fn(params,
     batch)`` for ``zj.make_train_step``.
@@ -361,6 +365,9 @@ def from_equinox(
       layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
         class; reported as ``adapted.layers``. An ``eqx.nn.State`` passed to a block goes through its call and back.
       prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
+      keep_gathered: with ``layers=``, stage 3: the last k blocks keep their gathered parameters from the forward
+        pass for the backward (k fewer all-gathers, k blocks more memory), or a byte budget (``"2GiB"``): the most
+        trailing blocks whose gathered bytes fit (``zj.apply_layers``'s ``keep_gathered``).
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns the model, or ``(model, state)`` with a
@@ -379,7 +386,7 @@ def from_equinox(
     others = eqx.filter(static, eqx.is_array)
     check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, others, prefixes, _WHERE, _DEPTH_FIX)
-    lw = _Layerwise(model, params, layers, prefixes, prefetch)
+    lw = _Layerwise(model, params, layers, prefixes, prefetch, keep_gathered)
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
         params, m = lw.model(params, static)

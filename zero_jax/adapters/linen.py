@@ -229,6 +229,7 @@ def from_linen(
     layers: Any = None,
     prefetch: int = 1,
     logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+    keep_gathered: int | str = 0,
 ) -> Adapted:
     """Adapt a Flax Linen module: ``loss(variables, batch) -> loss`` (or
     ``(loss, aux)``) becomes ``loss_fn(params, batch)`` for
@@ -276,6 +277,9 @@ def from_linen(
       prefetch: with ``layers=``: how many blocks ahead to gather (0 to the number of blocks).
       logical_axis_rules: ``(logical, mesh_axis)`` pairs, as ``nn.logical_to_mesh_axes`` takes them, for
         the names in ``nn.with_(logical_)partitioning`` boxes: read into ``adapted.param_specs``.
+      keep_gathered: with ``layers=``, stage 3: the last k blocks keep their gathered parameters from the forward
+        pass for the backward (k fewer all-gathers, k blocks more memory), or a byte budget (``"2GiB"``): the most
+        trailing blocks whose gathered bytes fit (``zj.apply_layers``'s ``keep_gathered``).
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``params`` is the trained collection (``{"params": ...}`` is
@@ -296,9 +300,9 @@ def from_linen(
     params, specs, outward = linen_layout(boxed, logical_axis_rules, prefixes, _WHERE)  # outward: for to_model
     # Only the trained collection is checked: nn.scan may broadcast other collections (variable_broadcast).
     check_stacked(params, {}, prefixes, _WHERE, _DEPTH_FIX)
-    blocks = _find_layers(module, variables, params, layers, prefetch, unwrap, prefixes, boxed)
+    blocks = _find_layers(module, variables, params, layers, (prefetch, keep_gathered), unwrap, prefixes, boxed)
     undeclared = repeated_groups(params) if blocks is None and not prefixes else []
-    run = _Runner(blocks, prefetch, collections[0], prefixes, undeclared)
+    run = _Runner(blocks, (prefetch, keep_gathered), collections[0], prefixes, undeclared)
 
     def as_variables(params: PyTree) -> dict[str, Any]:
         return {**rest, **({collections[0]: params} if unwrap else dict(params))}
@@ -380,18 +384,20 @@ def _block_classes(module: nn.Module, variables: Mapping[str, Any], params: PyTr
 
 
 def _find_layers(
-    module: nn.Module, variables: Mapping[str, Any], params: PyTree, layers: Any, prefetch: Any, unwrap: bool,
-    prefixes: tuple[str, ...], created: PyTree,
+    module: nn.Module, variables: Mapping[str, Any], params: PyTree, layers: Any, options: tuple[Any, Any],
+    unwrap: bool, prefixes: tuple[str, ...], created: PyTree,
 ) -> Blocks | None:  # fmt: skip
     """``layers=`` resolved to the blocks of ``params`` (None without it), every problem named; in call order,
-    read from ``created`` (the collection as ``init`` made it: submodules in the order they were called)."""
+    read from ``created`` (the collection as ``init`` made it: submodules in the order they were called).
+    ``options``: ``(prefetch, keep_gathered)``."""
     if layers is None:
+        check_layer_options(None, prefixes, options[0], _WHERE, options[1])
         return None
     if not unwrap:
         raise ValueError(_LAYERS_COLLECTIONS.format(where=_WHERE, collections=sorted(params)))
     classes = _block_classes(module, variables, params, layers)
     blocks = find_blocks(params, layers, where=_WHERE, classes=classes, order=created)
-    check_layer_options(blocks, prefixes, prefetch, _WHERE)
+    check_layer_options(blocks, prefixes, options[0], _WHERE, options[1])
     return blocks
 
 
@@ -402,9 +408,10 @@ class _Runner:
     per trace; a plain call outside a manual step."""
 
     def __init__(
-        self, blocks: Blocks | None, prefetch: int, collection: str, prefixes: tuple[str, ...], undeclared: list[Any]
-    ) -> None:
-        self.blocks, self.prefetch, self.collection = blocks, prefetch, collection
+        self, blocks: Blocks | None, options: tuple[int, Any], collection: str, prefixes: tuple[str, ...],
+        undeclared: list[Any],
+    ) -> None:  # fmt: skip
+        (self.prefetch, self.keep_gathered), self.blocks, self.collection = options, blocks, collection
         self.prefixes, self.undeclared = prefixes, undeclared
 
     def __call__(self, params: PyTree, run: Callable[[PyTree], Any]) -> Any:
@@ -416,7 +423,7 @@ class _Runner:
             with explain_unscanned_pieces(params, self.prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
                 return run(_box(params, self.prefixes))
         params = gather_outside(params, self.blocks, _WHERE, keep=self.prefixes)
-        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch)
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch, keep_gathered=self.keep_gathered)
         index = {tuple(split_prefix(p)): i for i, p in enumerate(self.blocks.paths)}
         with (
             nn.intercept_methods(Interceptor(chain, index, self.collection, _WHERE)),

@@ -361,8 +361,8 @@ class _Layerwise:
     blocks come first in its attribute order; it is cut out of that block's pieces), and each block borrows it."""
 
     def __init__(self, model: nnx.Module, params: PyTree, layers: Any, prefixes: tuple[str, ...], prefetch: Any,
-                 trainable: Any) -> None:  # fmt: skip
-        self.prefixes, self.prefetch = prefixes, prefetch
+                 trainable: Any, keep_gathered: Any = 0) -> None:  # fmt: skip
+        self.prefixes, self.prefetch, self.keep_gathered = prefixes, prefetch, keep_gathered
         self.trainable, self.not_trainable = trainable, nnx.Not(trainable)
         modules = {"/".join(map(str, p)): tuple(p) for p, n in nnx.iter_graph(model) if p and isinstance(n, nnx.Module)}
         self.undeclared = repeated_groups(params) if layers is None and not prefixes else []
@@ -370,10 +370,11 @@ class _Layerwise:
         self.hoisted: frozenset[str] = frozenset()
         self.blocks_paths: tuple[str, ...] = ()
         if layers is None:
+            check_layer_options(None, prefixes, prefetch, _WHERE, keep_gathered)
             return
         classes = {name: type(_node(model, keys)) for name, keys in modules.items()}
         self.blocks = find_blocks(params, layers, where=_WHERE, classes=classes)
-        check_layer_options(self.blocks, prefixes, prefetch, _WHERE)
+        check_layer_options(self.blocks, prefixes, prefetch, _WHERE, keep_gathered)
         self.blocks_paths = self.blocks.paths
         self.keys = [modules[p] for p in self.blocks.paths]  # every subtree with parameters is a module's
         self.specs, self.hoisted = _block_specs(model, self.keys, self.blocks.paths, trainable)
@@ -389,7 +390,7 @@ class _Layerwise:
             return gather_unstacked(params, self.prefixes, _WHERE), lambda m: contextlib.nullcontext()
         own = [_without(t, p, self.hoisted) for t, p in zip(block_params(params, self.blocks), self.blocks.paths,
                                                              strict=True)]  # fmt: skip
-        chain = LayerChain(policy, own, self.prefetch)
+        chain = LayerChain(policy, own, self.prefetch, keep_gathered=self.keep_gathered)
         outside = gather_outside(params, self.blocks, _WHERE)
         if self.hoisted:
             outside = jax.tree_util.tree_map_with_path(
@@ -457,6 +458,7 @@ def from_nnx(
     layers: Any = None,
     prefetch: int = 1,
     logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+    keep_gathered: int | str = 0,
 ) -> Adapted:
     """Adapt a Flax NNX model: ``loss(model, batch) -> loss`` (or ``(loss, aux)``) becomes ``loss_fn(params,
     batch)`` for ``zj.make_train_step``.
@@ -484,6 +486,9 @@ def from_nnx(
       prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
       logical_axis_rules: ``(logical, mesh_axis)`` pairs for the variables' ``out_sharding`` names (besides their
         ``sharding_rules``); without any rules the names are mesh axes. The layout is ``adapted.param_specs``.
+      keep_gathered: with ``layers=``, stage 3: the last k blocks keep their gathered parameters from the forward
+        pass for the backward (k fewer all-gathers, k blocks more memory), or a byte budget (``"2GiB"``): the most
+        trailing blocks whose gathered bytes fit (``zj.apply_layers``'s ``keep_gathered``).
 
     Returns:
       An :class:`~zero_jax.adapters.Adapted`; ``to_model`` returns a new ``nnx.Module`` with the state's updated
@@ -497,7 +502,7 @@ def from_nnx(
     specs = nnx_specs(param_state, params, check_rules(logical_axis_rules, _WHERE), prefixes, _WHERE)
     check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
-    lw = _Layerwise(model, params, layers, prefixes, prefetch, trainable)
+    lw = _Layerwise(model, params, layers, prefixes, prefetch, trainable, keep_gathered)
     rebuild_params, rebuild_rest = _Rebuild(param_state), _Rebuild(rest)
     carried_pairs = _carried_pairs(rest) if state_updates == "carry" else []
     model_state = _nest(carried_pairs) if carried_pairs else None

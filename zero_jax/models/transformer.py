@@ -162,6 +162,7 @@ def apply(
     policy: ZeroPolicy | None = None,
     *,
     prefetch: int = 1,
+    keep_gathered: int | str = 0,
 ) -> jax.Array:
     """Logits of shape (batch, seq, vocab) for int tokens of shape (batch, seq).
 
@@ -170,23 +171,24 @@ def apply(
     ``zj.scan_layers`` (``zj.apply_layers`` for the unscanned form of
     :func:`unstack_params`), the head inside ``jax.checkpoint`` so that its
     backward pass gathers it again rather than keeping it alive. With
-    ``policy=None`` the same code runs on ordinary parameters.
+    ``policy=None`` the same code runs on ordinary parameters. ``prefetch``
+    and ``keep_gathered`` go to the layer primitive.
     """
     t = tokens.shape[1]
     embed = gather(params["embed"], policy)
     x = embed["tokens"][tokens] + embed["positions"][:t]
     one = functools.partial(block, heads=config.heads)
     if "blocks" in params:  # the unscanned form (unstack_params): a Python list of blocks
-        x = apply_layers(one, params["blocks"], x, policy, prefetch=prefetch)
+        x = apply_layers(one, params["blocks"], x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
     else:
-        x = scan_layers(one, params["layers"], x, policy, prefetch=prefetch)
+        x = scan_layers(one, params["layers"], x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
     norm = gather(params["final_norm"], policy)
     x = _layer_norm(x, norm["scale"], norm["bias"])
     return jax.checkpoint(lambda h, head: h @ gather(head, policy))(x, params["head"])
 
 
 def make_loss_fn(
-    config: TransformerConfig, policy: ZeroPolicy | None = None, *, prefetch: int = 1
+    config: TransformerConfig, policy: ZeroPolicy | None = None, *, prefetch: int = 1, keep_gathered: int | str = 0
 ) -> Callable[[Params, Any], jax.Array]:
     """``loss_fn(params, batch)``: mean next-token cross-entropy of
     ``batch["tokens"]`` (int, shape (batch, seq + 1)).
@@ -197,7 +199,8 @@ def make_loss_fn(
 
     def loss_fn(params: Params, batch: Any) -> jax.Array:
         tokens = batch["tokens"]
-        logits = apply(config, params, tokens[:, :-1], policy, prefetch=prefetch).astype(jnp.float32)
+        logits = apply(config, params, tokens[:, :-1], policy, prefetch=prefetch, keep_gathered=keep_gathered)
+        logits = logits.astype(jnp.float32)
         targets = tokens[:, 1:]
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
