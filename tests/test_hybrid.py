@@ -4,7 +4,9 @@ the collectives per mesh axis."""
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,14 @@ OPTIMIZERS = {
 }
 
 
+@functools.cache
+def _mlp_reference(opt: str) -> tuple[Any, list[float]]:
+    """Plain optax on one device, once per optimizer (the same for every kind and stage)."""
+    make_tx, clip = OPTIMIZERS[opt]
+    ref_tx = make_tx() if clip is None else optax.chain(optax.clip_by_global_norm(clip), make_tx())
+    return reference_run(ref_tx, mlp_params(), [mlp_batch(seed=s) for s in range(4)])
+
+
 # SGD in every case; AdamW with the clip (the norm across pieces and replicas) in each kind's stage 3.
 @pytest.mark.parametrize(
     ("kind", "stage", "opt"), [(k, s, "sgd") for k, s in CASES] + [(k, 3, "adamw_clip") for k in KINDS]
@@ -56,8 +66,7 @@ def test_hybrid_policies_equal_unsharded_optax(kind: str, stage: int, opt: str) 
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
-    ref_tx = make_tx() if clip is None else optax.chain(optax.clip_by_global_norm(clip), make_tx())
-    ref, ref_losses = reference_run(ref_tx, mlp_params(), batches)
+    ref, ref_losses = _mlp_reference(opt)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     first = jax.grad(mlp_loss)(mlp_params(), batches[0])
     assert norms[0] == pytest.approx(float(optax.tree.norm(first)), rel=1e-6)
@@ -66,19 +75,36 @@ def test_hybrid_policies_equal_unsharded_optax(kind: str, stage: int, opt: str) 
     assert step.jitted._cache_size() == 1  # the state comes back with its own shardings
 
 
-@pytest.mark.parametrize("kind", ["hsdp", "hpz"])
-@pytest.mark.parametrize("accum_steps", [1, 2])
+LAYERED = TransformerConfig(vocab=64, dim=32, depth=3, heads=2, seq=16)
+
+
+def _layered_batches() -> list[dict[str, jax.Array]]:
+    return [synthetic_batch(LAYERED, 16, jax.random.key(10 + i)) for i in range(3)]
+
+
+@functools.cache
+def _layered_reference() -> Any:
+    """Plain optax on one device, once for every case below."""
+    params = init_params(LAYERED, jax.random.key(0))
+    return reference_run(optax.adam(1e-2), params, _layered_batches(), loss_fn=make_loss_fn(LAYERED))[0]
+
+
+# Three of kind x accumulation: both kinds accumulate (the replica axis crossed once per step, each kind's own
+# pieces); without accumulation, the replica-partitioned optimizer. HSDP's layer-wise stage 3 without
+# accumulation is the same scan with one microbatch (hsdp-2 runs it twice per step; tests/test_multihost.py's
+# hsdp3 and tests/test_apply_layers.py's hybrid meshes train it).
+@pytest.mark.parametrize(("kind", "accum_steps"), [("hsdp", 2), ("hpz", 1), ("hpz", 2)])
 def test_hybrid_layerwise_stage3_and_accumulation(kind: str, accum_steps: int) -> None:
-    cfg = TransformerConfig(vocab=64, dim=32, depth=3, heads=2, seq=16)
+    cfg = LAYERED
     policy = _policy(kind, 3, stacked="layers")
     tx = zj.shard_optimizer(optax.adam(1e-2), policy)
     params = init_params(cfg, jax.random.key(0))
     state = zj.init_state(params, tx, policy)
     step = zj.make_train_step(make_loss_fn(cfg, policy), tx, policy, gather="manual", accum_steps=accum_steps)
-    batches = [synthetic_batch(cfg, 16, jax.random.key(10 + i)) for i in range(3)]
+    batches = _layered_batches()
     for b in batches:
         state, _ = step(state, b)
-    ref, _ = reference_run(optax.adam(1e-2), params, batches, loss_fn=make_loss_fn(cfg))
+    ref = _layered_reference()
     errors = relative_update_error(zj.full_params(state), ref, params)
     assert max(errors.values()) <= 1e-5, errors
     if accum_steps == 2:

@@ -112,6 +112,7 @@ def test_t5_layer_schedule_two_gathers_and_one_reduce_per_block_weight() -> None
         policy = adapted.policy(stage, make_mesh(8), min_shard_size=0)
         tx = zj.shard_optimizer(optax.adam(1e-2), policy)
         report = zj.audit(adapted.make_train_step(tx, policy), adapted.init_state(tx, policy), batch)
+        report.check()  # every piece the stage partitions is cut: of the gradient too (measured), block 0's bias
         rows = [(b.name, b.weights, b.forward, b.backward, b.reduce_scatters) for b in report.layers.blocks]
         gathers = 2 if stage == 3 else 0  # stage 3: forward + backward re-gather; stage 2: whole parameters
         assert rows == [(f"block {i}", n, n * gathers // 2, n * gathers // 2, n) for i, n in enumerate(leaves)], rows

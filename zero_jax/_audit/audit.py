@@ -207,9 +207,11 @@ def _leaves(tree: PyTree, category: str | None, model: tuple[str, ...] = ()) -> 
     return leaves, totals
 
 
-def _measure_grads(train_step: Any, state: Any, batch: Any, abstract: bool, options: dict[str, Any]) -> PyTree:
+def measure_grads(train_step: Any, state: Any, batch: Any, abstract: bool, options: dict[str, Any]) -> PyTree:
     """The gradient as the step holds it: the arrays ``train_step.grads``
     returns, or for abstract inputs its compiled output shardings."""
+    if hlo.on_cpu((state, batch)):  # only the outputs' shardings and bytes are read
+        options = {**options, **hlo.READ_ONLY_CPU}
     compiled = jax.jit(train_step.grads).lower(state, batch).compile(compiler_options=options)
     return compiled.out_info if abstract else compiled(state, batch)
 
@@ -221,7 +223,7 @@ def _state_leaves(
     its bytes; ``totals`` has no ``"grads"`` when gradients were not measured."""
     leaves, totals = _leaves(state, None, model)
     if grads is None and isinstance(train_step, TrainStep):
-        grads = _measure_grads(train_step, state, batch, abstract, options)
+        grads = measure_grads(train_step, state, batch, abstract, options)
     if grads is not None and grads is not False:
         g_leaves, g_totals = _leaves(grads, "grads", model)
         leaves += g_leaves

@@ -234,9 +234,24 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
     return out
 
 
+#: What a program compiled only to be read is compiled with on XLA:CPU (:func:`partitioned_hlo`, whose executable
+#: is thrown away and whose text is taken right after SPMD partitioning, before the backend's own passes; the
+#: audit's gradient program, whose outputs are read for their shardings and bytes only): the cheapest code the
+#: CPU backend emits (LLVM optimisation off, the older loop emitters: about half the compile time; the
+#: partitioned HLO is the same text, the outputs' layouts the same, their values equal to float32 rounding).
+READ_ONLY_CPU = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
 def partitioned_hlo(jitted: Any, *args: Any) -> str:
     """The HLO text right after SPMD partitioning of ``jitted(*args)``."""
-    return compile_with_hlo(jitted.lower(*args))[1]
+    return compile_with_hlo(jitted.lower(*args), READ_ONLY_CPU if on_cpu(args) else None)[1]
+
+
+def on_cpu(args: Any) -> bool:
+    """Whether the arrays ``args`` (or, holding no sharding, the default backend) are on CPU devices only."""
+    shardings = [s for s in (getattr(x, "sharding", None) for x in jax.tree.leaves(args)) if s is not None]
+    platforms = {d.platform for s in shardings for d in s.device_set}
+    return platforms == {"cpu"} if platforms else jax.default_backend() == "cpu"
 
 
 def collectives(jitted: Any, *args: Any) -> list[Collective]:

@@ -23,6 +23,7 @@ import optax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from zero_jax._audit.audit import measure_grads
 from zero_jax._audit.memory import memory, resident_bytes
 from zero_jax._base.units import fmt_bytes
 from zero_jax._layout.leaf import is_layout
@@ -154,7 +155,7 @@ def run_stage(s: Setup, stage: int, on_step: Callable[[int, float], None] = lamb
     # Layer-wise: the model gathers each layer just before use (zj.scan_layers).
     step = make_train_step(make_loss_fn(s.cfg, policy), tx, policy, gather="manual")
     peak = memory(step.lower(state, batches[0]).compile())["peak"]
-    grads = step.grads(state, batches[0])
+    grads = measure_grads(step, state, batches[0], False, {})  # step.grads, compiled only to be measured
     measured = {
         "params": max(resident_bytes(state.params).values()),
         "grads": max(resident_bytes(grads).values()),
