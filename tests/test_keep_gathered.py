@@ -252,3 +252,18 @@ def test_a_budget_picks_the_largest_k_whose_compiled_peak_fits() -> None:
 def test_the_cli_flag_needs_compile(capsys) -> None:
     assert cli.main(["plan", "--params", "7e9", "--device-memory", "80GB", "--keep-gathered"]) == 2
     assert "--keep-gathered compiles the reference transformer's stage-3 step" in capsys.readouterr().err
+
+
+def test_a_budget_on_a_tpu_slice_is_judged_by_the_tpu_compiler() -> None:
+    """topology=: each candidate compiled for v5p:2x2x2's devices with the TPU compiler, here, and judged on the
+    HBM its buffer assignment allocates; an ample budget keeps every block (2 compiles: k = 0 and k = depth)."""
+    factory = f"{__name__}:budget_factory"
+    rows = search_candidates(factory, {}, 3, 2**30, DEPTH, (1,), "v5p:2x2x2")
+    choice = KeepGatheredChoice(2**30, N, DEPTH, tuple(rows), 0.0, "v5p:2x2x2")
+    assert choice.keep_gathered == DEPTH and {c.keep_gathered for c in rows} == {0, DEPTH}
+    kept, none = ({c.keep_gathered: c for c in rows}[k] for k in (DEPTH, 0))
+    assert kept.all_gathers == none.all_gathers - DEPTH * 2  # each block's two weights: no backward re-gather
+    assert 0 < none.peak < kept.peak  # TPU HBM, more with the blocks kept
+    assert str(choice).startswith("zj.choose_keep_gathered: v5p:2x2x2, 4 blocks")
+    with pytest.raises(ValueError, match="choose_keep_gathered: topology v5p:2x2x2 has 8 devices, but num_devices=4"):
+        zj.choose_keep_gathered("1GiB", num_devices=4, topology="v5p:2x2x2")

@@ -7,8 +7,10 @@ of memory for k re-gathers: :func:`zero_jax.keep_gathered_trade`), and
 a budget is a question for the compiled program, not the formula: for each
 prefetch (most first) the largest k whose compiled peak fits is found by
 bisection (the peak grows with k), each candidate compiled in a child process
-with ``num_devices`` simulated devices, as :func:`zero_jax.plan` does, and
-audited. The choice is the most communication-saving pair that fits.
+with ``num_devices`` simulated devices, as :func:`zero_jax.plan` does, or for a
+TPU slice with the TPU compiler (``topology``: judged on the HBM its buffer
+assignment allocates), and audited. The choice is the most
+communication-saving pair that fits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import jax
 
 from zero_jax._audit.audit import audit
 from zero_jax._base.units import fmt_bytes, is_whole_number, parse_bytes
-from zero_jax._plan.plan import REFERENCE_STEP, factory_path
+from zero_jax._plan.plan import REFERENCE_STEP, TOPOLOGY_DEVICES, factory_path
+from zero_jax._plan.topology import topology_mesh, tpu_slice
 from zero_jax._processes.child import resolve, run_child
 from zero_jax._theory.checks import check_devices
 
@@ -47,7 +50,8 @@ class Candidate:
     Attributes:
       keep_gathered: the blocks kept gathered for the backward pass.
       prefetch: the blocks gathered ahead.
-      peak: the compiled peak per device (``report.memory["peak"]``).
+      peak: the compiled peak per device (``report.memory["peak"]``; on a
+        TPU slice the HBM the buffer assignment allocates).
       comm: bytes one device sends per step (``report.comm.measured``).
       all_gathers: layer all-gathers per step (``report.layers``).
     """
@@ -69,6 +73,7 @@ class KeepGatheredChoice:
       depth: the blocks the step runs layer-wise.
       candidates: every compiled candidate, in the order tried.
       seconds: wall time.
+      topology: the TPU slice compiled for (``None``: simulated CPU devices).
     """
 
     device_bytes: float
@@ -76,6 +81,7 @@ class KeepGatheredChoice:
     depth: int
     candidates: tuple[Candidate, ...]
     seconds: float
+    topology: str | None = None
 
     @property
     def chosen(self) -> Candidate | None:
@@ -114,7 +120,7 @@ class KeepGatheredChoice:
 
     def __str__(self) -> str:
         lines = [
-            f"zj.choose_keep_gathered: N = {self.num_devices}, {self.depth} blocks, budget "
+            f"zj.choose_keep_gathered: {self.topology or f'N = {self.num_devices}'}, {self.depth} blocks, budget "
             f"{fmt_bytes(self.device_bytes)} per device; {len(self.candidates)} compiled in {self.seconds:.1f} s",
             f"{'keep':>5} {'prefetch':>8} {'peak':>11} {'fits':>5} {'comm/step':>11} {'all-gathers':>11}",
         ]
@@ -131,16 +137,20 @@ def compile_candidate(build: Any, mesh: Any, stage: int, kwargs: dict[str, Any],
     report = audit(step, state, batch, grads=False, prefetch=prefetch)
     layers = report.layers
     gathers = 0 if layers is None else sum(b.forward + b.backward for b in layers.blocks)
-    return Candidate(keep, prefetch, int(report.memory["peak"]), float(report.comm.measured), gathers)
+    peak = int(report.memory.get("allocated", report.memory["peak"]))  # on TPU: the HBM allocated
+    return Candidate(keep, prefetch, peak, float(report.comm.measured), gathers)
 
 
 def search_candidates(
-    factory: str, kwargs: dict[str, Any], stage: int, budget: float, depth: int, prefetches: Sequence[int]
+    factory: str, kwargs: dict[str, Any], stage: int, budget: float, depth: int, prefetches: Sequence[int],
+    topology: str | None = None,
 ) -> list[Candidate]:
     """The planning child's job: per prefetch (most first), bisect for the
     largest keep_gathered whose compiled peak fits ``budget``, starting above
-    the best one found so far; every compiled candidate."""
-    build, mesh = resolve(factory), jax.make_mesh((jax.device_count(),), ("data",))
+    the best one found so far; every compiled candidate. On the simulated
+    devices, or a ``topology``'s TPU devices."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",)) if topology is None else topology_mesh(topology)
+    build = resolve(factory)
     seen: dict[tuple[int, int], Candidate] = {}
 
     def fits(k: int, pf: int) -> bool:
@@ -165,9 +175,10 @@ def search_candidates(
 
 
 def choose_keep_gathered(
-    device_bytes: float | str,
+    device_bytes: float | str | None = None,
     *,
-    num_devices: int,
+    num_devices: int | None = None,
+    topology: str | None = None,
     factory: Any = None,
     factory_kwargs: dict[str, Any] | None = None,
     depth: int | None = None,
@@ -180,8 +191,12 @@ def choose_keep_gathered(
     by compiling the step.
 
     Args:
-      device_bytes: the budget per device (``"16GiB"`` or a number).
+      device_bytes: the budget per device (``"16GiB"`` or a number; with a
+        ``topology``, by default its chip's HBM).
       num_devices: the data-parallel size, simulated in a child process.
+      topology: a TPU slice (``"v5p:2x2x2"``, :func:`zero_jax.topology_mesh`'s
+        names): compile each candidate for its devices with the TPU compiler,
+        here (libtpu installed), judged on the HBM it allocates.
       factory: ``factory(stage, mesh, **factory_kwargs, keep_gathered=k,
         prefetch=p) -> (step, abstract_state, abstract_batch)`` (or its
         ``"module:function"`` path); ``None``: the reference transformer
@@ -201,10 +216,18 @@ def choose_keep_gathered(
     (4, 1, True)
     """
     started = time.perf_counter()
-    budget = parse_bytes(device_bytes, "choose_keep_gathered: device_bytes")
+    tpu = None if topology is None else tpu_slice(topology)  # no libtpu, a bad name: fail here, before any process
+    if device_bytes is None and tpu is None:
+        raise TypeError("choose_keep_gathered: pass device_bytes=... (e.g. '16GiB'), or a topology= whose HBM it is.")
+    budget = tpu.hbm_per_device if device_bytes is None else parse_bytes(device_bytes, "choose_keep_gathered")
     if budget <= 0:
         raise ValueError(f"choose_keep_gathered: device_bytes must be positive, got {device_bytes!r}.")
-    n = check_devices(num_devices, "choose_keep_gathered")
+    if tpu is not None and num_devices not in (None, tpu.num_devices):
+        said = TOPOLOGY_DEVICES.format(topology=tpu.topology, n=tpu.num_devices, num_devices=num_devices)
+        raise ValueError("choose_keep_gathered: " + said.removeprefix("plan: "))
+    if tpu is None and num_devices is None:
+        raise TypeError("choose_keep_gathered: pass num_devices=..., the data-parallel size (or a topology=).")
+    n = tpu.num_devices if tpu is not None else check_devices(num_devices, "choose_keep_gathered")
     path, kwargs = factory_path(factory), dict(factory_kwargs or {})
     if depth is None:
         if path != REFERENCE_STEP:
@@ -213,7 +236,9 @@ def choose_keep_gathered(
     prefetches = list(prefetch)
     if not prefetches or not all(is_whole_number(p) and 0 <= p <= depth for p in prefetches):
         raise ValueError(BAD_PREFETCHES.format(depth=depth, got=prefetch))
-    where = f"choose_keep_gathered (N = {n} simulated devices, {path})"
-    rows = run_child(search_candidates, path, kwargs, stage, budget, depth, prefetches, devices=n, timeout=timeout,
-                     where=where)  # fmt: skip
-    return KeepGatheredChoice(budget, n, depth, tuple(rows), time.perf_counter() - started)
+    on = f"{tpu.topology} ({n} TPU devices)" if tpu is not None else f"N = {n} simulated devices"
+    rows = run_child(search_candidates, path, kwargs, stage, budget, depth, prefetches,
+                     None if tpu is None else tpu.topology, devices=1 if tpu is not None else n, timeout=timeout,
+                     where=f"choose_keep_gathered ({on}, {path})")  # fmt: skip
+    seconds = time.perf_counter() - started
+    return KeepGatheredChoice(budget, n, depth, tuple(rows), seconds, None if tpu is None else tpu.topology)
