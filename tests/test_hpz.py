@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import make_mesh
+from _models import make_mesh, reference_run, relative_update_error
 
 import zero_jax as zj
 
@@ -58,13 +58,7 @@ def _loss(kind: str, policy: zj.ZeroPolicy | None):
 
 
 def _optax_reference(kind: str, steps: int = 2) -> dict:
-    tx, params = optax.adam(1e-2), _params(kind == "scan")
-    opt = tx.init(params)
-    for _ in range(steps):
-        grads = jax.grad(_loss(kind, None))(params, BATCH)
-        updates, opt = tx.update(grads, opt, params)
-        params = optax.apply_updates(params, updates)
-    return params
+    return reference_run(optax.adam(1e-2), _params(kind == "scan"), [BATCH] * steps, _loss(kind, None))[0]
 
 
 def _train(kind: str, policy: zj.ZeroPolicy, steps: int = 2):
@@ -218,7 +212,6 @@ def test_plan_cli_prints_hpz_by_the_formulas(capsys) -> None:
 def test_hpz_through_the_nnx_adapters_layers_trains_like_optax() -> None:
     """The adapters' layers= path (LayerChain, as apply_layers) under hpZ: the nodes are crossed by one gather
     and one reduction per step, and training matches plain optax."""
-    from _models import reference_run, relative_update_error
     from test_adapters_layers_nnx import Net, _batches
     from test_adapters_layers_nnx import loss as nnx_loss
 
