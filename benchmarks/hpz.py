@@ -13,12 +13,6 @@ import _common as common  # noqa: I001
 
 common.setup(devices=8)
 
-import datetime  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -116,7 +110,7 @@ def text(r: dict, secondary_bytes: float | None) -> str:
 
 
 def main() -> None:
-    started = time.perf_counter()
+    record = common.Record()
     head = (f"{'layers':<6} {'mesh':<5} {'':<6} {'wire':<5} {'across':>9} {'/theory':>7} {'within':>9} "
             f"{'/theory':>7} {'both axes':>9} {'+temp':>12} {'max |err|':>9} {'check':>5}")  # fmt: skip
     lines = [
@@ -148,11 +142,9 @@ def main() -> None:
         "'node' axis carries one all-gather (forward) and one reduction per step. The secondary pieces' theory: "
         "f32 Ψ/S x 4 B; int8: Ψ/S x (1 + 4/64) B.",
         "",
-        f"command: python {shlex.join(sys.argv)}",
-        f"machine: {platform.platform()}, {os.cpu_count()} cores, jax {jax.__version__}, "
-        f"{datetime.date.today().isoformat()}, {time.perf_counter() - started:.0f} s",
     ]
-    common.write_results("hpz", "\n".join(lines), {"rows": rows, "psi": PSI, "command": shlex.join(sys.argv)})
+    written = record.header("hpZ (ZeroPolicy(secondary_axis=...)), issue 26", "\n".join(lines))
+    common.write_results("hpz", written, {"meta": record.meta(), "rows": rows, "psi": PSI})
     print("wrote benchmarks/results/hpz.{txt,json}")
 
 

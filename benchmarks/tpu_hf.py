@@ -16,11 +16,7 @@ import _common as common  # noqa: I001
 common.setup(devices=8)
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -82,7 +78,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--name", default="tpu_hf")
     args = parser.parse_args()
-    started = time.perf_counter()
+    record = common.Record()
     hf, loss = gpt2(args.dim, args.depth, args.vocab, args.seq)
     adapted = zj.adapters.from_linen(hf, loss=loss, layers="auto")
     head = (f"{'stage':<6}{'gather':<8}{'HBM MiB':>9}{'fits':>6}{'comm/th':>9}{'/accounted':>11}{'chip/th':>9}"
@@ -113,12 +109,9 @@ def main() -> None:
         "",
         f"parameters: {rows[0]['num_params']:,}; violations: "
         f"{sorted({v for r in rows for v in r['violations']}) or '-'}",
-        f"command: python {shlex.join(sys.argv)}",
-        f"machine: {platform.platform()}, {os.cpu_count()} cores, jax {jax.__version__}, "
-        f"{datetime.date.today().isoformat()}, {time.perf_counter() - started:.0f} s",
     ]
-    record = {"rows": rows, "args": vars(args), "command": shlex.join(sys.argv)}
-    common.write_results(args.name, "\n".join(lines), record)
+    written = record.header("A Hugging Face Flax GPT-2 on the TPU compiler (issue 25)", "\n".join(lines))
+    common.write_results(args.name, written, {"meta": record.meta(), "rows": rows, "args": vars(args)})
     print(f"wrote benchmarks/results/{args.name}.{{txt,json}}")
 
 
