@@ -85,6 +85,22 @@ def test_on_cpu_the_bound_changes_no_bit_and_no_byte_on_the_wire() -> None:
     assert "single tensor(s) larger than the bound go alone" in str(bounded)
 
 
+def test_a_state_made_without_the_bound_trains_in_a_step_with_it_bitwise() -> None:
+    # bucket_bytes and offload_activations change what a step does, not how its state is laid out.
+    step, state, batch = built("cpu", "64KiB", abstract=False)
+    plain_step, plain_state, _ = built("cpu", None, abstract=False)
+    assert plain_state.policy != state.policy and state.policy.lays_out_like(plain_state.policy)
+    assert plain_state.policy.replace(offload_activations=True).lays_out_like(plain_state.policy)
+    assert not plain_state.policy.replace(stage=2).lays_out_like(plain_state.policy)
+    moved, _ = step(plain_state, batch)
+    ours, _ = step(state, batch)
+    assert moved.policy == step.policy and moved.opt_state.policy == step.policy
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(ours), strict=True):
+        assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    back, _ = plain_step(moved, batch)  # and back into a step without the bound
+    assert back.policy == plain_state.policy
+
+
 def test_the_tpu_combiner_is_told_the_bound_and_keeps_to_it() -> None:
     free, bounded = audited("tpu", None), audited("tpu", WEIGHT)
     combined = free.buffers.largest(_report.COMPILED)

@@ -83,6 +83,11 @@ _KEYS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+#: The options that change what a step does but not how its state is laid out (see
+#: :meth:`ZeroPolicy.lays_out_like`): saved block inputs in host memory, the bound on one collective's buffer.
+STEP_ONLY_OPTIONS = frozenset({"offload_activations", "bucket_bytes"})
+
+
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class ZeroPolicy:
     """A ZeRO stage as a sharding policy over the data axis of a mesh.
@@ -288,8 +293,26 @@ class ZeroPolicy:
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """A hashable fingerprint: two policies with equal keys lay state out alike."""
+        """A hashable fingerprint: two policies with equal keys are the same policy."""
         return tuple(_KEYS.get(name, lambda v: v)(value) for name, value in self.arguments.items())
+
+    def lays_out_like(self, other: object) -> bool:
+        """Whether a state made for ``other`` is laid out for this policy: the
+        same policy but for options that only change what a step does with it
+        (:data:`STEP_ONLY_OPTIONS`), so a state made without them trains in a
+        step with them.
+
+        >>> import jax, zero_jax as zj
+        >>> p3 = zj.ZeroPolicy(stage=3, mesh=jax.make_mesh((jax.device_count(),), ("data",)))
+        >>> p3.replace(bucket_bytes="4MiB").lays_out_like(p3), p3.replace(stage=2).lays_out_like(p3)
+        (True, False)
+        """
+        return isinstance(other, ZeroPolicy) and other.layout_key == self.layout_key
+
+    @property
+    def layout_key(self) -> tuple[Any, ...]:
+        """:attr:`key` without :data:`STEP_ONLY_OPTIONS`: equal for policies that lay state out alike."""
+        return tuple(k for name, k in zip(self.arguments, self.key, strict=True) if name not in STEP_ONLY_OPTIONS)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ZeroPolicy) and other.key == self.key

@@ -42,6 +42,7 @@ A stateful loss (here a running mean of the inputs, averaged over devices):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -161,11 +162,11 @@ class TrainStep:
     # -- the public face -------------------------------------------------------------
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        batch = self._validate(state, batch)
+        state, batch = self._validate(state, batch)
         return self._programs(batch)[0](state, batch)
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
-        batch = self._validate(state, batch)
+        state, batch = self._validate(state, batch)
         return self._programs(batch)[0].lower(state, batch)
 
     def grads(self, state: TrainState, batch: PyTree) -> PyTree:
@@ -173,7 +174,7 @@ class TrainStep:
         (float32 accumulators when accumulating), partitioned and padded in
         stages 2–3, whole in stages 0–1; ``None`` for frozen and non-float
         leaves. Loss scaling is not undone here."""
-        batch = self._validate(state, batch)
+        state, batch = self._validate(state, batch)
         return self._programs(batch)[1](state, batch).grads
 
     @property
@@ -202,9 +203,11 @@ class TrainStep:
 
     # -- checks with errors that say what to do -----------------------------------------
 
-    def _validate(self, state: Any, batch: PyTree) -> PyTree:
-        """Check the state and batch, naming every bad leaf; returns the batch
-        placed on the step's layout (see ``_policy.placement.place_batch``)."""
+    def _validate(self, state: Any, batch: PyTree) -> tuple[TrainState, PyTree]:
+        """Check the state and batch, naming every bad leaf; returns the state
+        (under this step's policy when it was made for one that lays state out
+        alike: ``ZeroPolicy.lays_out_like``) and the batch placed on the step's
+        layout (see ``_policy.placement.place_batch``)."""
         policy = self.policy
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -212,6 +215,10 @@ class TrainStep:
                 "Create it with zj.init_state(params, tx, policy)."
             )
         check_live(state, where="train_step")
+        opt = state.opt_state
+        if state.policy != policy and policy.lays_out_like(state.policy) and isinstance(opt, ShardedOptState):
+            state = dataclasses.replace(state, policy=policy, opt_state=ShardedOptState(
+                opt.inner_state, policy, opt.param_layouts, opt.layouts))  # fmt: skip
         if state.policy != policy:
             raise ValueError(
                 f"train_step: the state is laid out for {state.policy!r}, but this step is for "
@@ -261,7 +268,7 @@ class TrainStep:
             raise TypeError(MODEL_STATE_LEAVES.format(listing=", ".join(bad)))
         check_batch_sizes(batch)
         policy.check_batch(batch, where="train_step", microbatches=self.accum_steps)
-        return place_batch(batch, policy.batch_sharding(batch))
+        return state, place_batch(batch, policy.batch_sharding(batch))
 
     def _check_stored_shapes(self, state: TrainState) -> None:
         pairs = jax.tree_util.tree_flatten_with_path(state.params)[0]
