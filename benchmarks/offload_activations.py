@@ -93,10 +93,11 @@ def in_flight(text: str) -> list[dict[str, Any]]:
     return found
 
 
-def measure_one(cfg: TransformerConfig, kind: str, offload: bool, batch: int) -> dict[str, Any]:
+def measure_one(cfg: TransformerConfig, kind: str, offload: bool, batch: int,
+                options: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     step, state, tokens = build(cfg, kind, offload, batch)
     t = time.perf_counter()
-    done = measure.compile_with_dump(step.lower(state, tokens), step.compiler_options)
+    done = measure.compile_with_dump(step.lower(state, tokens), {**step.compiler_options, **options})
     mem = common.memory(done.executable)
     row = {"kind": kind, "offload_activations": offload, "compile_s": round(time.perf_counter() - t, 1),
            "allocated": done.allocated, "live_peak": done.live_peak.bytes if done.live_peak else None, **mem,
@@ -152,13 +153,16 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kinds", nargs="+", default=["scan"], choices=["scan", "apply"])
     parser.add_argument("--name", default="offload_activations")
+    parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a TPU compiler option on top of the step's own, for both variants")  # fmt: skip
     args = parser.parse_args()
+    options = dict(o.split("=", 1) for o in args.compiler_option)
     record = common.Record()
     cfg = TransformerConfig(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads, seq=args.seq)
     rows = []
     for kind in args.kinds:
         for offload in (False, True):
-            rows.append(measure_one(cfg, kind, offload, args.batch))
+            rows.append(measure_one(cfg, kind, offload, args.batch, options))
             print(rows[-1], flush=True)
     lines = table(cfg, args.batch, rows)
     text = record.header(
@@ -166,6 +170,7 @@ def main() -> None:
         f"slice: {TOPOLOGY} (N = 8 chips), stage 3 layer-wise, bf16 compute, fp32 master, AdamW",
         f"model: the reference transformer, vocab {cfg.vocab}, dim {cfg.dim}, depth {cfg.depth}, heads {cfg.heads}, "
         f"seq {cfg.seq}, batch {args.batch} per chip",
+        *([f"compiler options on top of the step's: {options}"] if options else []),
         "",
         *lines,
     )
