@@ -94,10 +94,11 @@ def in_flight(text: str) -> list[dict[str, Any]]:
 
 
 def measure_one(cfg: TransformerConfig, kind: str, offload: bool, batch: int,
-                options: dict[str, str]) -> dict[str, Any]:  # fmt: skip
-    step, state, tokens = build(cfg, kind, offload, batch)
-    t = time.perf_counter()
-    done = measure.compile_with_dump(step.lower(state, tokens), {**step.compiler_options, **options})
+                options: dict[str, str], switches: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    with measure.trying_schedule(**switches):  # traced in the block: the switches reach the layer primitives
+        step, state, tokens = build(cfg, kind, offload, batch)
+        t = time.perf_counter()
+        done = measure.compile_with_dump(step.lower(state, tokens), {**step.compiler_options, **options})
     mem = common.memory(done.executable)
     row = {"kind": kind, "offload_activations": offload, "compile_s": round(time.perf_counter() - t, 1),
            "allocated": done.allocated, "live_peak": done.live_peak.bytes if done.live_peak else None, **mem,
@@ -155,14 +156,17 @@ def main() -> None:
     parser.add_argument("--name", default="offload_activations")
     parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a TPU compiler option on top of the step's own, for both variants")  # fmt: skip
+    parser.add_argument("--hold-host-copies", type=int, default=None,
+                        help="the schedule's hold_host_copies, tried (zj.measure.trying_schedule)")  # fmt: skip
     args = parser.parse_args()
+    switches = {} if args.hold_host_copies is None else {"hold_host_copies": args.hold_host_copies}
     options = dict(o.split("=", 1) for o in args.compiler_option)
     record = common.Record()
     cfg = TransformerConfig(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads, seq=args.seq)
     rows = []
     for kind in args.kinds:
         for offload in (False, True):
-            rows.append(measure_one(cfg, kind, offload, args.batch, options))
+            rows.append(measure_one(cfg, kind, offload, args.batch, options, switches))
             print(rows[-1], flush=True)
     lines = table(cfg, args.batch, rows)
     text = record.header(
@@ -171,6 +175,7 @@ def main() -> None:
         f"model: the reference transformer, vocab {cfg.vocab}, dim {cfg.dim}, depth {cfg.depth}, heads {cfg.heads}, "
         f"seq {cfg.seq}, batch {args.batch} per chip",
         *([f"compiler options on top of the step's: {options}"] if options else []),
+        *([f"schedule switches tried: {switches}"] if switches else []),
         "",
         *lines,
     )

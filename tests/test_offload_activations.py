@@ -77,12 +77,17 @@ def _setup(kind: str, stage: int, offload: bool, *, call: bool = False, accum: i
     return zj.init_state(_params(kind), tx, policy), step, batches
 
 
-def _train(kind: str, stage: int, offload: bool, **kw) -> tuple[list[np.ndarray], str]:
-    """The parameters after 2 steps, and the first step's traced program."""
-    state, step, batches = _setup(kind, stage, offload, **kw)
-    traced = str(step.jitted.trace(state, batches[0]).jaxpr)
-    for b in batches:
-        state, _ = step(state, b)
+def _train(kind: str, stage: int, offload: bool, hold: int | None = None, **kw) -> tuple[list[np.ndarray], str]:
+    """The parameters after 2 steps, and the first step's traced program; ``hold``: the schedule's
+    ``hold_host_copies`` (TPU's) tried on XLA:CPU."""
+    switches = {} if hold is None else {"hold_host_copies": hold}
+    with zj.measure.trying_schedule(**switches):
+        state, step, batches = _setup(kind, stage, offload, **kw)
+        traced = str(step.jitted.trace(state, batches[0]).jaxpr)
+        for b in batches:
+            state, _ = step(state, b)
+    if offload and hold:  # a block's output waits for the host copies of the inputs of the block `hold` before
+        assert traced.count("optimization_barrier") == L - hold, traced.count("optimization_barrier")
     return [np.asarray(x) for x in jax.tree.leaves(zj.full_params(state))], traced
 
 
@@ -90,6 +95,7 @@ CASES = {
     "scan-stage3": dict(kind="scan", stage=3),
     "scan-stage2-accum2": dict(kind="scan", stage=2, accum=2),
     "apply-stage3-keyword-accum2": dict(kind="apply", stage=3, call=True, accum=2),
+    "apply-stage3-hold_host_copies": dict(kind="apply", stage=3, hold=1),
     "scan-stage3-P_a": dict(kind="scan", stage=3, model=2),
     # Stages 0-1 run blocks under a checkpoint whose saved inputs wait in host memory (a custom VJP).
     "scan-stage1": dict(kind="scan", stage=1),
@@ -219,6 +225,22 @@ def test_tpu_program_keeps_the_saved_inputs_in_host_memory(tpu_pair) -> None:
     assert saved <= m_on.host_temp_size_in_bytes <= 2 * saved, (m_on.host_temp_size_in_bytes, saved)
     drop = m_off.temp_size_in_bytes - m_on.temp_size_in_bytes
     assert drop >= saved, (m_off.temp_size_in_bytes, m_on.temp_size_in_bytes, saved)
+
+
+def test_on_tpu_each_blocks_output_waits_for_the_host_copy_of_the_inputs_before() -> None:
+    # The TPU schedule's hold_host_copies (zero_jax/_layerwise/schedule.py): block i + 1's output waits for
+    # block i's inputs to reach host memory, in the forward pass only; XLA:CPU's schedule holds nothing.
+    mesh = zj.topology_mesh("v5p:2x2x2")
+    policy = zj.ZeroPolicy(3, mesh, min_shard_size=0, offload_activations=True)
+
+    def loss_fn(p: dict, batch: dict) -> jax.Array:
+        return jnp.mean(zj.apply_layers(_block, p["layers"], batch["x"], policy) ** 2)
+
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    step = zj.make_train_step(loss_fn, tx, policy, gather="manual")
+    state = zj.init_state(jax.eval_shape(lambda: _params("apply")), tx, policy)
+    x = jax.ShapeDtypeStruct((8 * B, 8, H), jnp.float32, sharding=policy.batch_sharding())
+    assert step.lower(state, {"x": x}).as_text().count("stablehlo.optimization_barrier") == L - 1
 
 
 # -- the argument -------------------------------------------------------------------------------------------

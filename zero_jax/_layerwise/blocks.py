@@ -234,6 +234,7 @@ class LayerChain:
         self.kept = kept if self._gathers else 0
         self._queue: dict[int, tuple[Any, list[Any]]] = {}
         self._last: _Call | None = None
+        self._hosted: list[tuple[Any, list[Any]]] = []  # (trace, host copies) of blocks whose copies nothing waits for
         self.calls = 0
 
     @property
@@ -264,10 +265,37 @@ class LayerChain:
                     nxt.first_gather(nxt.sources, policy, inputs_anchor(args), kept=self.keeps(ahead)),
                 )
         previous = self._last if self._last is not None and self._last.trace == trace else None
-        out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block,
-                               wholes, regather_from, args, previous, self.offload, self.keeps(index))  # fmt: skip
+        hosted = self._to_host(args) if self.offload else None
+        out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block, wholes,
+                               regather_from, args, previous, self.offload, self.keeps(index), hosted)  # fmt: skip
         self._last = call
-        return out
+        return self._hold(out, trace, hosted)
+
+    def _to_host(self, args: Any) -> list[Any]:
+        """P_a+cpu: the host copies of a block's float inputs (cut with
+        ``partition_activations``), made here rather than in the block's
+        forward pass so that a later block can wait for them (``_hold``)."""
+        floats = [jax.lax.stop_gradient(a) for a in jax.tree.leaves(args) if is_float(a)]
+        return saved_to_host(partition_saved(floats, self.policy, materialize=schedule_for(self.policy).unfusable_cut),
+                             True)  # fmt: skip
+
+    def _hold(self, out: Any, trace: Any, hosted: list[Any] | None) -> Any:
+        """``out``, waiting for the host copies of the inputs of the block
+        called ``hold_host_copies`` calls before (the schedule's): the TPU
+        compiler otherwise finishes those copies when the backward needs them,
+        keeping every block's inputs in device memory through the forward."""
+        schedule = schedule_for(self.policy)
+        if hosted is None or not schedule.hold_host_copies:
+            return out
+        self._hosted = [h for h in self._hosted if h[0] == trace] + [(trace, hosted)]
+        if len(self._hosted) <= schedule.hold_host_copies:
+            return out
+        leaves, tree = jax.tree.flatten(out)
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        held = schedule.hold([leaves[i] for i in arrays], self._hosted.pop(0)[1])
+        for i, x in zip(arrays, held, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(tree, leaves)
 
     def keeps(self, index: int) -> bool:
         """Whether block ``index`` keeps its gathered parameters for its backward pass (one of the last ``kept``)."""
@@ -329,6 +357,7 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
     previous: _Call | None,
     offload: bool = False,
     keep: bool = False,
+    hosted: list[Any] | None = None,  # with offload: the host copies of its float inputs (LayerChain._to_host)
 ) -> tuple[Any, _Call]:
     """One block's call as a custom VJP (see the module docstring); ``keep``:
     its gathered parameters are residuals, used by its backward pass."""
@@ -367,19 +396,19 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
         return jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: hasattr(p, "perturbed"))
 
     @jax.custom_vjp
-    def zero_jax_block(slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources, fixed):  # type: ignore[no-untyped-def]
-        del slots, token_in, sources, prev_sources
+    def zero_jax_block(slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources, fixed, hosted):  # type: ignore[no-untyped-def]
+        del slots, token_in, sources, prev_sources, hosted
         out = apply(ws, plain_f, arg_f, const_f, fixed)
         return out, _token_zeros(ws, axis) if prefetch else []
 
     def fwd(*primals):  # type: ignore[no-untyped-def]
-        slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources, fixed = unwrap(primals)
+        slots, plain_f, arg_f, const_f, token_in, ws, sources, prev_sources, fixed, hosted = unwrap(primals)
         del slots, token_in
         out = apply(ws, plain_f, arg_f, const_f, fixed)
         token = _token_zeros(ws, axis) if prefetch else []
         # Only the inputs are kept (and the pieces, which the step holds anyway; with keep the
         # gathered parameters), cut with partition_activations, in host memory with offload_activations.
-        saved = saved_to_host(partition_saved(arg_f, policy, materialize=schedule_for(policy).unfusable_cut), offload)
+        saved = hosted if offload else partition_saved(arg_f, policy, materialize=schedule_for(policy).unfusable_cut)
         return (out, token), (plain_f, saved, const_f, sources, prev_sources, fixed, ws if keep else None)
 
     def bwd(res, cts):  # type: ignore[no-untyped-def]
@@ -408,12 +437,13 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
         # Hand the block called before this one its re-gathered parameters.
         prev = previous if chained else None
         g_token = _handed(prev, prev_sources, block, produced, g_slots, slot_dtypes, policy, ct_out)
-        return g_slots, g_plain, g_args, g_consts, g_token, None, None, None, None
+        return g_slots, g_plain, g_args, g_consts, g_token, None, None, None, None, None
 
     zero_jax_block.defvjp(fwd, bwd, symbolic_zeros=True)
     with jax.named_scope(f"zj_block{index}_compute"):
         out, token = zero_jax_block(
-            slots, plain_floats, arg_floats, const_floats, token_in, wholes, regather_from, prev_sources, fixed
+            slots, plain_floats, arg_floats, const_floats, token_in, wholes, regather_from, prev_sources, fixed,
+            hosted if offload else None,
         )
     call = _Call(index=index, trace=trace, token=token, block=block, needed=needed, regather_from=regather_from,
                  kept=keep)
