@@ -143,6 +143,9 @@ ROWS_FILE: list[Path] = []
 
 
 RENDER_ONLY: list[bool] = []
+#: ``--model`` / ``--slice`` / ``--variant``: the stages section compiles only these (a 1B compile takes
+#: minutes to an hour here); rows measured before are kept in the tables.
+STAGE_FILTER: dict[str, list[str]] = {}
 
 
 def cached(key: str, compute: Any) -> dict[str, Any]:
@@ -179,10 +182,14 @@ def stages(quick: bool, log: Any) -> list[dict[str, Any]]:
                 if variant == "3/apply" and tpu.num_chips > 8:
                     continue  # the unrolled program: shown on the 8-chip slices (its compile grows with depth)
                 cfg = config(model, quick)
+                key = f"stages {model} {topology} {variant}"
+                if key not in ROWS and not all(v in STAGE_FILTER.get(k, [v]) for k, v in
+                                               (("model", model), ("slice", topology), ("variant", variant))):
+                    continue  # not asked for this run, and not measured before
                 log(f"stages {model} {label} {variant}")
                 row = {"model": model, "slice": label, "topology": topology, "variant": variant,
                        "params": cfg.num_params(), "chips": tpu.num_chips}  # fmt: skip
-                row |= cached(f"stages {model} {topology} {variant}",
+                row |= cached(key,
                               lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device))  # noqa: B023
                 rows.append(row)
                 log("  " + json.dumps({k: row[k] for k in ("allocated_GiB", "fits", "comm_over_theory")
@@ -523,7 +530,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fresh", action="store_true", help="ignore the cached results")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cached-only", action="store_true", help="compile nothing: tables of the rows measured")
+    parser.add_argument("--model", action="append", choices=list(MODELS), help="stages: only these models")
+    parser.add_argument("--slice", action="append", choices=[t for _, t in STAGE_SLICES], help="stages: only these")
+    parser.add_argument("--variant", action="append", choices=VARIANTS, help="stages: only these variants")
     args = parser.parse_args(argv)
+    STAGE_FILTER.update({k: v for k, v in (("model", args.model), ("slice", args.slice), ("variant", args.variant))
+                         if v})  # fmt: skip
     if args.cached_only:
         RENDER_ONLY.append(True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -535,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
         ROWS.update(json.loads(ROWS_FILE[0].read_text()))
     log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True)  # noqa: E731
     for name in args.only or list(SECTIONS):
-        if name in results and not args.fresh and not args.cached_only:
+        if name in results and not args.fresh and not args.cached_only and not (name == "stages" and STAGE_FILTER):
             log(f"{name}: cached")
             continue
         if args.cached_only and name in ("gspmd", "claims", "stages") and name in results:
