@@ -267,7 +267,7 @@ class LayerChain:
         previous = self._last if self._last is not None and self._last.trace == trace else None
         hosted = self._to_host(args) if self.offload else None
         out, call = _run_block(policy, self.prefetch if self._gathers else 0, index, trace, layer_fn, block, wholes,
-                               regather_from, args, previous, self.offload, self.keeps(index), hosted)  # fmt: skip
+                               regather_from, args, previous, self.keeps(index), hosted)  # fmt: skip
         self._last = call
         return self._hold(out, trace, hosted)
 
@@ -355,13 +355,13 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
     regather_from: list[Any],  # what its backward re-gathers from (_Block.first_gather)
     args: tuple[Any, ...],
     previous: _Call | None,
-    offload: bool = False,
     keep: bool = False,
-    hosted: list[Any] | None = None,  # with offload: the host copies of its float inputs (LayerChain._to_host)
+    hosted: list[Any] | None = None,  # P_a+cpu: the host copies of its float inputs (LayerChain._to_host)
 ) -> tuple[Any, _Call]:
     """One block's call as a custom VJP (see the module docstring); ``keep``:
     its gathered parameters are residuals, used by its backward pass."""
     axis = policy.comm
+    offload = hosted is not None
     fn, consts = jax.closure_convert(lambda p, *a: layer_fn(p, *a), block.tree(wholes, block.plain), *args)
     needed, produced = use_order(fn, block.tree(wholes, block.plain), args, consts) if prefetch else ([], [])
     arg_leaves, arg_def = jax.tree.flatten(args)
@@ -442,8 +442,7 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
     zero_jax_block.defvjp(fwd, bwd, symbolic_zeros=True)
     with jax.named_scope(f"zj_block{index}_compute"):
         out, token = zero_jax_block(
-            slots, plain_floats, arg_floats, const_floats, token_in, wholes, regather_from, prev_sources, fixed,
-            hosted if offload else None,
+            slots, plain_floats, arg_floats, const_floats, token_in, wholes, regather_from, prev_sources, fixed, hosted
         )
     call = _Call(index=index, trace=trace, token=token, block=block, needed=needed, regather_from=regather_from,
                  kept=keep)
