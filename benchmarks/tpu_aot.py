@@ -83,17 +83,19 @@ AXIS_OF_THEORY = {"shard": "data"}
 
 
 def build(mesh: Any, variant: str, cfg: TransformerConfig, *, prefetch: int = 1, precision: Any = BF16,
-          batch_per_device: int = 1) -> tuple[Any, Any, Any]:  # fmt: skip
+          batch_per_device: int = 1, one_hot_labels: bool = False,
+          **policy_options: Any) -> tuple[Any, Any, Any]:  # fmt: skip
     """(step, abstract state, abstract batch) of one variant: stage 0-3 with gather="all", "3/scan" layer-wise
-    over stacked layers, "3/apply" layer-wise over a Python list of blocks."""
+    over stacked layers, "3/apply" layer-wise over a Python list of blocks (``policy_options``: more
+    ``ZeroPolicy`` arguments)."""
     stage = int(variant[0])
     unscanned = variant.endswith("apply")
     make = (lambda: unstack_params(init_params(cfg, jax.random.key(0)))) if unscanned else (
         lambda: init_params(cfg, jax.random.key(0)))  # fmt: skip
     params = jax.eval_shape(make)
-    policy = zj.ZeroPolicy(stage, mesh, stacked=() if unscanned else "layers", precision=precision)
+    policy = zj.ZeroPolicy(stage, mesh, stacked=() if unscanned else "layers", precision=precision, **policy_options)
     manual = variant in ("3/scan", "3/apply")
-    loss = make_loss_fn(cfg, policy if manual else None, prefetch=prefetch)
+    loss = make_loss_fn(cfg, policy if manual else None, prefetch=prefetch, one_hot_labels=one_hot_labels)
     tx = zj.shard_optimizer(optax.adamw(1e-4), policy)
     step = zj.make_train_step(loss, tx, policy, gather="manual" if manual else "all")
     tokens = jax.ShapeDtypeStruct((batch_per_device * mesh.size, cfg.seq + 1), jnp.int32,
@@ -127,9 +129,11 @@ def measure(step: Any, state: Any, batch: Any, *, hbm: float, prefetch: int = 1)
         "compiled_MiB": r.compiled.ring_bytes / MiB if r.compiled else None,
         "decomposed_reduce_scatters": list(r.compiled.decomposed_reduce_scatters) if r.compiled else None,
         "gather_overlap": r.overlap.gather_fraction if r.overlap else None,
+        "gather_overlap_bytes": r.overlap.gather_bytes_fraction if r.overlap else None,
         "exposed": r.overlap.exposed if r.overlap else None,
         "layers_alive": r.layers.max_alive if r.layers else None,
         "violations": [v.kind for v in r.violations],
+        "unroll_layers": zj.measure.schedule_for(step.policy).unroll_layers,
         "num_params": r.num_params,
         "state_GiB": sum(r.state_bytes.values()) / GiB,
     }  # fmt: skip
@@ -218,7 +222,7 @@ def depth(quick: bool, log: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def gspmd_step(mesh: Any, cfg: TransformerConfig) -> tuple[Any, Any, Any]:
+def gspmd_step(mesh: Any, cfg: TransformerConfig, one_hot_labels: bool = False) -> tuple[Any, Any, Any]:
     """The GSPMD FSDP recipe: plain jax.jit of the same model and AdamW, every float leaf (parameters, Adam
     state) sharded over data on its largest dimension that divides N (never the layer axis), gradients
     constrained to the parameters' shardings, batch over data."""
@@ -236,7 +240,7 @@ def gspmd_step(mesh: Any, cfg: TransformerConfig) -> tuple[Any, Any, Any]:
     specs = jax.tree_util.tree_map_with_path(spec, params)
     shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     tx = optax.adamw(1e-4)
-    loss = make_loss_fn(cfg)
+    loss = make_loss_fn(cfg, one_hot_labels=one_hot_labels)
     opt_shapes = jax.eval_shape(tx.init, params)
     opt_specs = jax.tree.map(
         lambda a: NamedSharding(mesh, spec((), a) if a.ndim >= 1 and a.size >= n else P()), opt_shapes
@@ -272,21 +276,35 @@ def gspmd(quick: bool, log: Any) -> list[dict[str, Any]]:
     tpu = zj.tpu_slice(topology)
     cfg = TransformerConfig(**(dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024) if not quick
                                else dict(vocab=512, dim=256, depth=4, heads=4, seq=64)))  # fmt: skip
-    log("gspmd recipe")
-    jitted, (p, o), batch = gspmd_step(mesh, cfg)
-    t = time.perf_counter()
-    compiled, text, allocated, _ = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
-    colls = zj.measure.parse_collectives(text, mesh.size)
-    rec = {"variant": "GSPMD FSDP (jax.jit)", "compile_s": round(time.perf_counter() - t, 1),
-           "allocated_GiB": allocated / GiB, "peak_est_GiB": zj.measure.memory(compiled)["peak"] / GiB,
-           "comm_MiB": zj.measure.ring_bytes(colls) / MiB,
-           "kinds": {k: v["count"] for k, v in zj.measure.summarize(colls).items()}}  # fmt: skip
-    zero = {"variant": "zero_jax stage 3 scan_layers"} | cached(
-        f"gspmd zero {cfg.dim} {cfg.depth}", lambda: measure(*build(mesh, "3/scan", cfg), hbm=tpu.hbm_per_device))
-    rec["theory_MiB"] = zero["theory_MiB"]
-    rec["comm_over_theory"] = rec["comm_MiB"] / zero["theory_MiB"]
-    log("  " + json.dumps({k: rec[k] for k in ("allocated_GiB", "comm_over_theory")}))
-    return [rec, zero]
+    rows = []
+    # The cross-entropy as optax's integer-label one picks the targets (take_along_axis: its backward is a
+    # scatter), and with a one-hot mask (elementwise): the same bits, other buffers (make_loss_fn's docstring).
+    for one_hot, labels in ((False, "take_along_axis"), (True, "one-hot")):
+        log(f"gspmd recipe, {labels} labels")
+
+        def recipe(one_hot: bool = one_hot) -> dict[str, Any]:
+            jitted, (p, o), batch = gspmd_step(mesh, cfg, one_hot)
+            t = time.perf_counter()
+            compiled, text, allocated, peak = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
+            colls = zj.measure.parse_collectives(text, mesh.size)
+            return {"compile_s": round(time.perf_counter() - t, 1), "allocated_GiB": allocated / GiB,
+                    "peak_est_GiB": zj.measure.memory(compiled)["peak"] / GiB,
+                    "live_peak_GiB": peak.bytes / GiB if peak is not None and peak.bytes else None,
+                    "comm_MiB": zj.measure.ring_bytes(colls) / MiB,
+                    "kinds": {k: v["count"] for k, v in zj.measure.summarize(colls).items()}}  # fmt: skip
+
+        suffix = " one-hot" if one_hot else ""
+        rec = {"variant": "GSPMD FSDP (jax.jit)", "labels": labels} | cached(
+            f"gspmd recipe {cfg.dim} {cfg.depth}{suffix}", recipe)
+        zero = {"variant": "zero_jax stage 3 scan_layers", "labels": labels} | cached(
+            f"gspmd zero {cfg.dim} {cfg.depth}{suffix}",
+            lambda one_hot=one_hot: measure(*build(mesh, "3/scan", cfg, one_hot_labels=one_hot),
+                                            hbm=tpu.hbm_per_device))  # fmt: skip
+        rec["theory_MiB"] = zero["theory_MiB"]
+        rec["comm_over_theory"] = rec["comm_MiB"] / zero["theory_MiB"]
+        log("  " + json.dumps({k: rec[k] for k in ("allocated_GiB", "comm_over_theory")}))
+        rows += [rec, zero]
+    return rows
 
 
 def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
@@ -295,31 +313,36 @@ def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
     # The unrolled program at dim 512, depth 4, for its compile time (see depth()).
     shapes = {"3/scan": dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024),
               "3/apply": dict(vocab=32000, dim=512, depth=4, heads=16, seq=1024)}  # fmt: skip
-    trials = {
-        "measured schedule": {},
-        "ties off": {"tie_gathers": False, "tie_recompute": False, "tie_backward_order": False},
-        "backward prefetch all at once": {"leafwise_prefetch": False},
-        "libtpu default options": {"compiler_options": {}},
-        "scan prefetch carried across trips": {"prefetch_across_trips": True},
+    trials = {  # name: (schedule switches, ZeroPolicy options)
+        "measured schedule": ({}, {}),
+        "ties off": ({"tie_gathers": False, "tie_recompute": False, "tie_backward_order": False}, {}),
+        "backward prefetch all at once": ({"leafwise_prefetch": False}, {}),
+        "libtpu default options": ({"compiler_options": {}}, {}),
+        "scan prefetch carried across trips": ({"prefetch_across_trips": True}, {}),
+        "scan not unrolled": ({"unroll_layers": 1}, {}),
+        # Norm scales and biases whole on every chip (their stacks are at most depth x 4 dim elements): the
+        # latency-bound gathers the TPU compiler keeps synchronous go away; their state is then replicated.
+        "layer vectors whole": ({}, {"min_shard_size": 2**17}),
+        "layer vectors whole, not unrolled": ({"unroll_layers": 1}, {"min_shard_size": 2**17}),
     }
     rows = []
     for variant in ("3/scan", "3/apply"):
         cfg = TransformerConfig(**(shapes[variant] if not quick else dict(vocab=512, dim=256, depth=4, heads=4,
                                                                               seq=64)))  # fmt: skip
         for prefetch in (0, 1):
-            for name, switches in trials.items():
+            for name, (switches, options) in trials.items():
                 if prefetch == 0 and name != "measured schedule":
                     continue
-                if variant == "3/apply" and name in ("scan prefetch carried across trips",
-                                                     "backward prefetch all at once"):  # fmt: skip
+                if variant == "3/apply" and (name.startswith("scan") or "unrolled" in name
+                                             or name == "backward prefetch all at once"):  # fmt: skip
                     continue
                 log(f"overlap {variant} dim={cfg.dim} L={cfg.depth} prefetch={prefetch} {name}")
 
                 def compute(variant: str = variant, prefetch: int = prefetch, switches: dict = switches,
-                            cfg: TransformerConfig = cfg) -> dict[str, Any]:  # fmt: skip
+                            options: dict = options, cfg: TransformerConfig = cfg) -> dict[str, Any]:  # fmt: skip
                     with zj.measure.trying_schedule(**switches):
-                        return measure(*build(mesh, variant, cfg, prefetch=prefetch), hbm=tpu.hbm_per_device,
-                                       prefetch=prefetch)  # fmt: skip
+                        return measure(*build(mesh, variant, cfg, prefetch=prefetch, **options),
+                                       hbm=tpu.hbm_per_device, prefetch=prefetch)  # fmt: skip
 
                 key = f"overlap {variant} {cfg.dim} {cfg.depth} {prefetch} {name}{' quick' if quick else ''}"
                 row = cached(key, compute)
@@ -414,18 +437,18 @@ def table(results: dict[str, Any]) -> list[str]:
     out = []
     if results.get("stages"):
         out += ["", "== per stage (bf16 compute, fp32 master, AdamW; allocated = the TPU buffer assignment's HBM)",
-                f"{'model':<5} {'slice':<14} {'variant':<8} {'params':>8} {'alloc GiB':>10} {'est GiB':>8} "
-                f"{'fits':>5} {'comm/th':>8} {'compiled/th':>11} {'overlap':>8} {'compile s':>9}"]  # fmt: skip
+                f"{'model':<5} {'slice':<14} {'variant':<8} {'params':>8} {'alloc GiB':>10} {'est GiB':>8} {'fits':>5} "
+                f"{'comm/th':>8} {'compiled/th':>11} {'overlap':>8} {'by bytes':>8} {'compile s':>9}"]  # fmt: skip
         for r in results["stages"]:
             if "refused" in r:
                 out.append(f"{r['model']:<5} {r['slice']:<14} {r['variant']:<8} {r['params'] / 1e9:>7.2f}B "
                            f"{'refused by libtpu (HBM)':>28}   {r['refused'][:60]}")  # fmt: skip
                 continue
             ct = r["compiled_MiB"] / r["theory_MiB"] if r.get("compiled_MiB") and r["theory_MiB"] else float("nan")
-            out.append(f"{r['model']:<5} {r['slice']:<14} {r['variant']:<8} {r['params'] / 1e9:>7.2f}B "
+            out.append(f"{r['model']:<5} {r['slice']:<14} {_variant(r):<8} {r['params'] / 1e9:>7.2f}B "
                        f"{r['allocated_GiB']:>10.2f} {r['peak_est_GiB']:>8.2f} {'yes' if r['fits'] else 'NO':>5} "
                        f"{r['comm_over_theory']:>8.3f} {ct:>11.3f} {r['gather_overlap'] or 0:>8.2f} "
-                       f"{r['compile_s']:>9.0f}")  # fmt: skip
+                       f"{_fraction(r.get('gather_overlap_bytes')):>8} {r['compile_s']:>9.0f}")  # fmt: skip
     if results.get("depth"):
         out += ["", "== layer-wise stage 3 against depth (v5p 8 chips, seq 1024, batch 1 per chip, bf16 compute; "
                 "live = XLA's live peak, alloc / live = fragmentation)",
@@ -433,22 +456,25 @@ def table(results: dict[str, Any]) -> list[str]:
                 f"{'state GiB':>10} {'comm/th':>8}"]  # fmt: skip
         for r in results["depth"]:
             live = r.get("live_peak_GiB") or float("nan")
-            out.append(f"{r['variant']:<8} {r['dim']:>5} {r['depth']:>5} {r['allocated_GiB']:>10.3f} {live:>9.3f} "
+            out.append(f"{_variant(r):<8} {r['dim']:>5} {r['depth']:>5} {r['allocated_GiB']:>10.3f} {live:>9.3f} "
                        f"{r['allocated_GiB'] / live:>10.2f} {r['state_GiB']:>10.3f} "
                        f"{r['comm_over_theory']:>8.3f}")  # fmt: skip
         out += depth_verdicts(results["depth"])
     if results.get("gspmd"):
-        out += ["", "== GSPMD FSDP recipe against zero_jax layer-wise stage 3 (v5p 8 chips)"]
+        out += ["", "== GSPMD FSDP recipe against zero_jax layer-wise stage 3 (v5p 8 chips; live = XLA's live peak)"]
         for r in results["gspmd"]:
-            out.append(f"{r['variant']:<32} allocated {r['allocated_GiB']:.3f} GiB, comm {r['comm_MiB']:.1f} MiB "
-                       f"= {r['comm_over_theory']:.3f} x theory")  # fmt: skip
+            live = r.get("live_peak_GiB")
+            out.append(f"{r['variant']:<29} {r.get('labels', 'take_along_axis'):<16} labels: allocated "
+                       f"{r['allocated_GiB']:.3f} GiB, live {'-' if live is None else f'{live:.3f}'} GiB, comm "
+                       f"{r['comm_MiB']:.1f} MiB = {r['comm_over_theory']:.3f} x theory")  # fmt: skip
     if results.get("overlap"):
         out += ["", "== overlap and the schedule's tricks (v5p 8 chips; scan dim 1024 depth 8, apply dim 512 depth 4)",
-                f"{'variant':<8} {'pf':>2} {'trial':<36} {'alloc GiB':>10} {'overlap':>8} {'alive':>6}"]
+                f"{'variant':<8} {'pf':>2} {'trial':<36} {'alloc GiB':>10} {'overlap':>8} {'by bytes':>8} {'alive':>6}"]
         for r in results["overlap"]:
             alloc = r.get("allocated_GiB", float("nan"))
-            out.append(f"{r['variant']:<8} {r['prefetch']:>2} {r['trial']:<36} {alloc:>10.3f} "
-                       f"{r.get('gather_overlap') or 0:>8.2f} {r.get('layers_alive') or 0:>6}")  # fmt: skip
+            out.append(f"{_variant(r):<8} {r['prefetch']:>2} {r['trial']:<36} {alloc:>10.3f} "
+                       f"{r.get('gather_overlap') or 0:>8.2f} {_fraction(r.get('gather_overlap_bytes')):>8} "
+                       f"{r.get('layers_alive') or 0:>6}")  # fmt: skip
     if results.get("claims"):
         out += ["", "== the README's CPU claims re-checked (v5p 8 chips, reference transformer dim 256, depth 4, fp32)",
                 f"{'cell':<34} {'bytes/formula':>14} {'comm/th':>8} {'compiled/th':>11}  compiled collectives; check()"]
@@ -463,12 +489,26 @@ def table(results: dict[str, Any]) -> list[str]:
                 theory = {AXIS_OF_THEORY.get(k, k): v for k, v in r["theory_per_axis_MiB"].items()}
                 per = ", ".join(f"{k} {v:.2f}/{theory.get(k, 0):.2f}" for k, v in r["comm_per_axis_MiB"].items() if v)
                 out.append(f"{'':<34} MiB per axis measured/theory: {per}")
+    if any(_variant(r).endswith("*") for rows in results.values() if isinstance(rows, list) for r in rows
+           if isinstance(r, dict) and "variant" in r):  # fmt: skip
+        out += ["", "* measured with scan_layers' loop one layer a trip (before the TPU schedule's unroll_layers)"]
     if results.get("largest"):
         out += ["", "== largest model that fits one v5p chip (95 GiB): model_state_bytes + measured activations"]
         for r in results["largest"]:
             out.append(f"N = {r['N']:>3} stage {r['stage']}: {r['largest_params'] / 1e9:>8.1f}B params "
                        f"(activations {r['activations_GiB']:.2f} GiB)")  # fmt: skip
     return out
+
+
+def _variant(row: dict[str, Any]) -> str:
+    """A row's variant, marked "*" where a scan_layers step was measured before its loop ran several layers a
+    trip on TPU (rows without ``unroll_layers``): its schedule is not the one zero_jax compiles now."""
+    return row["variant"] + ("*" if row["variant"] == "3/scan" and "unroll_layers" not in row else "")
+
+
+def _fraction(value: float | None) -> str:
+    """A fraction for a table, "-" where the row was measured before the column existed."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def depth_verdicts(rows: list[dict[str, Any]]) -> list[str]:
@@ -525,7 +565,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=list(SECTIONS), action="append")
+    parser.add_argument("--only", choices=list(SECTIONS), action="append",
+                        help="compute these sections again (rows measured before are reused)")
     parser.add_argument("--quick", action="store_true", help="small models: a smoke run of every code path")
     parser.add_argument("--fresh", action="store_true", help="ignore the cached results")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -547,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         ROWS.update(json.loads(ROWS_FILE[0].read_text()))
     log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True)  # noqa: E731
     for name in args.only or list(SECTIONS):
-        if name in results and not args.fresh and not args.cached_only and not (name == "stages" and STAGE_FILTER):
+        if name in results and not args.fresh and not args.cached_only and not args.only:
             log(f"{name}: cached")
             continue
         if args.cached_only and name in ("gspmd", "claims", "stages") and name in results:

@@ -26,6 +26,7 @@ from jax.experimental import topologies  # noqa: E402
 import zero_jax as zj  # noqa: E402
 from zero_jax import measure  # noqa: E402
 from zero_jax._audit import compiled as _compiled  # noqa: E402
+from zero_jax._audit import hlo as _hlo  # noqa: E402
 from zero_jax._audit import report as _report  # noqa: E402
 from zero_jax._audit import schedule as _schedule  # noqa: E402
 from zero_jax._layerwise import schedule as zj_schedule  # noqa: E402
@@ -37,6 +38,7 @@ ASYNC_ALL_GATHER = {
     "xla_enable_async_all_gather": "true",
 }
 GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true"
+PREFER_ALL_GATHER = "xla_tpu_prefer_async_allgather_to_allreduce"
 
 
 def hlo(*lines: str) -> str:
@@ -276,6 +278,45 @@ def test_a_small_gather_done_as_all_reduce_and_trip_counts_off_the_loop_conditio
     assert sorted(program.computations) == ["main.20_spmd", "wide.region_0.1_spmd.sunk", "wide.region_1.2_spmd"]
 
 
+# The post-SPMD program of a layer loop unrolled by 2 (lax.scan(..., unroll=2)), as the TPU compiler dumps it:
+# the loop body calls the layer's computation twice, and the loop runs 2 trips.
+UNROLLED = hlo(
+    "%closed_call.10_spmd (param.5: bf16[64,512]) -> bf16[512,512] {",
+    "  %param.5 = bf16[64,512]{1,0} parameter(0)",
+    f"  ROOT %all-gather.3 = bf16[512,512]{{1,0}} all-gather(%param.5), channel_id=1, {GROUP}, dimensions={{0}}",
+    "}",
+    "%region_0.8_spmd (param.12: (s32[], bf16[2,2,64,512])) -> (s32[], bf16[2,2,64,512]) {",
+    "  %param.12 = (s32[], bf16[2,2,64,512]{3,2,1,0}) parameter(0)",
+    "  %get-tuple-element.1 = s32[] get-tuple-element(%param.12), index=0",
+    "  %get-tuple-element.2 = bf16[2,2,64,512]{3,2,1,0} get-tuple-element(%param.12), index=1",
+    "  %slice.1 = bf16[64,512]{1,0} parameter(1)",
+    "  %call = bf16[512,512]{1,0} call(%slice.1), to_apply=%closed_call.10_spmd",
+    "  %call.1 = bf16[512,512]{1,0} call(%slice.1), to_apply=%closed_call.10_spmd",
+    "  ROOT %tuple.1 = (s32[], bf16[2,2,64,512]{3,2,1,0}) tuple(%get-tuple-element.1, %get-tuple-element.2)",
+    "}",
+    "%region_1.9_spmd (param.13: (s32[], bf16[2,2,64,512])) -> pred[] {",
+    "  %param.13 = (s32[], bf16[2,2,64,512]{3,2,1,0}) parameter(0)",
+    "  %constant.1 = s32[] constant(2)",
+    "  %get-tuple-element.3 = s32[] get-tuple-element(%param.13), index=0",
+    "  ROOT %lt.1 = pred[] compare(%get-tuple-element.3, %constant.1), direction=LT",
+    "}",
+    "ENTRY %main.1_spmd (w: bf16[2,2,64,512]) -> (s32[], bf16[2,2,64,512]) {",
+    "  %w = bf16[2,2,64,512]{3,2,1,0} parameter(0)",
+    "  %constant.0 = s32[] constant(0)",
+    "  %tuple.0 = (s32[], bf16[2,2,64,512]{3,2,1,0}) tuple(%constant.0, %w)",
+    "  ROOT %while.1 = (s32[], bf16[2,2,64,512]{3,2,1,0}) while(%tuple.0), condition=%region_1.9_spmd, "
+    "body=%region_0.8_spmd",
+    "}",
+)
+
+
+def test_a_computation_called_twice_per_trip_runs_its_collectives_twice() -> None:
+    (gather,) = measure.parse_collectives(UNROLLED, 8)
+    assert (gather.kind, gather.trips) == ("all-gather", 4)  # 2 calls in each of 2 trips
+    counts = _hlo.trip_counts(UNROLLED)
+    assert (counts["closed_call.10_spmd"], counts["region_0.8_spmd"], counts["main.1_spmd"]) == (4, 2, 1)
+
+
 def test_a_start_done_pair_with_compute_between_is_overlapped() -> None:
     (c,) = measure.read_compiled(PERMUTE, 8).collectives
     assert (c.kind, c.spelling, c.done, c.compute, c.overlapped) == (
@@ -291,12 +332,16 @@ def test_a_start_done_pair_with_compute_between_is_overlapped() -> None:
 def test_overlap_counts_layer_gathers_exposed_when_synchronous_and_overlapped_when_async() -> None:
     policy = zj.ZeroPolicy(3, jax.make_mesh((8,), ("data",)))
     overlapped = _schedule.layer_overlap(measure.read_compiled(CONTINUATION, 8), [], policy)
-    assert overlapped.rows == (_report.OverlapRow(_schedule.LAYER_GATHER, 1, 1, 1, 1),)
-    assert (overlapped.gather_fraction, overlapped.exposed) == (1.0, 0)
+    gathered = 256 * 512 * 2  # bf16[256,512], the gather's result
+    assert overlapped.rows == (_report.OverlapRow(_schedule.LAYER_GATHER, 1, 1, 1, 1, gathered, gathered),)
+    assert (overlapped.gather_fraction, overlapped.gather_bytes_fraction, overlapped.exposed) == (1.0, 1.0, 0)
     exposed = _schedule.layer_overlap(measure.read_compiled(KEPT, 8), [], policy)
     row = _report.OverlapRow
-    assert exposed.rows == (row(_schedule.LAYER_REDUCTION, 1, 1, 0, 0), row(_schedule.OTHER, 1, 3, 0, 0))
-    assert (exposed.gather_fraction, exposed.exposed) == (0.0, 4)
+    assert exposed.rows == (
+        row(_schedule.LAYER_REDUCTION, 1, 1, 0, 0, 512 * 256 * 4, 0),  # the reduce-scatter's f32[512,256] input
+        row(_schedule.OTHER, 1, 3, 0, 0, 512 * 4 + 512 * 4 + 4, 0),  # the combined all-reduce, member by member
+    )
+    assert (exposed.gather_fraction, exposed.gather_bytes_fraction, exposed.exposed) == (0.0, 0.0, 4)
     assert "every collective is synchronous" in "\n".join(exposed.lines())
 
 
@@ -329,7 +374,7 @@ def build(mesh: jax.sharding.Mesh, stage: int, depth: int, scan: bool = False) -
         loss = lambda p, b: jnp.mean(zj.apply_layers(block, p["blocks"], b["x"], policy, prefetch=1) ** 2)  # noqa: E731
     tx = zj.shard_optimizer(optax.adam(1e-3), policy)
     step = zj.make_train_step(loss, tx, policy, gather="manual")
-    batch = {"x": jax.ShapeDtypeStruct((16, DIM), jnp.float32, sharding=policy.batch_sharding())}
+    batch = {"x": jax.ShapeDtypeStruct((2 * mesh.size, DIM), jnp.float32, sharding=policy.batch_sharding())}
     return step, zj.init_state(params, tx, policy), batch, policy
 
 
@@ -341,11 +386,17 @@ def audited(case: str) -> zj.AuditReport:
         without = {"tpu": zj_schedule.MEASURED["tpu"]._replace(compiler_options=())}
         with mock.patch.dict(zj_schedule.MEASURED, without):
             return audited.__wrapped__(case.removesuffix(" libtpu defaults"))
+    if case.endswith("gathers as all-reduces"):  # the schedule's options less the one that keeps gathers gathers
+        options = tuple(o for o in zj_schedule.TPU_ASYNC_ALL_GATHER if o[0] != PREFER_ALL_GATHER)
+        fewer = {"tpu": zj_schedule.MEASURED["tpu"]._replace(compiler_options=options)}
+        with mock.patch.dict(zj_schedule.MEASURED, fewer):
+            return audited.__wrapped__(case.removesuffix(" gathers as all-reduces"))
     topology, stage, depth, scan, options, grads = {
         "v5p stage 3": ("v5p:2x2x2", 3, 2, False, None, None),  # grads measured too: a second TPU compile
         "v5p stage 3 async": ("v5p:2x2x2", 3, 2, False, ASYNC_ALL_GATHER, False),
         "v5p stage 1": ("v5p:2x2x2", 1, 2, False, None, False),
         "v5p stage 3 scan": ("v5p:2x2x2", 3, 3, True, None, False),
+        "v5p-64 stage 3": ("v5p:4x4x4", 3, 2, False, None, False),
         "v5e stage 3": ("TPU v5 lite:2x4", 3, 2, False, None, False),
         "cpu stage 3": ("cpu", 3, 2, False, None, False),
     }[case]
@@ -409,16 +460,53 @@ def test_the_layer_schedule_on_tpu_gathers_each_weight_twice_and_reduces_it_once
 @pytest.mark.slow
 def test_overlap_is_zero_by_default_and_positive_with_async_all_gathers() -> None:
     default, asynchronous = audited("v5p stage 3 libtpu defaults").overlap, audited("v5p stage 3 async").overlap
-    assert default.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 0, 0)
-    assert (default.gather_fraction, default.exposed) == (0.0, 16)
-    assert asynchronous.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 4, 4)
+    assert default.row(_schedule.LAYER_GATHER)[:5] == (_schedule.LAYER_GATHER, 8, 8, 0, 0)
+    assert (default.gather_fraction, default.gather_bytes_fraction, default.exposed) == (0.0, 0.0, 16)
+    assert asynchronous.row(_schedule.LAYER_GATHER)[:5] == (_schedule.LAYER_GATHER, 8, 8, 4, 4)
     assert asynchronous.gather_fraction == 0.5 and asynchronous.exposed == 12
+    gathers = asynchronous.row(_schedule.LAYER_GATHER)
+    assert 0 < gathers.overlapped_bytes < gathers.bytes == default.row(_schedule.LAYER_GATHER).bytes
     assert asynchronous.row(_schedule.LAYER_REDUCTION).overlapped == 0  # all-reduces stay synchronous
     assert "layer all-gathers 50% overlapped" in str(audited("v5p stage 3 async"))
     # A zero_jax step on TPU compiles with the async options itself (the schedule seam).
-    assert audited("v5p stage 3").overlap.row(_schedule.LAYER_GATHER) == (_schedule.LAYER_GATHER, 8, 8, 4, 4)
+    assert audited("v5p stage 3").overlap.row(_schedule.LAYER_GATHER)[:5] == (_schedule.LAYER_GATHER, 8, 8, 4, 4)
     # v5e makes some all-gathers async without being asked.
     assert audited("v5e stage 3 libtpu defaults").overlap.gather_fraction == 0.25
+
+
+def test_on_64_chips_the_layer_gathers_stay_async_all_gathers_with_the_schedules_options() -> None:
+    # libtpu runs every all-gather of a 64-chip v5p slice as a synchronous all-reduce unless told to prefer
+    # async all-gathers: twice the bytes on the wire, nothing overlapped (the schedule seam sets the option).
+    kept, dropped = audited("v5p-64 stage 3"), audited("v5p-64 stage 3 gathers as all-reduces")
+    gathered, reduced = (next(k for k in r.compiled.kinds if k.kind == "all-gather") for r in (kept, dropped))
+    assert (gathered.decomposed, gathered.executions, gathered.async_executions) == (0, 8, 4)
+    assert (reduced.decomposed, reduced.async_executions) == (8, 0)
+    assert gathered.ring_bytes == pytest.approx(63 / 64 * gathered.bytes)
+    assert reduced.ring_bytes == pytest.approx(2 * 63 / 64 * reduced.bytes)  # an all-reduce sends it twice
+    assert kept.overlap.row(_schedule.LAYER_GATHER)[2:5] == (8, 4, 4) and kept.overlap.gather_bytes_fraction == 0.5
+    assert dropped.overlap.row(_schedule.LAYER_GATHER).overlapped == 0
+    assert kept.ok and kept.comm.measured == pytest.approx(kept.comm.theory, rel=1e-5)
+
+
+def test_on_tpu_scan_layers_runs_four_layers_a_trip_and_overlaps_more_of_their_gathers() -> None:
+    # The schedule's unroll_layers: each layer's gathers issued while the layer before it computes, so a trip's
+    # later layers overlap theirs with it; the same collectives per layer, at most prefetch + 1 layers whole.
+    reports = {}
+    for unroll in (4, 1):
+        with measure.trying_schedule(unroll_layers=unroll):
+            step, state, batch, _ = build(topology_mesh("v5p:2x2x2"), 3, 8, scan=True)
+            assert zj.measure.schedule_for(step.policy).layers_per_trip(8) == unroll
+            reports[unroll] = zj.audit(step, state, batch, grads=False)
+    unrolled, plain = reports[4], reports[1]
+    for r in (unrolled, plain):
+        assert [(b.layers, b.gathers_per_weight, b.reduces_per_weight) for b in r.layers.blocks] == [(8, 2.0, 1.0)]
+        assert r.comm.measured == pytest.approx(r.comm.theory, rel=1e-5) and r.ok
+    assert unrolled.layers.max_alive <= unrolled.layers.prefetch + 1
+    gathers, before = unrolled.overlap.row(_schedule.LAYER_GATHER), plain.overlap.row(_schedule.LAYER_GATHER)
+    assert gathers.executions == before.executions == 48  # 3 leaves x 8 layers, forward and backward
+    assert gathers.overlapped > before.overlapped and gathers.overlapped_bytes > before.overlapped_bytes
+    # the post-SPMD program calls the layer's computation 4 times a trip, in 2 trips
+    assert unrolled.comm.measured == pytest.approx(plain.comm.measured, rel=1e-6)
 
 
 @pytest.mark.slow

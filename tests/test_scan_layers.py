@@ -56,6 +56,59 @@ def test_reference_model_matches_unsharded_training(stage: int) -> None:
     assert step.jitted._cache_size() == 1
 
 
+@pytest.mark.parametrize("prefetch", [1, 0])
+def test_a_loop_of_several_layers_a_trip_trains_like_one_layer_a_trip(prefetch: int) -> None:
+    # The TPU schedule (no prefetch carried across trips, unroll_layers 4), tried on XLA:CPU: depth 4 runs as 2
+    # trips of 2 layers with prefetch 1 (each layer's gathers tied to the layer before it), one layer a trip
+    # with prefetch 0; stage 3, 3 steps, against one layer a trip.
+    cfg = TransformerConfig(vocab=64, dim=32, depth=4, heads=2, seq=16)
+    params = init_params(cfg, jax.random.key(0))
+    runs = {}
+    for unroll in (4, 1):
+        policy = zj.ZeroPolicy(3, make_mesh(8), stacked="layers", min_shard_size=64)
+        tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+        with zj.measure.trying_schedule(unroll_layers=unroll, prefetch_across_trips=False):
+            step = zj.make_train_step(make_loss_fn(cfg, policy, prefetch=prefetch), tx, policy, gather="manual")
+            assert zj.measure.schedule_for(policy).layers_per_trip(cfg.depth) == (2 if unroll == 4 else 1)
+            state = zj.init_state(params, tx, policy)
+            losses = []
+            for s in range(3):
+                state, metrics = step(state, synthetic_batch(cfg, 16, jax.random.key(10 + s)))
+                losses.append(float(metrics["loss"]))
+            gathers = [c for c in _measure.collectives(step.jitted, state, synthetic_batch(cfg, 16, jax.random.key(0)))
+                       if c.kind == "all-gather"]  # fmt: skip
+        runs[unroll] = (zj.full_params(state), losses, gathers)
+    errors = relative_update_error(runs[4][0], runs[1][0], params)
+    assert max(errors.values()) <= FP32_RTOL, errors
+    np.testing.assert_allclose(runs[4][1], runs[1][1], rtol=1e-6)
+    # The layer gathers run in 2 loop trips, twice each, unrolled; in 4 otherwise; as many in all either way.
+    trips = {u: max(c.trips for c in g) for u, (_, _, g) in runs.items()}
+    assert trips == ({4: 2, 1: 4} if prefetch else {4: 4, 1: 4})
+    assert sum(c.trips for c in runs[4][2]) == sum(c.trips for c in runs[1][2])
+
+
+def test_one_hot_labels_give_the_same_bits_as_take_along_axis() -> None:
+    # The reference loss's two ways of picking the targets (make_loss_fn's one_hot_labels): the TPU benchmarks
+    # compare their buffers, so their numbers must not differ. Plain, and in a layer-wise stage-3 step.
+    # The gradients bit for bit; the loss to float32 rounding (XLA sums the mean's terms in another order).
+    params, batch = init_params(CFG, jax.random.key(0)), _batches()[0]
+    same = lambda a, b: jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b))  # noqa: E731
+    (loss_take, g_take), (loss_one_hot, g_one_hot) = (
+        jax.jit(jax.value_and_grad(make_loss_fn(CFG, one_hot_labels=o)))(params, batch) for o in (False, True)
+    )
+    assert same(g_take, g_one_hot) and not same(g_take, jax.tree.map(jnp.zeros_like, g_take))
+    np.testing.assert_allclose(loss_one_hot, loss_take, rtol=1e-6)
+    policy = zj.ZeroPolicy(3, make_mesh(8), stacked="layers", min_shard_size=64)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    runs = []
+    for o in (False, True):
+        step = zj.make_train_step(make_loss_fn(CFG, policy, one_hot_labels=o), tx, policy, gather="manual")
+        state, metrics = step(zj.init_state(params, tx, policy), batch)
+        runs.append((zj.full_params(state), metrics["loss"]))
+    assert same(runs[0][0], runs[1][0])
+    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_prefetch_changes_the_schedule_not_the_numbers() -> None:
     start = init_params(CFG, jax.random.key(0))

@@ -29,7 +29,8 @@ data-parallel step).
   each with the compute scheduled while it is in flight.
 * :func:`trying_schedule`: build and trace steps with some of the layer-wise
   schedule's compiler tricks switched (``zero_jax._layerwise.schedule``), to
-  measure what each buys.
+  measure what each buys; :func:`schedule_for`: the switches a policy's steps
+  get on its backend.
 
 >>> import jax, jax.numpy as jnp
 >>> from zero_jax import measure
@@ -64,6 +65,7 @@ from zero_jax._audit.memory import (
     resident_bytes_by_kind,
 )
 from zero_jax._audit.schedule import layers_alive
+from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layerwise.schedule import trying as trying_schedule
 
 __all__ = [
@@ -88,6 +90,7 @@ __all__ = [
     "ring_bytes",
     "ring_bytes_per_axis",
     "ring_bytes_per_axis_kind",
+    "schedule_for",
     "scheduled_computations",
     "summarize",
     "trying_schedule",

@@ -159,9 +159,18 @@ def replica_group(line: str, num_devices: int) -> tuple[int, tuple[int, ...]]:
     return num_devices, ()
 
 
-def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, tuple[str, int | None]]]:
-    """Each computation's lines, and computation -> (its caller, the trip count
-    if it is a while loop's body, else None).
+#: An instruction's called computations other than a while loop's body: ``to_apply=%f``, ``calls=%f``,
+#: ``branch_computations={%a, %b}``, ``true_computation=%t``.
+_CALLED = re.compile(
+    r"(?:to_apply|calls|branch_computations|true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+
+
+def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[str, int | None]]]]:
+    """Each computation's lines, and computation -> its call sites: (the
+    caller, the trip count if it is a while loop's body, else None), one per
+    calling instruction (the TPU compiler's post-SPMD program of an unrolled
+    ``lax.scan`` calls the loop body's computation once per unrolled layer).
 
     Right after SPMD partitioning the while loops carry no trip-count
     annotation, so it is read off the loop condition ``compare(i, constant(K)),
@@ -176,35 +185,45 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, tuple[str, in
             comps[current] = []
         elif current is not None:
             comps[current].append(line)
-    parent: dict[str, tuple[str, int | None]] = {}
+    callers: dict[str, list[tuple[str, int | None]]] = {}
     for name, lines in comps.items():
-        body = "\n".join(lines)
-        for m in re.finditer(r"while\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", body):
-            c = re.search(r"constant\((\d+)\)", "\n".join(comps.get(m.group(1), [])))
-            parent[m.group(2)] = (name, int(c.group(1)) if c else 1)
-        for m in re.finditer(
-            r"(?:to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-]+)", body
-        ):
-            parent.setdefault(m.group(1), (name, None))
-    return comps, parent
+        for line in lines:
+            m = re.search(r"while\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", line)
+            if m:
+                c = re.search(r"constant\((\d+)\)", "\n".join(comps.get(m.group(1), [])))
+                callers.setdefault(m.group(2), []).append((name, int(c.group(1)) if c else 1))
+            for called in _CALLED.findall(line):
+                for callee in re.findall(r"%?([\w.\-]+)", called):
+                    callers.setdefault(callee, []).append((name, None))
+    return comps, callers
 
 
-def _loops(name: str, parent: Mapping[str, tuple[str, int | None]]) -> tuple[int, ...]:
-    """The trip counts of the while loops around computation ``name``, outermost first."""
+def _loops(name: str, callers: Mapping[str, list[tuple[str, int | None]]]) -> tuple[int, ...]:
+    """The trip counts of the while loops around computation ``name`` (through its first call site), outermost
+    first."""
     out: list[int] = []
     seen = set()
-    while name in parent and name not in seen:
+    while callers.get(name) and name not in seen:
         seen.add(name)
-        name, trips = parent[name]
+        name, trips = callers[name][0]
         if trips is not None:
             out.append(trips)
     return tuple(reversed(out))
 
 
 def trip_counts(hlo: str) -> dict[str, int]:
-    """Computation name -> how many times it runs per step (nested loops multiply)."""
-    comps, parent = _call_graph(hlo)
-    return {name: math.prod(_loops(name, parent)) for name in comps}
+    """Computation name -> how many times it runs per step: summed over its call sites, nested loops
+    multiplying (the entry, and any computation nothing calls, once)."""
+    comps, callers = _call_graph(hlo)
+    counts: dict[str, int] = {}
+
+    def count(name: str, visiting: frozenset[str] = frozenset()) -> int:
+        if name not in counts:
+            sites = [(c, t) for c, t in callers.get(name, []) if c not in visiting and c != name]
+            counts[name] = sum(count(c, visiting | {name}) * (t or 1) for c, t in sites) if sites else 1
+        return counts[name]
+
+    return {name: count(name) for name in comps}
 
 
 def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
@@ -352,14 +371,15 @@ def _devices(compiled: Any) -> set[Any]:
 
 def loop_nesting(hlo: str) -> dict[str, tuple[int, ...]]:
     """Collective instruction name -> the trip counts of the while loops around
-    it, outermost first (``()`` outside any loop). The product is
-    :attr:`Collective.trips`; the nesting tells an accumulation loop from a
+    it, outermost first (``()`` outside any loop), through the first call
+    site of its computation. The product is :attr:`Collective.trips` for a
+    computation called once; the nesting tells an accumulation loop from a
     layer scan inside it."""
-    comps, parent = _call_graph(hlo)
+    comps, callers = _call_graph(hlo)
     nesting = {}
     for name, lines in comps.items():
         for line in lines:
             m = _INSTR.match(line)
             if m:
-                nesting[m.group("name")] = _loops(name, parent)
+                nesting[m.group("name")] = _loops(name, callers)
     return nesting

@@ -365,6 +365,8 @@ class OverlapRow(NamedTuple):
     executions: int
     async_executions: int
     overlapped: int  # with compute between start and done (or fused into its continuation steps)
+    bytes: int = 0  # of the whole tensors, per step (a gather's result, a reduction's input)
+    overlapped_bytes: int = 0
 
     @property
     def exposed(self) -> int:
@@ -391,6 +393,13 @@ class Overlap:
         return r.overlapped / r.executions if r is not None and r.executions else 0.0
 
     @property
+    def gather_bytes_fraction(self) -> float:
+        """The same by bytes: a layer's small leaves (norm scales, biases) are gathered by
+        latency-bound collectives the backend keeps synchronous, and weigh by what they carry."""
+        r = self.row("layer all-gather")
+        return r.overlapped_bytes / r.bytes if r is not None and r.bytes else 0.0
+
+    @property
     def reduction_fraction(self) -> float:
         r = self.row("layer reduction")
         return r.overlapped / r.executions if r is not None and r.executions else 0.0
@@ -402,8 +411,9 @@ class Overlap:
 
     def lines(self) -> list[str]:
         out = [
-            f"overlap (compiled schedule): layer all-gathers {self.gather_fraction:.0%} overlapped with compute, "
-            f"layer reductions {self.reduction_fraction:.0%}; {self.exposed} collective execution(s) exposed per step",
+            f"overlap (compiled schedule): layer all-gathers {self.gather_fraction:.0%} overlapped with compute "
+            f"({self.gather_bytes_fraction:.0%} of their bytes), layer reductions {self.reduction_fraction:.0%}; "
+            f"{self.exposed} collective execution(s) exposed per step",
             f"  {'':<18}{'ops':>5}{'executions':>12}{'async':>7}{'overlapped':>12}{'exposed':>9}",
         ]
         out += [

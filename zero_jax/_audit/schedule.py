@@ -384,26 +384,30 @@ def layer_overlap(program: str | CompiledProgram, params: list[ParamInfo], polic
     by definition: XLA:CPU runs every collective so, and libtpu runs
     all-gathers so unless asked for async ones. A layer collective is one
     named by a block scope (``zj_block<i>_gather`` / ``_reduce``) or shaped
-    like a layer of a scan or repeated block; counts are executions per step.
+    like a layer of a scan or repeated block; counts are executions per step,
+    and their whole tensors' bytes.
 
     >>> import jax
     >>> from zero_jax._audit.compiled import read_compiled
     >>> policy = ZeroPolicy(3, jax.make_mesh((8,), ("data",)))
     >>> text = chr(10).join(["ENTRY %main (p: f32[8,256]) -> f32[64,256] {", "  %p = f32[8,256]{1,0} parameter(0)",
     ...     '  ROOT %g = f32[64,256]{1,0} all-gather(%p), metadata={op_name="zj_block0_gather/ag"}', "}"])
-    >>> layer_overlap(read_compiled(text, 8), [], policy).rows[0]  # synchronous: exposed
-    OverlapRow(role='layer all-gather', ops=1, executions=1, async_executions=0, overlapped=0)
+    >>> row = layer_overlap(read_compiled(text, 8), [], policy).rows[0]  # synchronous: exposed
+    >>> row.role, row.executions, row.overlapped, row.bytes, row.overlapped_bytes
+    ('layer all-gather', 1, 0, 65536, 0)
     """
     program = as_program(program, policy.mesh.size)
     params = [p._replace(layout=model_shard_layout(p)) for p in params]
     gathered, pieces = _layer_shapes(_layer_groups(params, policy), policy) if params else (set(), set())
-    rows: dict[str, list[Any]] = {role: [set(), 0, 0, 0] for role in (LAYER_GATHER, LAYER_REDUCTION, OTHER)}
+    rows: dict[str, list[Any]] = {role: [set(), 0, 0, 0, 0, 0] for role in (LAYER_GATHER, LAYER_REDUCTION, OTHER)}
     for c in program.collectives:
         row = rows[_role(c, policy, gathered, pieces)]
         row[0].add((c.computation, c.name))
         row[1] += c.trips
         row[2] += c.trips * c.is_async
         row[3] += c.trips * c.overlapped
+        row[4] += c.trips * c.bytes
+        row[5] += c.trips * c.bytes * c.overlapped
     return Overlap(tuple(OverlapRow(role, len(r[0]), *r[1:]) for role, r in rows.items() if r[1]))
 
 

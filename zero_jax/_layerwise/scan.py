@@ -221,11 +221,16 @@ def scan_layers(
     def ahead(trips: int) -> int:
         return min(prefetch, max(trips - 2, 0)) if carried else 0
 
+    # Not carried across trips, a prefetch runs inside them: several layers a trip (the schedule's unroll_layers),
+    # the next one's gathers issued as this one computes. Not with the saved inputs in host memory.
+    unrolls = prefetch and policy.partitions_params and not carried and not offload
     first = depth - kept if policy.partitions_params else depth
     diff = differentiated(nodes)
     parts = zero_jax_split_layers(diff, first) if 0 < first < depth else (diff, diff)
     if first:
-        carry = _zero_scan(layer_fn, treedef, nodes, parts[0], carry, policy, ahead(first), first, offload)
+        per_trip = schedule_for(policy).layers_per_trip(first) if unrolls else 1
+        carry = _zero_scan(layer_fn, treedef, nodes, parts[0], carry, policy, ahead(first), first, offload,
+                           per_trip=per_trip)  # fmt: skip
     if first < depth:
         carry = _zero_scan(layer_fn, treedef, nodes, parts[1], carry, policy, ahead(depth - first), depth - first,
                            False, start=first, keep=True)  # fmt: skip
@@ -273,6 +278,7 @@ class _ScanPlan(NamedTuple):
     depth: int  # the layers this loop runs: start … start + depth - 1 of the stacked ones
     schedule: Schedule
     order: tuple[list[int], list[int]] | None = None  # use_order of the layer, for the backward prefetch
+    per_trip: int = 1  # layers one loop trip runs (the schedule's unroll_layers; no carried prefetch then)
     start: int = 0
     # hpZ (secondary_axis): "make" -- the forward gathers across nodes and hands on the secondary pieces;
     # "use" -- the backward gathers from them, within the node. "": no hpZ.
@@ -337,6 +343,8 @@ def _pipelined(
     def fetch(t: Any, anchor: Any = None, anchors: Any = None) -> PyTree:
         return _fetch(plan, index(t), diff, wholes, anchor, anchors)
 
+    if plan.per_trip > 1:
+        return _unrolled(step, state, index, fetch, depth, plan.per_trip)
     if prefetch == 0:
         # A one-trip loop is inlined: its gather is tied to the pass's input (the forward's carry, the backward's
         # cotangent), else XLA merges the backward re-gather into the forward gather (the schedule's tie_gathers).
@@ -372,6 +380,28 @@ def _pipelined(
         state, y = step(state, index(depth - prefetch + j), queue[j])
         ys = _put(ys, y, depth - prefetch + j)
     return state, ys
+
+
+def _unrolled(step: Callable[..., Any], state: Any, index: Callable[[Any], Any], fetch: Callable[..., PyTree],
+              depth: int, per_trip: int) -> Any:  # fmt: skip
+    """The loop of :func:`_pipelined` without a carried prefetch, ``per_trip``
+    layers a trip (the schedule's ``unroll_layers``). Each layer's gathers wait
+    for the input of the layer before it in the trip (``tie_gathers``):
+    issued while that layer computes, as a prefetch of one, never at the
+    trip's start for every layer of it. The first layer's gathers wait only
+    for the trip."""
+
+    def trip(s: Any, t: jax.Array) -> Any:
+        ys, before = [], None
+        for j in range(per_trip):
+            i, s_in = t * per_trip + j, s
+            s, y = step(s, index(i), fetch(i, before))
+            before = s_in
+            ys.append(y)
+        return s, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+    state, ys = jax.lax.scan(trip, state, jnp.arange(depth // per_trip))
+    return state, jax.tree.map(lambda a: a.reshape(depth, *a.shape[2:]), ys)
 
 
 def _ys_buffer(step: Callable[..., Any], state: Any, params: PyTree, index: Callable[[Any], Any], depth: int) -> Any:
@@ -446,11 +476,14 @@ def _zero_scan(
     *,
     start: int = 0,
     keep: bool = False,
+    per_trip: int = 1,
 ) -> Any:
     """The stage 2–3 schedule (see the module docstring) of layers ``start``
     … ``start + depth - 1``; ``keep``: their gathered parameters are saved
-    for the backward pass, which gathers nothing."""
+    for the backward pass, which gathers nothing; ``per_trip`` layers a loop
+    trip."""
     plan, diff, wholes = _scan_plan(treedef, nodes, diff, policy.comm, prefetch, depth, schedule_for(policy), start)
+    plan = plan._replace(per_trip=per_trip)
     sharded = plan.sharded
     with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)
         example = _fetch(plan, jnp.asarray(0), diff, wholes).params

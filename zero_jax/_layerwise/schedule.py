@@ -55,6 +55,25 @@ from here.
     costs a layer of HBM; gathered in place, half the layer gathers overlap.
     Off there (``apply_layer(s)``, unrolled, keeps its prefetch: its consumers
     are visible).
+``unroll_layers``
+    ``scan_layers`` with ``prefetch`` > 0 and no carried prefetch unrolls its
+    loops by up to this many layers (:meth:`Schedule.layers_per_trip`: a
+    divisor of the depth that leaves at least two trips, so that no loop is
+    inlined and no layer is left over outside it; not with
+    ``offload_activations``, whose saved inputs the loop writes to host
+    memory; ``prefetch=0`` keeps one layer a trip, the least memory). The
+    TPU compiler overlaps each layer gather with the matmul scheduled before
+    its consumer (continuation fusion); a trip's first gather has none
+    before it in the trip and runs exposed. Unrolled by 4, with each layer's
+    gathers issued while the layer before it in the trip computes, three of
+    every four first gathers overlap it (the reference transformer, dim
+    1024, depth 8, v5p-8: 0.90 of the layer gathers' bytes overlapped
+    against 0.75; with the norm and bias vectors kept whole by
+    ``min_shard_size``, 0.89 of the gathers against 0.74). The cost is a
+    prefetch's: the next layer whole while one computes (allocated HBM
+    +0.9% there; the 1B class +8% on v5p-8, 2.73 against 2.52 GiB; a toy of
+    4 small blocks more, the buffer assignment's packing at 35x its live
+    peak). Off on XLA:CPU (1), which runs every collective synchronously.
 ``hold_host_copies``
     P_a+cpu in ``apply_layer(s)`` (unrolled blocks): each block's saved
     inputs are copied to host memory as the block is called, and the output
@@ -72,7 +91,10 @@ from here.
 ``compiler_options``
     Options the step compiles with: on TPU, libtpu's async all-gather
     (:data:`TPU_ASYNC_ALL_GATHER`); with libtpu's defaults every gather is
-    synchronous and nothing overlaps. With ``ZeroPolicy(bucket_bytes=...)``,
+    synchronous and nothing overlaps, and on a 64-chip v5p slice every gather
+    runs as an all-reduce (the 1B class, scanned stage 3: 1.95x theory on the
+    wire, nothing overlapped, 1.21 GiB; with the options 1.31x, 31% of the
+    layer gathers and 75% of their bytes overlapped, 1.06 GiB). With ``ZeroPolicy(bucket_bytes=...)``,
     also the bound for the backend's collective combiner
     (:data:`BUCKET_OPTIONS`, :func:`bucket_options`): the TPU compiler (v5p)
     merges the gradient all-reduces of several blocks into one buffer that grows
@@ -122,6 +144,7 @@ class Schedule(NamedTuple):
     leafwise_prefetch: bool = True
     unfusable_cut: bool = True
     prefetch_across_trips: bool = True
+    unroll_layers: int = 1
     #: P_a+cpu in ``apply_layer(s)``: the output of the block ``hold_host_copies`` calls after block i waits
     #: for block i's saved inputs to reach host memory (0: nothing waits).
     hold_host_copies: int = 0
@@ -146,6 +169,18 @@ class Schedule(NamedTuple):
         gradient is reduced (``tie_backward_order``)."""
         return tie(cotangent, reduced) if self.tie_backward_order else cotangent
 
+    def layers_per_trip(self, depth: int) -> int:
+        """How many layers one trip of a ``depth``-layer loop runs (``unroll_layers``): the largest divisor
+        of ``depth`` up to ``unroll_layers`` that leaves two trips or more.
+
+        >>> Schedule("tpu", unroll_layers=4).layers_per_trip(16), Schedule("tpu", unroll_layers=4).layers_per_trip(6)
+        (4, 3)
+        >>> Schedule("tpu", unroll_layers=4).layers_per_trip(5), Schedule("tpu", unroll_layers=4).layers_per_trip(2)
+        (1, 1)
+        """
+        fits = [k for k in range(2, self.unroll_layers + 1) if depth % k == 0 and depth // k >= 2]
+        return max(fits, default=1)
+
     def hold(self, value: PyTree, copies: PyTree) -> PyTree:
         """``value``, available only once ``copies`` exist (``hold_host_copies``:
         the host copies of an earlier block's saved inputs)."""
@@ -161,13 +196,17 @@ class Schedule(NamedTuple):
 
 
 #: libtpu's continuation fusion for all-gathers (async gathers overlapped with the matmuls that
-#: consume them); off by default in libtpu 0.0.42.1, where every gather is synchronous.
+#: consume them); off by default in libtpu 0.0.42.1, where every gather is synchronous. The last option
+#: keeps the gathers gathers on slices of 64+ chips, where libtpu otherwise runs every one as a synchronous
+#: all-reduce (twice the bytes, nothing overlapped; ``benchmarks/results/tpu_aot.txt``); it changes
+#: nothing on 8 chips.
 TPU_ASYNC_ALL_GATHER = (
     ("xla_tpu_enable_async_collective_fusion", "true"),
     ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "true"),
     ("xla_tpu_enable_async_collective_fusion_multiple_steps", "true"),
     ("xla_tpu_overlap_compute_collective_tc", "true"),
     ("xla_enable_async_all_gather", "true"),
+    ("xla_tpu_prefer_async_allgather_to_allreduce", "true"),
 )
 
 #: The XLA options that bound one combined collective's bytes, per backend (``bucket_bytes``). TPU (libtpu
@@ -206,7 +245,8 @@ def bucket_options(backend: str, bucket_bytes: int | None) -> tuple[tuple[str, s
 #: The schedule of each backend that was measured (see the module docstring).
 MEASURED: dict[str, Schedule] = {
     "cpu": Schedule("cpu"),
-    "tpu": Schedule("tpu", prefetch_across_trips=False, hold_host_copies=1, compiler_options=TPU_ASYNC_ALL_GATHER),
+    "tpu": Schedule("tpu", prefetch_across_trips=False, unroll_layers=4, hold_host_copies=1,
+                    compiler_options=TPU_ASYNC_ALL_GATHER),
 }
 
 

@@ -188,13 +188,24 @@ def apply(
 
 
 def make_loss_fn(
-    config: TransformerConfig, policy: ZeroPolicy | None = None, *, prefetch: int = 1, keep_gathered: int | str = 0
+    config: TransformerConfig,
+    policy: ZeroPolicy | None = None,
+    *,
+    prefetch: int = 1,
+    keep_gathered: int | str = 0,
+    one_hot_labels: bool = False,
 ) -> Callable[[Params, Any], jax.Array]:
     """``loss_fn(params, batch)``: mean next-token cross-entropy of
     ``batch["tokens"]`` (int, shape (batch, seq + 1)).
 
     Pass the ``policy`` to train with ``make_train_step(..., gather="manual")``
     (layer-wise ZeRO-3); leave it ``None`` for ``gather="all"`` or evaluation.
+    ``one_hot_labels``: pick each target's log-probability with a one-hot mask
+    instead of ``take_along_axis`` (what optax's integer-label cross-entropy
+    does): the same gradients, bit for bit, the loss to float32 rounding; the
+    backward pass is elementwise instead of a scatter, which the TPU compiler
+    runs through float32 buffers the size of the logits
+    (``benchmarks/tpu_aot.py``'s gspmd section measures both).
     """
 
     def loss_fn(params: Params, batch: Any) -> jax.Array:
@@ -203,6 +214,8 @@ def make_loss_fn(
         logits = logits.astype(jnp.float32)
         targets = tokens[:, 1:]
         logp = jax.nn.log_softmax(logits, axis=-1)
+        if one_hot_labels:
+            return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(targets, config.vocab, dtype=logp.dtype), axis=-1))
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
     return loss_fn
