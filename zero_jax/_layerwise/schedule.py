@@ -52,7 +52,8 @@ from here.
     carries it to the next trip. On the TPU compiler that buys nothing: it
     overlaps a gather only with the matmuls that consume it (continuation
     fusion), sinks the carried gathers to the end of the trip, and the queue
-    costs a layer of HBM; gathered in place, half the layer gathers overlap.
+    costs a layer of HBM; gathered in place (one layer a trip), 0.31 of the
+    layer gathers overlap (0.75 of their bytes; ``unroll_layers`` below).
     Off there (``apply_layer(s)``, unrolled, keeps its prefetch: its consumers
     are visible).
 ``unroll_layers``
@@ -92,9 +93,10 @@ from here.
     Options the step compiles with: on TPU, libtpu's async all-gather
     (:data:`TPU_ASYNC_ALL_GATHER`); with libtpu's defaults every gather is
     synchronous and nothing overlaps, and on a 64-chip v5p slice every gather
-    runs as an all-reduce (the 1B class, scanned stage 3: 1.95x theory on the
-    wire, nothing overlapped, 1.21 GiB; with the options 1.31x, 31% of the
-    layer gathers and 75% of their bytes overlapped, 1.06 GiB). With ``ZeroPolicy(bucket_bytes=...)``,
+    runs as an all-reduce unless preferred as one (the 1B class, scanned
+    stage 3, one layer a trip: 1.95x theory on the wire, nothing overlapped,
+    1.21 GiB; with the options 1.31x, 31% of the layer gathers and 75% of
+    their bytes overlapped, 1.06 GiB). With ``ZeroPolicy(bucket_bytes=...)``,
     also the bound for the backend's collective combiner
     (:data:`BUCKET_OPTIONS`, :func:`bucket_options`): the TPU compiler (v5p)
     merges the gradient all-reduces of several blocks into one buffer that grows
