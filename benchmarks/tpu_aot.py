@@ -38,6 +38,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -134,6 +136,7 @@ def measure(step: Any, state: Any, batch: Any, *, hbm: float, prefetch: int = 1)
         "layers_alive": r.layers.max_alive if r.layers else None,
         "violations": [v.kind for v in r.violations],
         "unroll_layers": zj.measure.schedule_for(step.policy).unroll_layers,
+        "schedule": tpu_schedule(),
         "num_params": r.num_params,
         "state_GiB": sum(r.state_bytes.values()) / GiB,
     }  # fmt: skip
@@ -152,12 +155,27 @@ RENDER_ONLY: list[bool] = []
 STAGE_FILTER: dict[str, list[str]] = {}
 
 
-def cached(key: str, compute: Any) -> dict[str, Any]:
+@functools.cache
+def tpu_schedule() -> str:
+    """A fingerprint of the schedule zero_jax compiles with on TPU (``zj.measure.schedule_for``, no trial): a
+    row measured under another one is measured again, or (not measured again) marked ``*`` in the tables."""
+    policy = zj.ZeroPolicy(3, zj.topology_mesh("v5p:2x2x2"))
+    with zj.measure.trying_schedule():
+        return hashlib.sha1(repr(zj.measure.schedule_for(policy)).encode()).hexdigest()[:10]
+
+
+def stale(row: dict[str, Any]) -> bool:
+    """Whether a row was measured under an older TPU schedule than today's (:func:`tpu_schedule`)."""
+    return "compile_s" in row and row.get("schedule") != tpu_schedule()
+
+
+def cached(key: str, compute: Any, refresh: bool = True) -> dict[str, Any]:
     """``compute()`` (called at once, so a closure over loop variables is safe), or its row from the cache
-    (``--cached-only``: rows not measured yet are marked missing and left out of the tables)."""
+    when measured under today's schedule or not to be refreshed (``refresh``; ``--cached-only``: rows not
+    measured yet are marked missing and left out of the tables, stale rows kept)."""
     if key not in ROWS and RENDER_ONLY:
         return {"missing": True}
-    if key not in ROWS:
+    if key not in ROWS or (stale(ROWS[key]) and refresh and not RENDER_ONLY):
         ROWS[key] = compute()
         if ROWS_FILE:
             ROWS_FILE[0].write_text(json.dumps(ROWS, indent=1, default=str))
@@ -187,14 +205,15 @@ def stages(quick: bool, log: Any) -> list[dict[str, Any]]:
                     continue  # the unrolled program: shown on the 8-chip slices (its compile grows with depth)
                 cfg = config(model, quick)
                 key = f"stages {model} {topology} {variant}"
-                if key not in ROWS and not all(v in STAGE_FILTER.get(k, [v]) for k, v in
-                                               (("model", model), ("slice", topology), ("variant", variant))):
+                asked = all(v in STAGE_FILTER.get(k, [v]) for k, v in
+                            (("model", model), ("slice", topology), ("variant", variant)))  # fmt: skip
+                if key not in ROWS and not asked:
                     continue  # not asked for this run, and not measured before
                 log(f"stages {model} {label} {variant}")
                 row = {"model": model, "slice": label, "topology": topology, "variant": variant,
                        "params": cfg.num_params(), "chips": tpu.num_chips}  # fmt: skip
-                row |= cached(key,
-                              lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device))  # noqa: B023
+                row |= cached(key, lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device),  # noqa: B023
+                              refresh=asked)  # a row measured under an older schedule stays, marked, unless asked
                 rows.append(row)
                 log("  " + json.dumps({k: row[k] for k in ("allocated_GiB", "fits", "comm_over_theory")
                                        if k in row}))  # fmt: skip
@@ -216,7 +235,8 @@ def depth(quick: bool, log: Any) -> list[dict[str, Any]]:
             log(f"depth {variant} dim={cfg.dim} L={d}")
             row = {"variant": variant, "depth": d, "params": cfg.num_params(), "dim": cfg.dim}
             row |= cached(f"depth {variant} {cfg.dim} {d}{' quick' if quick else ''}",
-                          lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device))  # noqa: B023
+                          lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device),  # noqa: B023
+                          refresh=variant in STAGE_FILTER.get("variant", [variant]))
             rows.append(row)
             log("  " + json.dumps({k: row.get(k) for k in ("allocated_GiB", "state_GiB", "layers_alive")}))
     return rows
@@ -319,11 +339,13 @@ def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
         "backward prefetch all at once": ({"leafwise_prefetch": False}, {}),
         "libtpu default options": ({"compiler_options": {}}, {}),
         "scan prefetch carried across trips": ({"prefetch_across_trips": True}, {}),
-        "scan not unrolled": ({"unroll_layers": 1}, {}),
-        # Norm scales and biases whole on every chip (their stacks are at most depth x 4 dim elements): the
-        # latency-bound gathers the TPU compiler keeps synchronous go away; their state is then replicated.
+        "scan unrolled by 4": ({"unroll_layers": 4}, {}),
+        # Each norm scale and bias its own gather (every leaf apart): the latency-bound gathers feeding
+        # elementwise ops, which the TPU compiler keeps synchronous even with its loop-fusion option.
+        "small leaves apart": ({"together_bytes": 0}, {}),
+        # Norm scales and biases whole on every chip (their stacks are at most depth x 4 dim elements): no
+        # gathers of theirs at all; their state is then replicated.
         "layer vectors whole": ({}, {"min_shard_size": 2**17}),
-        "layer vectors whole, not unrolled": ({"unroll_layers": 1}, {"min_shard_size": 2**17}),
     }
     rows = []
     for variant in ("3/scan", "3/apply"):
@@ -333,8 +355,9 @@ def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
             for name, (switches, options) in trials.items():
                 if prefetch == 0 and name != "measured schedule":
                     continue
-                if variant == "3/apply" and (name.startswith("scan") or "unrolled" in name
-                                             or name == "backward prefetch all at once"):  # fmt: skip
+                # (apply_layers at dim 512 keeps its vectors whole: under min_shard_size, nothing to join)
+                scan_only = ("backward prefetch all at once", "small leaves apart")
+                if variant == "3/apply" and (name.startswith("scan") or "unrolled" in name or name in scan_only):
                     continue
                 log(f"overlap {variant} dim={cfg.dim} L={cfg.depth} prefetch={prefetch} {name}")
 
@@ -491,7 +514,8 @@ def table(results: dict[str, Any]) -> list[str]:
                 out.append(f"{'':<34} MiB per axis measured/theory: {per}")
     if any(_variant(r).endswith("*") for rows in results.values() if isinstance(rows, list) for r in rows
            if isinstance(r, dict) and "variant" in r):  # fmt: skip
-        out += ["", "* measured with scan_layers' loop one layer a trip (before the TPU schedule's unroll_layers)"]
+        out += ["", "* measured under an older TPU schedule than zero_jax compiles with now (before libtpu's "
+                "loop-fusion option and a layer's small leaves joined in one gather): not measured again this time"]
     if results.get("largest"):
         out += ["", "== largest model that fits one v5p chip (95 GiB): model_state_bytes + measured activations"]
         for r in results["largest"]:
@@ -501,9 +525,8 @@ def table(results: dict[str, Any]) -> list[str]:
 
 
 def _variant(row: dict[str, Any]) -> str:
-    """A row's variant, marked "*" where a scan_layers step was measured before its loop ran several layers a
-    trip on TPU (rows without ``unroll_layers``): its schedule is not the one zero_jax compiles now."""
-    return row["variant"] + ("*" if row["variant"] == "3/scan" and "unroll_layers" not in row else "")
+    """A row's variant, marked "*" where it was measured under an older TPU schedule (:func:`stale`)."""
+    return row["variant"] + ("*" if stale(row) else "")
 
 
 def _fraction(value: float | None) -> str:
@@ -573,7 +596,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cached-only", action="store_true", help="compile nothing: tables of the rows measured")
     parser.add_argument("--model", action="append", choices=list(MODELS), help="stages: only these models")
     parser.add_argument("--slice", action="append", choices=[t for _, t in STAGE_SLICES], help="stages: only these")
-    parser.add_argument("--variant", action="append", choices=VARIANTS, help="stages: only these variants")
+    parser.add_argument("--variant", action="append", choices=VARIANTS,
+                        help="stages: only these variants; depth: re-measure only these (older rows stay, marked)")
     args = parser.parse_args(argv)
     STAGE_FILTER.update({k: v for k, v in (("model", args.model), ("slice", args.slice), ("variant", args.variant))
                          if v})  # fmt: skip

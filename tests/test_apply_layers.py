@@ -11,6 +11,8 @@ import numpy as np
 import optax
 import pytest
 from _models import make_mesh, reference_run, relative_update_error
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import measure as _measure
@@ -97,6 +99,51 @@ def test_prefetch_changes_nothing_bitwise(stage: int) -> None:
     for other in runs[1:]:
         for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(other), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_blocks_small_leaves_moved_together_train_the_same_bits(stage: int) -> None:
+    # The TPU schedule's together_bytes, tried on XLA:CPU: each block's bias and scale (D floats each) travel in
+    # one all-gather (stage 3) and one reduce-scatter, the weight alone. The same bits as one collective per
+    # leaf, and the audit reads two collectives a block where it read three.
+    batch = _batches(1)[0]
+    reports = {}
+    for together in (0, 4 * D):
+        with zj.measure.trying_schedule(together_bytes=together):
+            state, step, losses = _run(stage, "apply_layers", steps=2)
+            reports[together] = (zj.full_params(state), losses, zj.audit(step, state, batch))
+    (plain, plain_losses, per_leaf), (joined, joined_losses, report) = reports[0], reports[4 * D]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), joined, plain))
+    assert joined_losses == plain_losses
+    blocks = [(b.weights, b.gathers_per_weight, b.reduces_per_weight) for b in report.layers.blocks]
+    assert blocks == [(2, 2.0 if stage == 3 else 0.0, 1.0)] * 4
+    assert [b.weights for b in per_leaf.layers.blocks] == [3] * 4
+    assert report.ok and report.comm.measured == per_leaf.comm.measured and report.comm.theory == per_leaf.comm.theory
+
+
+@pytest.mark.parametrize("mesh_kind", ["model axis", "replica axis"])
+def test_small_leaves_move_together_beside_a_model_axis_and_across_replicas(mesh_kind: str) -> None:
+    # Joined on a (data 4, model 2) mesh where only the weight is cut over "model" (the bias and scale join,
+    # the weight stays alone), and on a (replica 2, data 4) mesh with the optimizer state over both.
+    axes = ("data", "model") if mesh_kind == "model axis" else ("replica", "data")
+    mesh = jax.make_mesh((4, 2) if mesh_kind == "model axis" else (2, 4), axes, axis_types=(AxisType.Auto,) * 2)
+    options = ({"param_specs": {"embed": None, "blocks": [{"w": P(None, "model"), "b": None, "g": None}] * 4}}
+               if mesh_kind == "model axis" else {"replica_axis": "replica", "optimizer_over_replicas": True})
+    runs = {}
+    for together in (0, 4 * D):
+        with zj.measure.trying_schedule(together_bytes=together):
+            policy = zj.ZeroPolicy(3, mesh, min_shard_size=0, **options)
+            tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+            state = zj.init_state(_params(), tx, policy)
+            step = zj.make_train_step(_loss(policy, "apply_layers"), tx, policy, gather="manual")
+            for batch in _batches(2):
+                state, metrics = step(state, batch)
+            report = zj.audit(step, state, batch)
+        runs[together] = (zj.full_params(state), float(metrics["loss"]), [b.weights for b in report.layers.blocks])
+        assert report.ok
+    (apart, loss, per_leaf), (joined, joined_loss, per_group) = runs[0], runs[4 * D]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), joined, apart)) and joined_loss == loss
+    assert per_group == [w - 1 for w in per_leaf]  # the bias and the scale: one collective
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -258,15 +258,17 @@ def test_a_budget_on_a_tpu_slice_is_judged_by_the_tpu_compiler() -> None:
     """topology=: each candidate compiled for v5p:2x2x2's devices with the TPU compiler, here, and judged on the
     HBM its buffer assignment allocates; an ample budget keeps every block (2 compiles: k = 0 and k = depth)."""
     factory = f"{__name__}:budget_factory"
-    # One layer a loop trip: unrolled (the TPU schedule's unroll_layers), this toy's allocation is the buffer
-    # assignment's packing (1.13 MB allocated for a live peak of 33 kB), and keeping its 4 blocks costs less.
-    with zj.measure.trying_schedule(unroll_layers=1):
-        rows = search_candidates(factory, {}, 3, 2**30, DEPTH, (1,), "v5p:2x2x2")
+    rows = search_candidates(factory, {}, 3, 2**30, DEPTH, (1,), "v5p:2x2x2")
     choice = KeepGatheredChoice(2**30, N, DEPTH, tuple(rows), 0.0, "v5p:2x2x2")
     assert choice.keep_gathered == DEPTH and {c.keep_gathered for c in rows} == {0, DEPTH}
     kept, none = ({c.keep_gathered: c for c in rows}[k] for k in (DEPTH, 0))
-    assert kept.all_gathers == none.all_gathers - DEPTH * 2  # each block's two weights: no backward re-gather
-    assert 0 < none.peak < kept.peak  # TPU HBM, more with the blocks kept
+    # No backward re-gather: half the gathers (on TPU this toy's small leaves travel in one gather a block).
+    assert kept.all_gathers == none.all_gathers // 2 == DEPTH
+    # The HBM the TPU compiler allocates for the step (this toy's buffer assignment packs its 4 kept blocks in
+    # about as much as none: 0.4% less with the schedule's options), not XLA:CPU's figure.
+    on_tpu = compile_candidate(resolve(factory), zj.topology_mesh("v5p:2x2x2"), 3, {}, DEPTH, 1)
+    on_cpu = compile_candidate(resolve(factory), make_mesh(N), 3, {}, DEPTH, 1)
+    assert kept.peak == on_tpu.peak != on_cpu.peak and none.peak > 0
     assert str(choice).startswith("zj.choose_keep_gathered: v5p:2x2x2, 4 blocks")
     with pytest.raises(ValueError, match="choose_keep_gathered: topology v5p:2x2x2 has 8 devices, but num_devices=4"):
         zj.choose_keep_gathered("1GiB", num_devices=4, topology="v5p:2x2x2")

@@ -3,7 +3,7 @@ order, and every collective however the backend spells it.
 
 XLA:CPU runs each collective as one synchronous op named for what it does.
 The TPU backend (libtpu 0.0.42.1, compiled deviceless for v5p, v5e and v4
-slices; ``research/tpu/FINDINGS.md`` section 1) spells the same collective in
+slices by ``benchmarks/tpu_aot.py``) spells the same collective in
 several ways, and :func:`read_compiled` reads each of them as the one
 collective it is (:class:`CompiledCollective`):
 
@@ -18,7 +18,9 @@ collective it is (:class:`CompiledCollective`):
   collective and a slice of compute), then ``async-collective-done.K``, paired
   by name (every clone has ``channel_id=1``). libtpu emits them for
   all-gathers under ``xla_tpu_enable_async_collective_fusion_fuse_all_gather=true``
-  and ``xla_enable_async_all_gather=true``, and on v5e for some by default;
+  and ``xla_enable_async_all_gather=true``, and on v5e for some by default
+  (with ``..._fuse_kloop_fusions=true`` a start may read a value another
+  collective's steps carry: it starts a collective of its own);
 * a reduce-scatter *done as all-reduce*: an ``all-reduce`` of the whole
   operand whose result feeds a ``dynamic-slice`` (bare or inside a fusion) of
   1/N of it. Pass ``reduce-scatter-decomposer`` does this to every
@@ -26,7 +28,8 @@ collective it is (:class:`CompiledCollective`):
   dimension. It moves two ring passes of the whole operand, twice a
   reduce-scatter's bytes (:attr:`CompiledCollective.ring_bytes`);
 * a small all-gather *done as all-reduce*: an all-reduce whose operand is a
-  zero-filled ``dynamic-update-slice`` of 1/N of it (also two passes).
+  zero-filled ``dynamic-update-slice`` of 1/N of it (also two passes), named
+  by the op that made the piece.
 
 The all-reduce combiner merges several reductions into one tuple op whose
 ``op_name`` is one member's only: here each member is a collective of its
@@ -258,7 +261,9 @@ def _chain(ins: Instruction, kind: str, spelling: str, body: list[Instruction],
         for name in frontier:
             for u in users.get(name, []):
                 carries = u.op == "get-tuple-element" or u.op in dones or u.op in updates
-                carries |= spelling == CONTINUATION and u.op == "fusion" and _inner(u, comps) is not None
+                # A continuation step, not the start of another collective that reads a value this chain carries.
+                carries |= (spelling == CONTINUATION and u.op == "fusion" and not u.name.startswith(_START)
+                            and _inner(u, comps) is not None)  # fmt: skip
                 if u.name in chain or not carries:
                     continue
                 chain.add(u.name)
@@ -281,8 +286,12 @@ def _source(name: str, by_name: Mapping[str, Instruction]) -> Instruction | None
     return ins
 
 
-def _named(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> str:
-    """An instruction's op_name, or (a fusion that has none) the last one in its body: nearest its result."""
+def _named(ins: Instruction, comps: Mapping[str, list[Instruction]], by_name: Mapping[str, Instruction]) -> str:
+    """An instruction's op_name, or (a fusion that has none) the last one in its body: nearest its result; a
+    bare dynamic-update-slice that has none (a small gather's piece written into zeros) is named by its update."""
+    if ins.op == "dynamic-update-slice" and not ins.op_name and len(ins.operands) > 1:
+        update = _source(ins.operands[1], by_name)
+        return _named(update, comps, by_name) if update is not None and update is not ins else ""
     if ins.op_name or ins.op != "fusion":
         return ins.op_name
     return next((j.op_name for j in reversed(comps.get(_callee(ins) or "", [])) if j.op_name), "")
@@ -394,7 +403,7 @@ def _collective(where: _Where, t: int, found: tuple[str, str, Instruction], comp
         # A combined all-reduce carries one member's op_name, a decomposed reduce-scatter none: name a member by
         # the op that made its operand.
         borrowed = kind == "all-reduce" and (len(members) > 1 or real == "reduce-scatter")
-        mine = _named(source, comps) if borrowed and source is not None else holder.op_name
+        mine = _named(source, comps, where.by_name) if borrowed and source is not None else holder.op_name
         out.append(CompiledCollective(
             real, kind, spelling, member[0], shape, nbytes, n, where.trips, ins.name, (done or ins).name, where.name,
             t, end, mine or holder.op_name, real != kind, max(steps, 0), compute, i,

@@ -31,7 +31,9 @@ from zero_jax._audit.compiled import CompiledCollective, CompiledProgram, Instru
 from zero_jax._audit.hlo import Collective, replica_group
 from zero_jax._audit.model_axes import model_shard_layout
 from zero_jax._audit.report import BlockSchedule, LayerSchedule, Overlap, OverlapRow, ParamInfo
+from zero_jax._comm.collectives import joined_layout
 from zero_jax._layerwise.keep import KEPT_SCOPE
+from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, shard_shape
 from zero_jax._policy.policy import ZeroPolicy
 
@@ -192,6 +194,16 @@ def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], othe
     )  # fmt: skip
 
 
+def _as_moved(lays: list[tuple[LeafLayout, np.dtype]], policy: ZeroPolicy) -> list[tuple[LeafLayout, np.dtype]]:
+    """One layer's partitioned leaves as its collectives move them: those the
+    schedule moves together (``Schedule.together``) as their one joined array."""
+    groups = schedule_for(policy).together([lay for lay, _ in lays], policy.comm)
+    joined = {i for g in groups for i in g}
+    return [lt for i, lt in enumerate(lays) if i not in joined] + [
+        (joined_layout([lays[i][0] for i in g], policy.num_shards), lays[g[0]][1]) for g in groups
+    ]
+
+
 def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
     """The scans (``stacked=`` prefixes) and repeated blocks (siblings named
     ``0, 1, …`` or ``h_0, h_1, …`` with identical leaves) of the parameters."""
@@ -200,11 +212,12 @@ def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
     cut = [p for p in params if p.layout.partitioned]
     for prefix in policy.stacked_prefixes:
         members = [p for p in cut if p.stacked and tuple(p.path.split("/"))[: len(prefix)] == prefix]
-        lays = [(LeafLayout(p.layout.shape[1:], p.dtype, p.layout.dim - 1, p.layout.padded_size), p.dtype)
-                for p in members if p.layout.dim]  # fmt: skip
+        lays = [(LeafLayout(p.layout.shape[1:], p.dtype, p.layout.dim - 1, p.layout.padded_size,
+                            model=p.layout.model[1:]), p.dtype) for p in members if p.layout.dim]  # fmt: skip
         others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
         if lays:
-            out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], lays, others, n, block))
+            out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], _as_moved(lays, policy), others,
+                              n, block))  # fmt: skip
     siblings: dict[tuple[str, ...], dict[str, list[ParamInfo]]] = {}
     for p in params:
         names = p.path.split("/")
@@ -219,7 +232,7 @@ def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
         lays = [(q.layout, q.dtype) for q in next(iter(blocks.values())) if q.layout.partitioned]
         if len(blocks) >= 2 and len(structures) == 1 and lays:
             others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
-            out.append(_group(f"{'/'.join(parent)}/*", len(blocks), lays, others, n, block))
+            out.append(_group(f"{'/'.join(parent)}/*", len(blocks), _as_moved(lays, policy), others, n, block))
     return out
 
 
@@ -252,7 +265,13 @@ def _squeezed(dims: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _in(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
-    return dims in shapes or _squeezed(dims) in shapes
+    """Whether a collective's array has one of ``shapes``, up to size-1
+    dimensions or flattened: the TPU program gathers a layer's joined small
+    leaves, ``(N, L)``, as ``[N, 1, L]`` or ``[N·L]``."""
+    if dims in shapes or _squeezed(dims) in shapes:
+        return True
+    bare = tuple(d for d in dims if d != 1)
+    return any(tuple(d for d in s if d != 1) == bare or (len(bare) == 1 and math.prod(s) == bare[0]) for s in shapes)
 
 
 def _count(

@@ -21,6 +21,8 @@ collective runs inside a ``shard_map`` nested over the leaf's model axes
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -342,6 +344,104 @@ def gather_replicated(x: jax.Array, layout: LeafLayout, axes: tuple[str, ...], *
         lambda p: jax.lax.all_gather(p, name, axis=layout.dim, tiled=True, to="invarying"), layout, x
     )
     return unpad(whole, layout) if unpadded else whole
+
+
+def can_move_together(layout: LeafLayout, axis: AxisName) -> bool:
+    """Whether a partitioned leaf's gather and reduce-scatter may share one
+    collective with other leaves' (:func:`gather_together`,
+    :func:`reduce_scatter_together`): a plain float wire (no int8 blocks),
+    no hpZ, no model axes (each leaf would need its own nested ``shard_map``)."""
+    axes = _axes(axis)
+    plain = axes.wire.weights is None and axes.wire.grads is None and axes.secondary is None
+    return plain and layout.dim is not None and not any(layout.model)
+
+
+def joined_layout(layouts: Sequence[LeafLayout], num_shards: int) -> LeafLayout:
+    """The layout of the one array that leaves moving together
+    (:func:`gather_together`) travel as: a row per device holding its pieces
+    end to end, rows in device order, each device's piece its own row. The
+    audit reads a joined collective by these shapes."""
+    piece = sum(math.prod(shard_shape(lay, num_shards)) for lay in layouts)
+    return LeafLayout((num_shards, piece), layouts[0].dtype, 0, num_shards)
+
+
+def gather_together(pieces: list[jax.Array], layouts: list[LeafLayout], axis: AxisName) -> list[jax.Array]:
+    """:func:`gather_for_use` of several leaves (one dtype, each
+    :func:`can_move_together`) by one all-gather of their
+    :func:`joined_layout`: each device's pieces, flattened with the cut
+    dimension leading, travel end to end, and each leaf is read back out of
+    the gathered rows (one per device, in device order). A latency-bound
+    collective per leaf becomes one per group (FSDP's flat parameter, for a
+    layer's small leaves)."""
+    shard = _name(_axes(axis).shard)
+
+    def gather(ps: list[jax.Array]) -> list[jax.Array]:
+        row = jnp.concatenate([jnp.moveaxis(p, lay.dim, 0).ravel() for p, lay in zip(ps, layouts, strict=True)])
+        rows = jax.lax.all_gather(row[None], shard, tiled=True)
+        wholes, start = [], 0
+        for p, lay in zip(ps, layouts, strict=True):
+            moved = jnp.moveaxis(p, lay.dim, 0).shape
+            part = rows[:, start : start + p.size].reshape(rows.shape[0] * moved[0], *moved[1:])
+            wholes.append(jnp.moveaxis(part, 0, lay.dim))
+            start += p.size
+        return wholes
+
+    wholes = per_model_shard(gather, None, pieces)
+    return [to_varying(unpad(w, lay), axis) for w, lay in zip(wholes, layouts, strict=True)]
+
+
+def reduce_scatter_together(grads: list[jax.Array], layouts: list[LeafLayout], axis: AxisName) -> list[jax.Array]:
+    """:func:`sum_reduce_scatter` of several whole gradients (one dtype, each
+    :func:`can_move_together`) by one reduce-scatter: the transpose of
+    :func:`gather_together`, so each device keeps its pieces."""
+    shard = _name(_axes(axis).shard)
+
+    def scatter(gs: list[jax.Array]) -> list[jax.Array]:
+        n = jax.lax.axis_size(shard)
+        moved = [jnp.moveaxis(pad(g, lay), lay.dim, 0) for g, lay in zip(gs, layouts, strict=True)]
+        rows = jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1)
+        mine = jax.lax.psum_scatter(rows, shard, scatter_dimension=0, tiled=True)[0]
+        pieces, start = [], 0
+        for m, lay in zip(moved, layouts, strict=True):
+            shape = (m.shape[0] // n, *m.shape[1:])
+            pieces.append(jnp.moveaxis(mine[start : start + math.prod(shape)].reshape(shape), 0, lay.dim))
+            start += math.prod(shape)
+        return pieces
+
+    return per_model_shard(scatter, None, grads)
+
+
+def _by_groups(values: list[Any], layouts: list[LeafLayout], axis: AxisName, together: Sequence[Sequence[int]],
+               joined: Any, alone: Any) -> list[Any]:  # fmt: skip
+    """``joined(values, layouts, axis)`` for the leaves of each group of
+    ``together`` that share a dtype (two or more), ``alone(value, layout,
+    axis)`` for every other leaf; ``None`` values stay ``None``."""
+    out, done = list(values), set()
+    for group in together:
+        by_dtype: dict[Any, list[int]] = {}
+        for i in group:
+            if values[i] is not None:
+                by_dtype.setdefault(values[i].dtype, []).append(i)
+        for run in (run for run in by_dtype.values() if len(run) >= 2):
+            for i, v in zip(run, joined([values[i] for i in run], [layouts[i] for i in run], axis), strict=True):
+                out[i] = v
+            done.update(run)
+    return [v if i in done or v is None else alone(v, layouts[i], axis) for i, v in enumerate(out)]
+
+
+def gather_leaves(pieces: list[Any], layouts: list[LeafLayout], axis: AxisName,
+                  together: Sequence[Sequence[int]] = ()) -> list[Any]:  # fmt: skip
+    """:func:`gather_for_use` of each piece (``None`` stays ``None``); the
+    leaves of each group of ``together`` (indices, see
+    ``Schedule.together``) of one dtype by one :func:`gather_together`."""
+    return _by_groups(pieces, layouts, axis, together, gather_together, gather_for_use)
+
+
+def reduce_scatter_leaves(grads: list[Any], layouts: list[LeafLayout], axis: AxisName,
+                          together: Sequence[Sequence[int]] = ()) -> list[Any]:  # fmt: skip
+    """:func:`sum_reduce_scatter` of each gradient (``None`` stays ``None``),
+    grouped as :func:`gather_leaves` groups the gathers."""
+    return _by_groups(grads, layouts, axis, together, reduce_scatter_together, sum_reduce_scatter)
 
 
 def fetch(source: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool) -> jax.Array:

@@ -140,10 +140,10 @@ class _Block:
     ) -> tuple[list[Any], list[Any]]:  # fmt: skip
         gather, schedule, axis = policy.partitions_params, schedule_for(policy), policy.comm
         anchors = list(anchors) or [anchor] * len(sources)
-        wholes, regather_from = [], []
+        wholes, regather_from, pieces = [], [], [None] * len(sources)  # pieces: the stage-3 ones gathered below
         scope = f"zj_block{self.index}_gather" + (f"/{KEPT_SCOPE}" if kept else "")
         with jax.named_scope(scope):
-            for src, lay, a in zip(sources, self.layouts, anchors, strict=True):
+            for k, (src, lay, a) in enumerate(zip(sources, self.layouts, anchors, strict=True)):
                 if src is None or not gather:
                     wholes.append(None if src is None else coll.fetch(src, lay, axis, gather=False))
                     regather_from.append(src)
@@ -155,9 +155,11 @@ class _Block:
                     wholes.append(coll.gather_secondary(piece, lay, axis))
                     regather_from.append(piece)
                 else:  # the backward starts again from the piece as stored (in host memory with offload_params)
-                    wholes.append(coll.fetch(ready, lay, axis, gather=True))
+                    pieces[k] = ready
+                    wholes.append(None)
                     regather_from.append(src)
-        return wholes, regather_from
+            gathered = coll.gather_leaves(pieces, list(self.layouts), axis, schedule.together(self.layouts, axis))
+        return [w if p is None else g for w, p, g in zip(wholes, pieces, gathered, strict=True)], regather_from
 
     def tree(self, wholes: Sequence[Any], plain: Sequence[Any]) -> PyTree:
         leaves = [w if s else p for s, w, p in zip(self.sharded, wholes, plain, strict=True)]
@@ -324,8 +326,9 @@ def _handed(
     grads = [None if dt is None else next(slots) for dt in slot_dtypes]
     sizes = [0 if src is None else lay.nbytes for src, lay in zip(sources, prev.block.layouts, strict=True)]
     freed = [0 if lay is None else lay.nbytes for lay in block.layouts]
-    anchors = schedule_for(policy).prefetch_anchors(prev.needed, sizes, produced, grads, freed, list(block.layouts),
-                                                    ct_out, ct_out)  # fmt: skip
+    schedule = schedule_for(policy)
+    anchors = schedule.prefetch_anchors(prev.needed, sizes, produced, grads, freed, list(block.layouts), ct_out, ct_out,
+                                        schedule.together(prev.block.layouts, policy.comm))  # fmt: skip
     return prev.block.wholes(sources, policy, ct_out, anchors)
 
 
@@ -422,11 +425,10 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
         _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):
-            g_slots = [
-                coll.sum_reduce_scatter(g.astype(dt), lay, axis)
-                for g, dt, lay in zip(g_ws, slot_dtypes, block.layouts, strict=True)
-                if dt is not None
-            ]
+            cast = [None if dt is None else g.astype(dt) for g, dt in zip(g_ws, slot_dtypes, strict=True)]
+            reduced = coll.reduce_scatter_leaves(cast, list(block.layouts), axis,
+                                                 schedule_for(policy).together(block.layouts, axis))  # fmt: skip
+            g_slots = [r for r, dt in zip(reduced, slot_dtypes, strict=True) if dt is not None]
         # The block before this one runs its backward pass only once this
         # block's gradient is reduce-scattered (and its whole gradient freed).
         g_args = schedule_for(policy).after_reduction(g_args, g_slots)

@@ -279,6 +279,7 @@ class _ScanPlan(NamedTuple):
     schedule: Schedule
     order: tuple[list[int], list[int]] | None = None  # use_order of the layer, for the backward prefetch
     per_trip: int = 1  # layers one loop trip runs (the schedule's unroll_layers; no carried prefetch then)
+    together: tuple[tuple[int, ...], ...] = ()  # leaves gathered and reduced as one (the schedule's together)
     start: int = 0
     # hpZ (secondary_axis): "make" -- the forward gathers across nodes and hands on the secondary pieces;
     # "use" -- the backward gathers from them, within the node. "": no hpZ.
@@ -299,8 +300,9 @@ def _fetch(
     from the host), each piece due after ``anchor`` when given (the
     schedule's ``tie_gathers``), or after its own entry of ``anchors``."""
     anchors = anchors or [anchor] * len(diff)
-    out, secondary = [], []
-    for s, d, w, lay, g, a in zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, anchors, strict=True):
+    out, secondary, pieces = [], [], [None] * len(diff)  # pieces: the stage-3 ones gathered below
+    for k, (s, d, w, lay, g, a) in enumerate(zip(plan.sharded, diff, wholes, plan.layouts, plan.gathers, anchors,
+                                                 strict=True)):  # fmt: skip
         if not s:
             out.append(d[i])
             continue
@@ -313,7 +315,10 @@ def _fetch(
             secondary.append(piece)
             out.append(coll.gather_secondary(piece, lay, plan.axis))
         else:
-            out.append(coll.fetch(source, lay, plan.axis, gather=g))
+            pieces[k] = source if g else None
+            out.append(None if g else coll.fetch(source, lay, plan.axis, gather=False))
+    gathered = coll.gather_leaves(pieces, plan.layouts, plan.axis, plan.together)
+    out = [o if p is None else w for o, p, w in zip(out, pieces, gathered, strict=True)]
     return _Fetched(jax.tree_util.tree_unflatten(plan.treedef, out), secondary)
 
 
@@ -321,10 +326,10 @@ def _reduce_layer(plan: _ScanPlan, g_layer: PyTree) -> list[Any]:
     """Layer i's parameter gradient: reduce-scattered (in the slot's dtype)
     for partitioned leaves; none for frozen ones."""
     gs = jax.tree_util.tree_flatten(g_layer)[0]
-    return [
-        (None if dt is None else coll.sum_reduce_scatter(g.astype(dt), lay, plan.axis)) if s else g
-        for s, dt, g, lay in zip(plan.sharded, plan.slot_dtypes, gs, plan.layouts, strict=True)
-    ]
+    cast = [g.astype(dt) if s and dt is not None else None for s, dt, g in zip(plan.sharded, plan.slot_dtypes, gs,
+                                                                                strict=True)]  # fmt: skip
+    reduced = coll.reduce_scatter_leaves(cast, plan.layouts, plan.axis, plan.together)
+    return [r if s else g for s, r, g in zip(plan.sharded, reduced, gs, strict=True)]
 
 
 def _pipelined(
@@ -366,8 +371,9 @@ def _pipelined(
             s_in, (s, y) = s, step(s, index(t), q[0])
             grads = [None if dt is None else g for dt, g in zip(plan.slot_dtypes, y, strict=True)]
             sizes = [lay.nbytes if g else 0 for g, lay in zip(plan.gathers, plan.layouts, strict=True)]
-            ahead = fetch(t + prefetch, s, plan.schedule.prefetch_anchors(plan.order[0], sizes, plan.order[1], grads,
-                                                                          sizes, plan.layouts, s_in, s))  # fmt: skip
+            anchors = plan.schedule.prefetch_anchors(plan.order[0], sizes, plan.order[1], grads, sizes, plan.layouts,
+                                                     s_in, s, plan.together)  # fmt: skip
+            ahead = fetch(t + prefetch, s, anchors)
         else:
             ahead = fetch(t + prefetch)  # issued before this layer's compute
             s, y = step(s, index(t), q[0])
@@ -439,10 +445,12 @@ def _scan_plan(
     (``diff``: :func:`differentiated`, cut to those layers)."""
     sharded = [_is_sharded(x) for x in nodes]
     wholes = [x.arrays[0] if s else None for x, s in zip(nodes, sharded, strict=True)]
+    layouts = [x.layout if s else None for x, s in zip(nodes, sharded, strict=True)]
     plan = _ScanPlan(
         treedef=treedef,
         sharded=sharded,
-        layouts=[x.layout if s else None for x, s in zip(nodes, sharded, strict=True)],
+        layouts=layouts,
+        together=schedule.together(layouts, axis),
         gathers=[s and x.gathers for x, s in zip(nodes, sharded, strict=True)],
         # Slots are zeros: only their dtype (the reduce dtype) matters, so they are
         # not kept for the backward pass (that would hold a gradient-sized buffer).

@@ -49,32 +49,51 @@ from here.
 
 ``prefetch_across_trips``
     ``scan_layers`` issues the gather of layer i + prefetch in loop trip i and
-    carries it to the next trip. On the TPU compiler that buys nothing: it
-    overlaps a gather only with the matmuls that consume it (continuation
-    fusion), sinks the carried gathers to the end of the trip, and the queue
-    costs a layer of HBM; gathered in place (one layer a trip), 0.31 of the
-    layer gathers overlap (0.75 of their bytes; ``unroll_layers`` below).
-    Off there (``apply_layer(s)``, unrolled, keeps its prefetch: its consumers
-    are visible).
+    carries it to the next trip. Off on TPU: each layer is gathered in place,
+    one layer a trip, whatever ``prefetch`` says, and the TPU compiler
+    overlaps the gather with the ops that consume it (continuation fusion;
+    with libtpu's loop-fusion option and a layer's small leaves joined,
+    ``together_bytes``, every layer gather of the reference transformer,
+    dim 1024, depth 8, v5p-8). Carried, every gather overlaps too and the
+    step allocates less (0.587 GiB against 0.683 there, the 1B class 2.51
+    against 2.53 GiB), but with ``offload_activations`` the loop keeps its
+    saved inputs' device buffers: P_a+cpu's device temp falls by 0.5 MB
+    instead of 1.8 MB for 1 MB of inputs moved (``tests/test_offload_activations.py``'s
+    depth-8 step). Before the loop-fusion option the carried gathers were
+    sunk to the end of the trip and overlapped nothing.
 ``unroll_layers``
     ``scan_layers`` with ``prefetch`` > 0 and no carried prefetch unrolls its
     loops by up to this many layers (:meth:`Schedule.layers_per_trip`: a
     divisor of the depth that leaves at least two trips, so that no loop is
     inlined and no layer is left over outside it; not with
     ``offload_activations``, whose saved inputs the loop writes to host
-    memory; ``prefetch=0`` keeps one layer a trip, the least memory). The
-    TPU compiler overlaps each layer gather with the matmul scheduled before
-    its consumer (continuation fusion); a trip's first gather has none
-    before it in the trip and runs exposed. Unrolled by 4, with each layer's
-    gathers issued while the layer before it in the trip computes, three of
-    every four first gathers overlap it (the reference transformer, dim
-    1024, depth 8, v5p-8: 0.90 of the layer gathers' bytes overlapped
-    against 0.75; with the norm and bias vectors kept whole by
-    ``min_shard_size``, 0.89 of the gathers against 0.74). The cost is a
-    prefetch's: the next layer whole while one computes (allocated HBM
-    +0.9% there; the 1B class +8% on v5p-8, 2.73 against 2.52 GiB; a toy of
-    4 small blocks more, the buffer assignment's packing at 35x its live
-    peak). Off on XLA:CPU (1), which runs every collective synchronously.
+    memory; ``prefetch=0`` keeps one layer a trip), each layer's gathers
+    issued while the layer before it in the trip computes. It paid on TPU
+    while the gathers that feed elementwise ops stayed synchronous (a trip's
+    first gather then had no matmul before it); with the loop-fusion option
+    it costs HBM for no overlap: unrolled by 4, the 1B class on v5p-8
+    allocates 2.74 GiB against 2.53 one layer a trip, every layer gather
+    overlapped in both (dim 1024: 0.975 of them against 1.0, 0.692 against
+    0.683 GiB). 1 on both measured backends; a trial for the next one
+    (``zj.measure.trying_schedule(unroll_layers=4)``).
+``together_bytes``
+    A layer's partitioned leaves of at most this many bytes (its norm scales
+    and biases) travel in one all-gather and one reduce-scatter per dtype
+    (:meth:`Schedule.together`, ``_comm.collectives.gather_together``: FSDP's
+    flat parameter, for the small leaves only), the matrices alone. Apart,
+    each is a latency-bound gather feeding elementwise ops, which the TPU
+    compiler keeps synchronous; joined, with libtpu's loop-fusion option
+    (:data:`TPU_ASYNC_ALL_GATHER`), it overlaps them as it overlaps the
+    matrices' (the reference transformer, dim 1024, depth 8, v5p-8: every
+    layer gather overlapped, against 0.53 of them with the vectors apart;
+    the option costs HBM: 0.683 GiB allocated against 0.658 one layer a trip
+    without it, +4%, and +0.3% at the 1B class, 2.53 against 2.52 GiB).
+    64 KiB takes every vector up to 16K float32 elements and no matrix of
+    a model of dim 128 or more: a joined matrix would lose the matmul its
+    gather is fused into. At dim 256 the joined vectors (4.6 KB) still go
+    as one synchronous all-reduce (libtpu's choice for the smallest
+    gathers). Off on XLA:CPU (0): one collective per leaf, as the CPU
+    audits count them.
 ``hold_host_copies``
     P_a+cpu in ``apply_layer(s)`` (unrolled blocks): each block's saved
     inputs are copied to host memory as the block is called, and the output
@@ -132,8 +151,8 @@ from jax.extend.core import Jaxpr, Literal
 from zero_jax._base.jaxpr import called, live_equations
 from zero_jax._base.scoped import Scoped
 from zero_jax._base.tree import PyTree
-from zero_jax._comm.collectives import varying_axes
-from zero_jax._layout.leaf import is_real_float
+from zero_jax._comm.collectives import can_move_together, varying_axes
+from zero_jax._layout.leaf import LeafLayout, is_real_float
 
 
 class Schedule(NamedTuple):
@@ -152,6 +171,9 @@ class Schedule(NamedTuple):
     hold_host_copies: int = 0
     #: Options a zero_jax step compiles with on this backend (``make_train_step`` passes them to ``jax.jit``).
     compiler_options: tuple[tuple[str, str], ...] = ()
+    #: A layer's partitioned leaves of at most this many bytes (whole, as stored) move together: one all-gather
+    #: and one reduce-scatter per dtype for all of them (0: each leaf its own).
+    together_bytes: int = 0
 
     def due(self, piece: Any, anchor: Any) -> Any:
         """``piece`` for a gather, computed only once ``anchor`` exists (``tie_gathers``).
@@ -183,29 +205,57 @@ class Schedule(NamedTuple):
         fits = [k for k in range(2, self.unroll_layers + 1) if depth % k == 0 and depth // k >= 2]
         return max(fits, default=1)
 
+    def together(self, layouts: Sequence[LeafLayout | None], axis: Any) -> tuple[tuple[int, ...], ...]:
+        """The leaves of one layer (their layouts; ``None``: not gathered) that
+        move together (``together_bytes``): groups of indices, one per dtype,
+        of two leaves or more.
+
+        >>> import numpy as np
+        >>> vector, matrix = (LeafLayout(shape, np.dtype("float32"), 0, shape[0]) for shape in ((64,), (64, 64)))
+        >>> Schedule("tpu", together_bytes=1024).together([vector, matrix, None, vector], "data")
+        ((0, 3),)
+        """
+        groups: dict[Any, list[int]] = {}
+        for i, lay in enumerate(layouts):
+            if lay is not None and lay.nbytes <= self.together_bytes and can_move_together(lay, axis):
+                groups.setdefault(lay.dtype, []).append(i)
+        return tuple(tuple(g) for g in groups.values() if len(g) >= 2)
+
     def hold(self, value: PyTree, copies: PyTree) -> PyTree:
         """``value``, available only once ``copies`` exist (``hold_host_copies``:
         the host copies of an earlier block's saved inputs)."""
         return _after(value, copies)
 
     def prefetch_anchors(self, needed: list[int], sizes: list[int], produced: list[int], grads: list[Any],
-                         freed: list[int], layouts: list[Any], start: Any, fallback: Any) -> list[Any]:  # fmt: skip
+                         freed: list[int], layouts: list[Any], start: Any, fallback: Any,
+                         together: Sequence[Sequence[int]] = ()) -> list[Any]:  # fmt: skip
         """What each leaf of the next block's backward re-gather waits for:
-        :func:`paired_anchors` (``leafwise_prefetch``), else ``start`` for all."""
+        :func:`paired_anchors` (``leafwise_prefetch``), else ``start`` for all.
+        Leaves gathered together (``together``) wait for what the one of them
+        needed first waits for: one gather cannot start before its last operand."""
         if not self.leafwise_prefetch:
             return [start] * len(sizes)
-        return paired_anchors(needed, sizes, produced, grads, freed, layouts, start, fallback)
+        anchors = paired_anchors(needed, sizes, produced, grads, freed, layouts, start, fallback)
+        first = {i: k for k, i in reversed(list(enumerate(needed)))}
+        for group in together:
+            earliest = anchors[min(group, key=lambda i: first.get(i, len(needed)))]
+            for i in group:
+                anchors[i] = earliest
+        return anchors
 
 
 #: libtpu's continuation fusion for all-gathers (async gathers overlapped with the matmuls that
-#: consume them); off by default in libtpu 0.0.42.1, where every gather is synchronous. The last option
-#: keeps the gathers gathers on slices of 64+ chips, where libtpu otherwise runs every one as a synchronous
-#: all-reduce (twice the bytes, nothing overlapped; ``benchmarks/results/tpu_aot.txt``); it changes
-#: nothing on 8 chips.
+#: consume them); off by default in libtpu 0.0.42.1, where every gather is synchronous. Fusing them into
+#: loop fusions too (``..._fuse_kloop_fusions``) overlaps the gathers whose consumers are elementwise (norm
+#: scales, biases: a layer's joined small leaves, ``together_bytes``), which otherwise stay synchronous.
+#: The last option keeps the gathers gathers on slices of 64+ chips, where libtpu otherwise runs every one
+#: as a synchronous all-reduce (twice the bytes, nothing overlapped); it changes nothing on 8 chips.
+#: Figures: ``benchmarks/results/tpu_aot.txt``.
 TPU_ASYNC_ALL_GATHER = (
     ("xla_tpu_enable_async_collective_fusion", "true"),
     ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "true"),
     ("xla_tpu_enable_async_collective_fusion_multiple_steps", "true"),
+    ("xla_tpu_enable_async_collective_fusion_fuse_kloop_fusions", "true"),
     ("xla_tpu_overlap_compute_collective_tc", "true"),
     ("xla_enable_async_all_gather", "true"),
     ("xla_tpu_prefer_async_allgather_to_allreduce", "true"),
@@ -247,8 +297,8 @@ def bucket_options(backend: str, bucket_bytes: int | None) -> tuple[tuple[str, s
 #: The schedule of each backend that was measured (see the module docstring).
 MEASURED: dict[str, Schedule] = {
     "cpu": Schedule("cpu"),
-    "tpu": Schedule("tpu", prefetch_across_trips=False, unroll_layers=4, hold_host_copies=1,
-                    compiler_options=TPU_ASYNC_ALL_GATHER),
+    "tpu": Schedule("tpu", prefetch_across_trips=False, hold_host_copies=1, compiler_options=TPU_ASYNC_ALL_GATHER,
+                    together_bytes=2**16),
 }
 
 
