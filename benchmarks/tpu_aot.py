@@ -355,7 +355,7 @@ def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
             for name, (switches, options) in trials.items():
                 if prefetch == 0 and name != "measured schedule":
                     continue
-                # (apply_layers at dim 512 keeps its vectors whole: under min_shard_size, nothing to join)
+                # (apply_layers at dim 512: one vector a block is cut, the rest are under min_shard_size: none join)
                 scan_only = ("backward prefetch all at once", "small leaves apart")
                 if variant == "3/apply" and (name.startswith("scan") or "unrolled" in name or name in scan_only):
                     continue
