@@ -200,19 +200,22 @@ def stages(quick: bool, log: Any) -> list[dict[str, Any]]:
                 continue  # an 8B model at N = 8: stages 1-2 hold 2x the parameters on one chip; shown at 64+
             if topology.startswith("v5e") and model == "1B":
                 variants = ["1", "3/scan", "3/apply"] if tpu.num_chips <= 8 else ["1", "3/scan"]
-            for variant in variants:
+            # apply_layers also with prefetch=0: on TPU its blocks' in-place gathers overlap as the prefetch does.
+            runs = [(v, 1) for v in variants] + ([("3/apply", 0)] if "3/apply" in variants else [])
+            for variant, prefetch in runs:
                 if variant == "3/apply" and tpu.num_chips > 8:
                     continue  # the unrolled program: shown on the 8-chip slices (its compile grows with depth)
                 cfg = config(model, quick)
-                key = f"stages {model} {topology} {variant}"
+                key = f"stages {model} {topology} {variant}" + (" prefetch 0" if prefetch == 0 else "")
                 asked = all(v in STAGE_FILTER.get(k, [v]) for k, v in
                             (("model", model), ("slice", topology), ("variant", variant)))  # fmt: skip
                 if key not in ROWS and not asked:
                     continue  # not asked for this run, and not measured before
-                log(f"stages {model} {label} {variant}")
-                row = {"model": model, "slice": label, "topology": topology, "variant": variant,
+                log(f"stages {model} {label} {variant} prefetch {prefetch}")
+                row = {"model": model, "slice": label, "topology": topology, "variant": variant, "prefetch": prefetch,
                        "params": cfg.num_params(), "chips": tpu.num_chips}  # fmt: skip
-                row |= cached(key, lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device),  # noqa: B023
+                row |= cached(key, lambda: measure(*build(mesh, variant, cfg, prefetch=prefetch),  # noqa: B023
+                                                   hbm=tpu.hbm_per_device, prefetch=prefetch),  # noqa: B023
                               refresh=asked)  # a row measured under an older schedule stays, marked, unless asked
                 rows.append(row)
                 log("  " + json.dumps({k: row[k] for k in ("allocated_GiB", "fits", "comm_over_theory")
@@ -460,15 +463,17 @@ def table(results: dict[str, Any]) -> list[str]:
     out = []
     if results.get("stages"):
         out += ["", "== per stage (bf16 compute, fp32 master, AdamW; allocated = the TPU buffer assignment's HBM)",
-                f"{'model':<5} {'slice':<14} {'variant':<8} {'params':>8} {'alloc GiB':>10} {'est GiB':>8} {'fits':>5} "
-                f"{'comm/th':>8} {'compiled/th':>11} {'overlap':>8} {'by bytes':>8} {'compile s':>9}"]  # fmt: skip
+                f"{'model':<5} {'slice':<14} {'variant':<11} {'params':>8} {'alloc GiB':>10} {'est GiB':>8} "
+                f"{'fits':>5} {'comm/th':>8} {'compiled/th':>11} {'overlap':>8} {'by bytes':>8} "
+                f"{'compile s':>9}"]  # fmt: skip
         for r in results["stages"]:
             if "refused" in r:
-                out.append(f"{r['model']:<5} {r['slice']:<14} {r['variant']:<8} {r['params'] / 1e9:>7.2f}B "
+                out.append(f"{r['model']:<5} {r['slice']:<14} {r['variant']:<11} {r['params'] / 1e9:>7.2f}B "
                            f"{'refused by libtpu (HBM)':>28}   {r['refused'][:60]}")  # fmt: skip
                 continue
             ct = r["compiled_MiB"] / r["theory_MiB"] if r.get("compiled_MiB") and r["theory_MiB"] else float("nan")
-            out.append(f"{r['model']:<5} {r['slice']:<14} {_variant(r):<8} {r['params'] / 1e9:>7.2f}B "
+            name = _variant(r) + (" pf0" if r.get("prefetch") == 0 else "")
+            out.append(f"{r['model']:<5} {r['slice']:<14} {name:<11} {r['params'] / 1e9:>7.2f}B "
                        f"{r['allocated_GiB']:>10.2f} {r['peak_est_GiB']:>8.2f} {'yes' if r['fits'] else 'NO':>5} "
                        f"{r['comm_over_theory']:>8.3f} {ct:>11.3f} {r['gather_overlap'] or 0:>8.2f} "
                        f"{_fraction(r.get('gather_overlap_bytes')):>8} {r['compile_s']:>9.0f}")  # fmt: skip
