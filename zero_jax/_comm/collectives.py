@@ -368,21 +368,18 @@ def joined_layout(layouts: Sequence[LeafLayout], num_shards: int) -> LeafLayout:
 def gather_together(pieces: list[jax.Array], layouts: list[LeafLayout], axis: AxisName) -> list[jax.Array]:
     """:func:`gather_for_use` of several leaves (one dtype, each
     :func:`can_move_together`) by one all-gather of their
-    :func:`joined_layout`: each device's pieces, flattened with the cut
-    dimension leading, travel end to end, and each leaf is read back out of
-    the gathered rows (one per device, in device order). A latency-bound
+    :func:`joined_layout`: each device's pieces, flattened, travel end to
+    end, and each leaf is joined back from the gathered rows (one per
+    device, in device order: :func:`_join_pieces`). A latency-bound
     collective per leaf becomes one per group (FSDP's flat parameter, for a
     layer's small leaves)."""
     shard = _name(_axes(axis).shard)
 
     def gather(ps: list[jax.Array]) -> list[jax.Array]:
-        row = jnp.concatenate([jnp.moveaxis(p, lay.dim, 0).ravel() for p, lay in zip(ps, layouts, strict=True)])
-        rows = jax.lax.all_gather(row[None], shard, tiled=True)
+        rows = jax.lax.all_gather(jnp.concatenate([p.ravel() for p in ps])[None], shard, tiled=True)
         wholes, start = [], 0
         for p, lay in zip(ps, layouts, strict=True):
-            moved = jnp.moveaxis(p, lay.dim, 0).shape
-            part = rows[:, start : start + p.size].reshape(rows.shape[0] * moved[0], *moved[1:])
-            wholes.append(jnp.moveaxis(part, 0, lay.dim))
+            wholes.append(_join_pieces(rows[:, start : start + p.size].reshape(rows.shape[0], *p.shape), lay.dim))
             start += p.size
         return wholes
 
@@ -398,14 +395,14 @@ def reduce_scatter_together(grads: list[jax.Array], layouts: list[LeafLayout], a
 
     def scatter(gs: list[jax.Array]) -> list[jax.Array]:
         n = jax.lax.axis_size(shard)
-        moved = [jnp.moveaxis(pad(g, lay), lay.dim, 0) for g, lay in zip(gs, layouts, strict=True)]
-        rows = jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1)
+        cut = [_cut_into_pieces(pad(g, lay), lay.dim, n) for g, lay in zip(gs, layouts, strict=True)]
+        rows = jnp.concatenate([c.reshape(n, -1) for c in cut], axis=1)
         mine = jax.lax.psum_scatter(rows, shard, scatter_dimension=0, tiled=True)[0]
         pieces, start = [], 0
-        for m, lay in zip(moved, layouts, strict=True):
-            shape = (m.shape[0] // n, *m.shape[1:])
-            pieces.append(jnp.moveaxis(mine[start : start + math.prod(shape)].reshape(shape), 0, lay.dim))
-            start += math.prod(shape)
+        for c in cut:
+            size = math.prod(c.shape[1:])
+            pieces.append(mine[start : start + size].reshape(c.shape[1:]))
+            start += size
         return pieces
 
     return per_model_shard(scatter, None, grads)

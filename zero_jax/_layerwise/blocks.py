@@ -158,8 +158,12 @@ class _Block:
                     pieces[k] = ready
                     wholes.append(None)
                     regather_from.append(src)
-            gathered = coll.gather_leaves(pieces, list(self.layouts), axis, schedule.together(self.layouts, axis))
+            gathered = coll.gather_leaves(pieces, list(self.layouts), axis, self.together(policy))
         return [w if p is None else g for w, p, g in zip(wholes, pieces, gathered, strict=True)], regather_from
+
+    def together(self, policy: ZeroPolicy) -> tuple[tuple[int, ...], ...]:
+        """The leaves of this block that move in one collective (the schedule's ``together_bytes``)."""
+        return schedule_for(policy).together(self.layouts, policy.comm)
 
     def tree(self, wholes: Sequence[Any], plain: Sequence[Any]) -> PyTree:
         leaves = [w if s else p for s, w, p in zip(self.sharded, wholes, plain, strict=True)]
@@ -326,9 +330,8 @@ def _handed(
     grads = [None if dt is None else next(slots) for dt in slot_dtypes]
     sizes = [0 if src is None else lay.nbytes for src, lay in zip(sources, prev.block.layouts, strict=True)]
     freed = [0 if lay is None else lay.nbytes for lay in block.layouts]
-    schedule = schedule_for(policy)
-    anchors = schedule.prefetch_anchors(prev.needed, sizes, produced, grads, freed, list(block.layouts), ct_out, ct_out,
-                                        schedule.together(prev.block.layouts, policy.comm))  # fmt: skip
+    anchors = schedule_for(policy).prefetch_anchors(prev.needed, sizes, produced, grads, freed, list(block.layouts),
+                                                    ct_out, ct_out, prev.block.together(policy))  # fmt: skip
     return prev.block.wholes(sources, policy, ct_out, anchors)
 
 
@@ -426,8 +429,7 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):
             cast = [None if dt is None else g.astype(dt) for g, dt in zip(g_ws, slot_dtypes, strict=True)]
-            reduced = coll.reduce_scatter_leaves(cast, list(block.layouts), axis,
-                                                 schedule_for(policy).together(block.layouts, axis))  # fmt: skip
+            reduced = coll.reduce_scatter_leaves(cast, list(block.layouts), axis, block.together(policy))
             g_slots = [r for r, dt in zip(reduced, slot_dtypes, strict=True) if dt is not None]
         # The block before this one runs its backward pass only once this
         # block's gradient is reduce-scattered (and its whole gradient freed).
