@@ -7,7 +7,9 @@ the theory, whole layers alive, gathers overlapped with compute).
     python benchmarks/tpu_hf.py                       # GPT-2 small: dim 768, 12 layers, vocab 50257, seq 1024
     python benchmarks/tpu_hf.py --dim 128 --depth 4 --vocab 512 --seq 64 --name tpu_hf_quick
 
-libtpu must be installed (the test extra); random weights from the config, nothing downloaded.
+libtpu must be installed (the test extra), and a transformers with Flax models (``pip install
+"transformers<4.52"``: 4.51.3 measured; transformers 5 has none); random weights from the config, nothing
+downloaded.
 Writes ``benchmarks/results/<name>.{txt,json}``.
 """
 

@@ -130,9 +130,11 @@ def test_collectives_per_block_from_the_post_spmd_program(backend: str) -> None:
 def test_the_tpu_compiler_combines_a_blocks_gradient_reductions_into_one_larger_buffer() -> None:
     buffers = audited("tpu").buffers
     compiled = buffers.largest(_report.COMPILED)
-    # v5p: the block's two reduce-scatters done as one combined all-reduce of both whole gradients.
-    assert (compiled.kind, compiled.bytes, len(compiled.shapes)) == ("reduce-scatter", 2 * WHOLE_WEIGHT, 2)
-    assert all(b.compiled["reduce-scatter"] == 1 for b in buffers.blocks if b.name.startswith("block "))
+    # v5p (each block gathered in place): block 1's second reduce-scatter deferred and done with both of block
+    # 0's as one combined all-reduce of three whole gradients.
+    assert (compiled.kind, compiled.bytes, len(compiled.shapes)) == ("reduce-scatter", 3 * WHOLE_WEIGHT, 3)
+    assert compiled.block == "block 0 + block 1"
+    assert [b.compiled["reduce-scatter"] for b in buffers.blocks if b.name.startswith("block ")] == [1, 2]
     assert compiled.bytes > buffers.largest().bytes
 
 

@@ -234,7 +234,9 @@ class LayerChain:
         self.offload = bool(offload_activations) if policy is None else offloads_activations(
             policy, offload_activations, where)
         self.layers = list(layers)
-        self.prefetch = prefetch
+        # On a backend whose compiler overlaps a gather with its own consumers (the schedule's prefetch_blocks
+        # off: TPU) every block is gathered in place.
+        self.prefetch = prefetch if policy is None or schedule_for(policy).prefetch_blocks else 0
         # Checked in every stage; only stage 3 gathers, so only stage 3 keeps anything.
         kept = kept_count(keep_gathered, [gathered_bytes(p) for p in self.layers], where)
         self.kept = kept if self._gathers else 0
@@ -535,7 +537,10 @@ def apply_layers(
       carry: the activation handed from block to block.
       policy: the step's policy, or ``None`` outside a step.
       prefetch: how many blocks ahead to gather (stage 3); 0 gathers each
-        block only when it runs.
+        block only when it runs. On a backend whose compiler overlaps a
+        gather only with its own consumers (the TPU compiler: see
+        ``zero_jax._layerwise.schedule``) the blocks are gathered in place
+        whatever ``prefetch`` says.
       offload_activations: ZeRO-R's P_a+cpu (any stage): each block's saved
         inputs go to host memory after its forward pass and come back just
         before its recompute; ``None`` follows the policy's

@@ -61,6 +61,20 @@ from here.
     instead of 1.8 MB for 1 MB of inputs moved (``tests/test_offload_activations.py``'s
     depth-8 step). Before the loop-fusion option the carried gathers were
     sunk to the end of the trip and overlapped nothing.
+``prefetch_blocks``
+    ``apply_layer(s)`` (and the adapters' ``layers=``) issue block i +
+    ``prefetch``'s gather when block i starts, and in the backward pass
+    block i hands block i - 1 its re-gathered parameters. Off on TPU, as
+    ``prefetch_across_trips`` is: each block is gathered in place whatever
+    ``prefetch`` says, and the TPU compiler overlaps each gather with the ops
+    that consume it. Prefetched, every layer gather of the reference
+    transformer overlapped too, and the step allocated more (the 1B class
+    unscanned on v5p-8: 2.86 GiB against 2.65 in place, stage 3 / stage 1
+    0.51 against 0.48; dim 512, depth 4: 0.426 against 0.364 GiB; GPT-2
+    small through ``layers="auto"``: 1318 against 1312 MiB, 0.80 of the
+    gathers overlapped in both). A block of two matmuls leaves its first
+    forward gather nothing to overlap in place (``tests/test_audit_tpu.py``:
+    12 of 16 gathers, against 16 prefetched).
 ``unroll_layers``
     ``scan_layers`` with ``prefetch`` > 0 and no carried prefetch unrolls its
     loops by up to this many layers (:meth:`Schedule.layers_per_trip`: a
@@ -101,9 +115,10 @@ from here.
     optimization barrier in the forward pass only). Unheld, the TPU compiler
     finishes each copy only when the backward pass needs it, so the inputs
     stay in HBM through the forward pass and some never leave (the reference
-    transformer, depth 16, vocab 32000: 38% reach host memory, the live peak
-    unchanged); held one block later, all of them leave and the live peak
-    falls by 90% of their bytes (the allocation by 22%: the buffer
+    transformer, depth 16, vocab 32000, blocks prefetched: 38% reach host
+    memory, the live peak unchanged); held one block later, all of them leave
+    and the live peak falls by 90% of their bytes (96% with the blocks
+    gathered in place; the allocation by 22%, 9% in place: the buffer
     assignment packs around them; with vocab 512 at depth 4 it falls by 50%
     where unheld it fell by 104%, ``benchmarks/results/offload_activations_apply*.txt``).
     Off on XLA:CPU, whose lowering drops the moves. ``scan_layers`` needs
@@ -165,6 +180,7 @@ class Schedule(NamedTuple):
     leafwise_prefetch: bool = True
     unfusable_cut: bool = True
     prefetch_across_trips: bool = True
+    prefetch_blocks: bool = True
     unroll_layers: int = 1
     #: P_a+cpu in ``apply_layer(s)``: the output of the block ``hold_host_copies`` calls after block i waits
     #: for block i's saved inputs to reach host memory (0: nothing waits).
@@ -297,8 +313,8 @@ def bucket_options(backend: str, bucket_bytes: int | None) -> tuple[tuple[str, s
 #: The schedule of each backend that was measured (see the module docstring).
 MEASURED: dict[str, Schedule] = {
     "cpu": Schedule("cpu"),
-    "tpu": Schedule("tpu", prefetch_across_trips=False, hold_host_copies=1, compiler_options=TPU_ASYNC_ALL_GATHER,
-                    together_bytes=2**16),
+    "tpu": Schedule("tpu", prefetch_across_trips=False, prefetch_blocks=False, hold_host_copies=1,
+                    compiler_options=TPU_ASYNC_ALL_GATHER, together_bytes=2**16),
 }
 
 

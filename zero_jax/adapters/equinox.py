@@ -365,6 +365,7 @@ def from_equinox(
       layers: the unscanned blocks to run block-wise: ``"auto"``, a key-path pattern (``"blocks/*"``) or the block
         class; reported as ``adapted.layers``. An ``eqx.nn.State`` passed to a block goes through its call and back.
       prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
+        On TPU each block is gathered in place whatever it says (``zj.apply_layers``).
       keep_gathered: with ``layers=``, stage 3: the last k blocks keep their gathered parameters from the forward
         pass for the backward (k fewer all-gathers, k blocks more memory), or a byte budget (``"2GiB"``): the most
         trailing blocks whose gathered bytes fit (``zj.apply_layers``'s ``keep_gathered``).

@@ -275,6 +275,7 @@ def from_linen(
         final norm, head) is gathered when the loss starts. Found blocks:
         ``adapted.layers``. Outside such a step the blocks run as written.
       prefetch: with ``layers=``: how many blocks ahead to gather (0 to the number of blocks).
+        On TPU each block is gathered in place whatever it says (``zj.apply_layers``).
       logical_axis_rules: ``(logical, mesh_axis)`` pairs, as ``nn.logical_to_mesh_axes`` takes them, for
         the names in ``nn.with_(logical_)partitioning`` boxes: read into ``adapted.param_specs``.
       keep_gathered: with ``layers=``, stage 3: the last k blocks keep their gathered parameters from the forward

@@ -484,6 +484,7 @@ def from_nnx(
         ``Block.__call__`` works, and so do ``nnx.remat`` / ``nnx.jit`` around the call (``nnx.remat(lambda b, x:
         b(x))(block, x)``).
       prefetch: how many blocks ahead a stage-3 manual step gathers (0 to the number of blocks).
+        On TPU each block is gathered in place whatever it says (``zj.apply_layers``).
       logical_axis_rules: ``(logical, mesh_axis)`` pairs for the variables' ``out_sharding`` names (besides their
         ``sharding_rules``); without any rules the names are mesh axes. The layout is ``adapted.param_specs``.
       keep_gathered: with ``layers=``, stage 3: the last k blocks keep their gathered parameters from the forward
