@@ -10,7 +10,7 @@ is needed). Sections (``--only NAME`` runs one; ``--quick`` shrinks every model 
   assignment's total: the TPU compiler's own figure), argument + output + temp - alias, the communication
   of the post-SPMD program against the theory, the compiled program's bytes, and whether it fits the
   chip (a step libtpu refuses for HBM counts as not fitting);
-* ``depth``: layer-wise stage 3 against depth on v5p-8, scanned (dim 1024, depth 4 to 32) and unscanned (dim 512):
+* ``depth``: layer-wise stage 3 against depth on v5p-8 at dim 1024, scanned (depth 4 to 32) and unscanned (4, 16):
   growth of the allocated HBM and of XLA's live peak against the allowance (the added layers'
   partitioned state + their saved block inputs), and stage 3 / stage 1 at depth 16;
 * ``gspmd``: the GSPMD FSDP recipe (plain ``jax.jit``, parameters, gradients and Adam state sharded over
@@ -77,6 +77,7 @@ STAGE_SLICES = [("v5p 8 chips", "v5p:2x2x2"), ("v5p 64 chips", "v5p:4x4x4"), ("v
                 ("v5e 256 chips", "v5e:16x16")]  # fmt: skip
 VARIANTS = ["0", "1", "2", "3/all", "3/scan", "3/apply"]
 DEPTHS_SCAN = [4, 8, 16, 32]
+DEPTHS_APPLY = [4, 16]
 #: ``comm_bytes_per_axis``'s keys as the mesh names them here.
 AXIS_OF_THEORY = {"shard": "data"}
 
@@ -136,7 +137,6 @@ def measure(step: Any, state: Any, batch: Any, *, hbm: float, prefetch: int = 1)
         "layers_alive": r.layers.max_alive if r.layers else None,
         "violations": [v.kind for v in r.violations],
         "unroll_layers": zj.measure.schedule_for(step.policy).unroll_layers,
-        "schedule": tpu_schedule(),
         "num_params": r.num_params,
         "state_GiB": sum(r.state_bytes.values()) / GiB,
     }  # fmt: skip
@@ -155,18 +155,26 @@ RENDER_ONLY: list[bool] = []
 STAGE_FILTER: dict[str, list[str]] = {}
 
 
+#: Switches only ``apply_layers``' program reads: a row of another variant is not measured again for them.
+BLOCKS_ONLY = ("prefetch_blocks",)
+
+
 @functools.cache
-def tpu_schedule() -> str:
-    """A fingerprint of the schedule zero_jax compiles with on TPU (``zj.measure.schedule_for``, no trial): a
-    row measured under another one is measured again, or (not measured again) marked ``*`` in the tables."""
+def tpu_schedule(blocks: bool) -> str:
+    """A fingerprint of the schedule zero_jax compiles with on TPU (``zj.measure.schedule_for``, no trial), of
+    the switches that touch a row's program (``blocks``: an ``apply_layers`` row): a row measured under another
+    one is measured again, or (not measured again) marked ``*`` in the tables."""
     policy = zj.ZeroPolicy(3, zj.topology_mesh("v5p:2x2x2"))
     with zj.measure.trying_schedule():
-        return hashlib.sha1(repr(zj.measure.schedule_for(policy)).encode()).hexdigest()[:10]
+        schedule = zj.measure.schedule_for(policy)
+    fields = [f for f in schedule._fields if blocks or f not in BLOCKS_ONLY]
+    text = f"Schedule({', '.join(f'{f}={getattr(schedule, f)!r}' for f in fields)})"  # the NamedTuple's repr
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
-def stale(row: dict[str, Any]) -> bool:
-    """Whether a row was measured under an older TPU schedule than today's (:func:`tpu_schedule`)."""
-    return "compile_s" in row and row.get("schedule") != tpu_schedule()
+def stale(row: dict[str, Any], variant: str) -> bool:
+    """Whether a row of ``variant`` was measured under an older TPU schedule than today's (:func:`tpu_schedule`)."""
+    return "compile_s" in row and row.get("schedule") != tpu_schedule("3/apply" in variant)
 
 
 def cached(key: str, compute: Any, refresh: bool = True) -> dict[str, Any]:
@@ -175,8 +183,8 @@ def cached(key: str, compute: Any, refresh: bool = True) -> dict[str, Any]:
     measured yet are marked missing and left out of the tables, stale rows kept)."""
     if key not in ROWS and RENDER_ONLY:
         return {"missing": True}
-    if key not in ROWS or (stale(ROWS[key]) and refresh and not RENDER_ONLY):
-        ROWS[key] = compute()
+    if key not in ROWS or (stale(ROWS[key], key) and refresh and not RENDER_ONLY):
+        ROWS[key] = compute() | {"schedule": tpu_schedule("3/apply" in key)}
         if ROWS_FILE:
             ROWS_FILE[0].write_text(json.dumps(ROWS, indent=1, default=str))
     return dict(ROWS[key])
@@ -200,9 +208,7 @@ def stages(quick: bool, log: Any) -> list[dict[str, Any]]:
                 continue  # an 8B model at N = 8: stages 1-2 hold 2x the parameters on one chip; shown at 64+
             if topology.startswith("v5e") and model == "1B":
                 variants = ["1", "3/scan", "3/apply"] if tpu.num_chips <= 8 else ["1", "3/scan"]
-            # apply_layers also with prefetch=0: on TPU its blocks' in-place gathers overlap as the prefetch does.
-            runs = [(v, 1) for v in variants] + ([("3/apply", 0)] if "3/apply" in variants else [])
-            for variant, prefetch in runs:
+            for variant, prefetch in [(v, 1) for v in variants]:
                 if variant == "3/apply" and tpu.num_chips > 8:
                     continue  # the unrolled program: shown on the 8-chip slices (its compile grows with depth)
                 cfg = config(model, quick)
@@ -227,9 +233,8 @@ def depth(quick: bool, log: Any) -> list[dict[str, Any]]:
     rows = []
     topology = "v5p:2x2x2"
     mesh, tpu = zj.topology_mesh(topology), zj.tpu_slice(topology)
-    # The unrolled program (apply_layers) compiles for tens of minutes at dim 1024 here (depth 4: > 11 min on
-    # 2 loaded cores), so its series runs at dim 512; the scanned one compiles in minutes at any depth.
-    series = {"3/scan": (1024, DEPTHS_SCAN), "1": (1024, [16, 32]), "3/apply": (512, [4, 8]), "1 ": (512, [8])}
+    # The unrolled program (apply_layers) compiles in minutes at depth 16 (the scanned one at any depth).
+    series = {"3/scan": (1024, DEPTHS_SCAN), "1": (1024, [16, 32]), "3/apply": (1024, DEPTHS_APPLY)}
     for label, (dim, ds) in series.items():
         variant = label.strip()
         for d in ds if not quick else ds[:2]:
@@ -293,40 +298,49 @@ def _tpu_options() -> dict[str, str]:
     return dict(step.compiler_options or {})
 
 
+#: The GSPMD comparison's models and slices: the 1B class (the stages table's) on 8 and 64 chips, and a small
+#: model (dim 1024, depth 8) whose vocabulary-sized embedding and head are 40% of its parameters.
+GSPMD_CASES = [("1B", "v5p:2x2x2"), ("1B", "v5p:4x4x4"), ("dim 1024 depth 8", "v5p:2x2x2")]
+GSPMD_SMALL = dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024)
+
+
 def gspmd(quick: bool, log: Any) -> list[dict[str, Any]]:
-    topology = "v5p:2x2x2"
-    mesh = zj.topology_mesh(topology, axis_types=(jax.sharding.AxisType.Auto,))  # plain jit: the compiler's axes
-    tpu = zj.tpu_slice(topology)
-    cfg = TransformerConfig(**(dict(vocab=32000, dim=1024, depth=8, heads=16, seq=1024) if not quick
-                               else dict(vocab=512, dim=256, depth=4, heads=4, seq=64)))  # fmt: skip
     rows = []
-    # The cross-entropy as optax's integer-label one picks the targets (take_along_axis: its backward is a
-    # scatter), and with a one-hot mask (elementwise): the same bits, other buffers (make_loss_fn's docstring).
-    for one_hot, labels in ((False, "take_along_axis"), (True, "one-hot")):
-        log(f"gspmd recipe, {labels} labels")
+    for model, topology in GSPMD_CASES:
+        mesh = zj.topology_mesh(topology, axis_types=(jax.sharding.AxisType.Auto,))  # plain jit: the compiler's axes
+        tpu = zj.tpu_slice(topology)
+        cfg = config(model, quick) if model in MODELS else TransformerConfig(
+            **(GSPMD_SMALL if not quick else dict(vocab=512, dim=256, depth=4, heads=4, seq=64)))  # fmt: skip
+        # The cross-entropy as optax's integer-label one picks the targets (take_along_axis: its backward is a
+        # scatter), and with a one-hot mask (elementwise): the same bits, other buffers (make_loss_fn's docstring).
+        for one_hot, labels in ((False, "take_along_axis"), (True, "one-hot")):
+            log(f"gspmd {model} {topology}, {labels} labels")
 
-        def recipe(one_hot: bool = one_hot) -> dict[str, Any]:
-            jitted, (p, o), batch = gspmd_step(mesh, cfg, one_hot)
-            t = time.perf_counter()
-            compiled, text, allocated, peak = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
-            colls = zj.measure.parse_collectives(text, mesh.size)
-            return {"compile_s": round(time.perf_counter() - t, 1), "allocated_GiB": allocated / GiB,
-                    "peak_est_GiB": zj.measure.memory(compiled)["peak"] / GiB,
-                    "live_peak_GiB": peak.bytes / GiB if peak is not None and peak.bytes else None,
-                    "comm_MiB": zj.measure.ring_bytes(colls) / MiB,
-                    "kinds": {k: v["count"] for k, v in zj.measure.summarize(colls).items()}}  # fmt: skip
+            def recipe(one_hot: bool = one_hot, mesh: Any = mesh, cfg: TransformerConfig = cfg) -> dict[str, Any]:
+                jitted, (p, o), batch = gspmd_step(mesh, cfg, one_hot)
+                t = time.perf_counter()
+                compiled, text, allocated, peak = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
+                colls = zj.measure.parse_collectives(text, mesh.size)
+                state = sum(a.size * a.dtype.itemsize / mesh.size for a in jax.tree.leaves((p, o)))
+                return {"compile_s": round(time.perf_counter() - t, 1), "allocated_GiB": allocated / GiB,
+                        "peak_est_GiB": zj.measure.memory(compiled)["peak"] / GiB,
+                        "live_peak_GiB": peak.bytes / GiB if peak is not None and peak.bytes else None,
+                        "comm_MiB": zj.measure.ring_bytes(colls) / MiB, "state_GiB": state / GiB,
+                        "kinds": {k: v["count"] for k, v in zj.measure.summarize(colls).items()}}  # fmt: skip
 
-        suffix = " one-hot" if one_hot else ""
-        rec = {"variant": "GSPMD FSDP (jax.jit)", "labels": labels} | cached(
-            f"gspmd recipe {cfg.dim} {cfg.depth}{suffix}", recipe)
-        zero = {"variant": "zero_jax stage 3 scan_layers", "labels": labels} | cached(
-            f"gspmd zero {cfg.dim} {cfg.depth}{suffix}",
-            lambda one_hot=one_hot: measure(*build(mesh, "3/scan", cfg, one_hot_labels=one_hot),
-                                            hbm=tpu.hbm_per_device))  # fmt: skip
-        rec["theory_MiB"] = zero["theory_MiB"]
-        rec["comm_over_theory"] = rec["comm_MiB"] / zero["theory_MiB"]
-        log("  " + json.dumps({k: rec[k] for k in ("allocated_GiB", "comm_over_theory")}))
-        rows += [rec, zero]
+            # The rows of the small model keep their keys of the runs before the 1B class joined the section.
+            case = f"{cfg.dim} {cfg.depth}" + ("" if model not in MODELS else f" {topology}")
+            suffix = " one-hot" if one_hot else ""
+            head = {"model": model, "slice": topology, "chips": tpu.num_chips, "labels": labels}
+            rec = head | {"variant": "GSPMD FSDP (jax.jit)"} | cached(f"gspmd recipe {case}{suffix}", recipe)
+            zero = head | {"variant": "zero_jax stage 3 scan_layers"} | cached(
+                f"gspmd zero {case}{suffix}",
+                lambda one_hot=one_hot, mesh=mesh, cfg=cfg, tpu=tpu: measure(
+                    *build(mesh, "3/scan", cfg, one_hot_labels=one_hot), hbm=tpu.hbm_per_device))  # fmt: skip
+            rec["theory_MiB"] = zero["theory_MiB"]
+            rec["comm_over_theory"] = rec["comm_MiB"] / zero["theory_MiB"]
+            log("  " + json.dumps({k: rec[k] for k in ("allocated_GiB", "comm_over_theory")}))
+            rows += [rec, zero]
     return rows
 
 
@@ -343,6 +357,8 @@ def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
         "libtpu default options": ({"compiler_options": {}}, {}),
         "scan prefetch carried across trips": ({"prefetch_across_trips": True}, {}),
         "scan unrolled by 4": ({"unroll_layers": 4}, {}),
+        # apply_layers issuing block i + 1's gather when block i starts (off on TPU: each block in place).
+        "blocks prefetched": ({"prefetch_blocks": True}, {}),
         # Each norm scale and bias its own gather (every leaf apart): the latency-bound gathers feeding
         # elementwise ops, which the TPU compiler keeps synchronous even with its loop-fusion option.
         "small leaves apart": ({"together_bytes": 0}, {}),
@@ -361,6 +377,8 @@ def overlap(quick: bool, log: Any) -> list[dict[str, Any]]:
                 # (apply_layers at dim 512: one vector a block is cut, the rest are under min_shard_size: none join)
                 scan_only = ("backward prefetch all at once", "small leaves apart")
                 if variant == "3/apply" and (name.startswith("scan") or "unrolled" in name or name in scan_only):
+                    continue
+                if variant == "3/scan" and name == "blocks prefetched":
                     continue
                 log(f"overlap {variant} dim={cfg.dim} L={cfg.depth} prefetch={prefetch} {name}")
 
@@ -489,12 +507,24 @@ def table(results: dict[str, Any]) -> list[str]:
                        f"{r['comm_over_theory']:>8.3f}")  # fmt: skip
         out += depth_verdicts(results["depth"])
     if results.get("gspmd"):
-        out += ["", "== GSPMD FSDP recipe against zero_jax layer-wise stage 3 (v5p 8 chips; live = XLA's live peak)"]
-        for r in results["gspmd"]:
-            live = r.get("live_peak_GiB")
-            out.append(f"{r['variant']:<29} {r.get('labels', 'take_along_axis'):<16} labels: allocated "
-                       f"{r['allocated_GiB']:.3f} GiB, live {'-' if live is None else f'{live:.3f}'} GiB, comm "
-                       f"{r['comm_MiB']:.1f} MiB = {r['comm_over_theory']:.3f} x theory")  # fmt: skip
+        out += ["", "== GSPMD FSDP recipe against zero_jax layer-wise stage 3 (live = XLA's live peak; state = the "
+                "arrays kept between steps: the recipe keeps fp32 parameters and Adam and casts a bf16 copy each step, "
+                "zero_jax also keeps ZeRO's bf16 compute copy, 2 bytes/parameter/N)"]
+        rows = results["gspmd"]
+        for r in rows:
+            live, state = r.get("live_peak_GiB"), r.get("state_GiB")
+            out.append(f"{r.get('model', 'dim 1024 depth 8'):<17} {r.get('slice', 'v5p:2x2x2'):<10} "
+                       f"{r['variant']:<29} {r.get('labels', 'take_along_axis'):<16} allocated "
+                       f"{r['allocated_GiB']:.3f} GiB, live {'-' if live is None else f'{live:.3f}'} GiB, state "
+                       f"{'-' if state is None else f'{state:.3f}'} GiB, comm {r['comm_MiB']:.1f} MiB = "
+                       f"{r['comm_over_theory']:.3f} x theory")  # fmt: skip
+        for rec, zero in zip(rows[::2], rows[1::2], strict=True):
+            ratios = {k: zero[k] / rec[k] for k in ("allocated_GiB", "live_peak_GiB", "comm_MiB")
+                      if zero.get(k) and rec.get(k)}  # fmt: skip
+            out.append(f"  {rec.get('model', 'dim 1024 depth 8')} {rec.get('slice', 'v5p:2x2x2')} "
+                       f"{rec.get('labels')}: zero_jax / recipe: allocated {ratios.get('allocated_GiB', 0):.2f}x, "
+                       f"live {ratios.get('live_peak_GiB', 0):.2f}x, comm {ratios.get('comm_MiB', 0):.2f}x "
+                       f"({'each' if max(ratios.values()) <= 1 else 'NOT each'} <= 1)")  # fmt: skip
     if results.get("overlap"):
         out += ["", "== overlap and the schedule's tricks (v5p 8 chips; scan dim 1024 depth 8, apply dim 512 depth 4)",
                 f"{'variant':<8} {'pf':>2} {'trial':<36} {'alloc GiB':>10} {'overlap':>8} {'by bytes':>8} {'alive':>6}"]
@@ -519,8 +549,8 @@ def table(results: dict[str, Any]) -> list[str]:
                 out.append(f"{'':<34} MiB per axis measured/theory: {per}")
     if any(_variant(r).endswith("*") for rows in results.values() if isinstance(rows, list) for r in rows
            if isinstance(r, dict) and "variant" in r):  # fmt: skip
-        out += ["", "* measured under an older TPU schedule than zero_jax compiles with now (before libtpu's "
-                "loop-fusion option and a layer's small leaves joined in one gather): not measured again this time"]
+        out += ["", "* measured under an older TPU schedule than zero_jax compiles with now (zj.measure.schedule_for): "
+                "not measured again this time"]
     if results.get("largest"):
         out += ["", "== largest model that fits one v5p chip (95 GiB): model_state_bytes + measured activations"]
         for r in results["largest"]:
@@ -531,7 +561,7 @@ def table(results: dict[str, Any]) -> list[str]:
 
 def _variant(row: dict[str, Any]) -> str:
     """A row's variant, marked "*" where it was measured under an older TPU schedule (:func:`stale`)."""
-    return row["variant"] + ("*" if stale(row) else "")
+    return row["variant"] + ("*" if stale(row, row["variant"]) else "")
 
 
 def _fraction(value: float | None) -> str:
