@@ -208,20 +208,19 @@ def stages(quick: bool, log: Any) -> list[dict[str, Any]]:
                 continue  # an 8B model at N = 8: stages 1-2 hold 2x the parameters on one chip; shown at 64+
             if topology.startswith("v5e") and model == "1B":
                 variants = ["1", "3/scan", "3/apply"] if tpu.num_chips <= 8 else ["1", "3/scan"]
-            for variant, prefetch in [(v, 1) for v in variants]:
+            for variant in variants:
                 if variant == "3/apply" and tpu.num_chips > 8:
                     continue  # the unrolled program: shown on the 8-chip slices (its compile grows with depth)
                 cfg = config(model, quick)
-                key = f"stages {model} {topology} {variant}" + (" prefetch 0" if prefetch == 0 else "")
+                key = f"stages {model} {topology} {variant}"
                 asked = all(v in STAGE_FILTER.get(k, [v]) for k, v in
                             (("model", model), ("slice", topology), ("variant", variant)))  # fmt: skip
                 if key not in ROWS and not asked:
                     continue  # not asked for this run, and not measured before
-                log(f"stages {model} {label} {variant} prefetch {prefetch}")
-                row = {"model": model, "slice": label, "topology": topology, "variant": variant, "prefetch": prefetch,
+                log(f"stages {model} {label} {variant}")
+                row = {"model": model, "slice": label, "topology": topology, "variant": variant,
                        "params": cfg.num_params(), "chips": tpu.num_chips}  # fmt: skip
-                row |= cached(key, lambda: measure(*build(mesh, variant, cfg, prefetch=prefetch),  # noqa: B023
-                                                   hbm=tpu.hbm_per_device, prefetch=prefetch),  # noqa: B023
+                row |= cached(key, lambda: measure(*build(mesh, variant, cfg), hbm=tpu.hbm_per_device),  # noqa: B023
                               refresh=asked)  # a row measured under an older schedule stays, marked, unless asked
                 rows.append(row)
                 log("  " + json.dumps({k: row[k] for k in ("allocated_GiB", "fits", "comm_over_theory")
@@ -490,7 +489,7 @@ def table(results: dict[str, Any]) -> list[str]:
                            f"{'refused by libtpu (HBM)':>28}   {r['refused'][:60]}")  # fmt: skip
                 continue
             ct = r["compiled_MiB"] / r["theory_MiB"] if r.get("compiled_MiB") and r["theory_MiB"] else float("nan")
-            name = _variant(r) + (" pf0" if r.get("prefetch") == 0 else "")
+            name = _variant(r)
             out.append(f"{r['model']:<5} {r['slice']:<14} {name:<11} {r['params'] / 1e9:>7.2f}B "
                        f"{r['allocated_GiB']:>10.2f} {r['peak_est_GiB']:>8.2f} {'yes' if r['fits'] else 'NO':>5} "
                        f"{r['comm_over_theory']:>8.3f} {ct:>11.3f} {r['gather_overlap'] or 0:>8.2f} "
@@ -513,16 +512,15 @@ def table(results: dict[str, Any]) -> list[str]:
         rows = results["gspmd"]
         for r in rows:
             live, state = r.get("live_peak_GiB"), r.get("state_GiB")
-            out.append(f"{r.get('model', 'dim 1024 depth 8'):<17} {r.get('slice', 'v5p:2x2x2'):<10} "
-                       f"{r['variant']:<29} {r.get('labels', 'take_along_axis'):<16} allocated "
+            out.append(f"{r['model']:<17} {r['slice']:<10} {r['variant']:<29} {r['labels']:<16} allocated "
                        f"{r['allocated_GiB']:.3f} GiB, live {'-' if live is None else f'{live:.3f}'} GiB, state "
                        f"{'-' if state is None else f'{state:.3f}'} GiB, comm {r['comm_MiB']:.1f} MiB = "
                        f"{r['comm_over_theory']:.3f} x theory")  # fmt: skip
         for rec, zero in zip(rows[::2], rows[1::2], strict=True):
             ratios = {k: zero[k] / rec[k] for k in ("allocated_GiB", "live_peak_GiB", "comm_MiB")
                       if zero.get(k) and rec.get(k)}  # fmt: skip
-            out.append(f"  {rec.get('model', 'dim 1024 depth 8')} {rec.get('slice', 'v5p:2x2x2')} "
-                       f"{rec.get('labels')}: zero_jax / recipe: allocated {ratios.get('allocated_GiB', 0):.2f}x, "
+            out.append(f"  {rec['model']} {rec['slice']} {rec['labels']}: zero_jax / recipe: allocated "
+                       f"{ratios.get('allocated_GiB', 0):.2f}x, "
                        f"live {ratios.get('live_peak_GiB', 0):.2f}x, comm {ratios.get('comm_MiB', 0):.2f}x "
                        f"({'each' if max(ratios.values()) <= 1 else 'NOT each'} <= 1)")  # fmt: skip
     if results.get("overlap"):
