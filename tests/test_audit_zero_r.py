@@ -127,7 +127,7 @@ def test_collectives_per_block_from_the_post_spmd_program(backend: str) -> None:
     assert "largest communication buffer (post-SPMD): 128.00 KiB, all-gather" in str(report)
 
 
-def test_the_tpu_compiler_combines_a_blocks_gradient_reductions_into_one_larger_buffer() -> None:
+def test_the_tpu_compiler_combines_gradient_reductions_of_two_blocks_into_one_larger_buffer() -> None:
     buffers = audited("tpu").buffers
     compiled = buffers.largest(_report.COMPILED)
     # v5p (each block gathered in place): block 1's second reduce-scatter deferred and done with both of block
