@@ -115,12 +115,13 @@ from here.
     optimization barrier in the forward pass only). Unheld, the TPU compiler
     finishes each copy only when the backward pass needs it, so the inputs
     stay in HBM through the forward pass and some never leave (the reference
-    transformer, depth 16, vocab 32000, blocks prefetched: 38% reach host
-    memory, the live peak unchanged); held one block later, all of them leave
-    and the live peak falls by 90% of their bytes (96% with the blocks
-    gathered in place; the allocation by 22%, 9% in place: the buffer
-    assignment packs around them; with vocab 512 at depth 4 it falls by 50%
-    where unheld it fell by 104%, ``benchmarks/results/offload_activations_apply*.txt``).
+    transformer, depth 16, vocab 32000: 38% reach host memory, the live peak
+    unchanged); held one block later, all of them leave and the live peak
+    falls by 96% of their bytes (the allocation by 9%: the buffer assignment
+    packs around them; at vocab 512, depth 4, the allocation falls by 11%
+    held and 38% unheld, the live peak by 38% in both;
+    ``benchmarks/results/offload_activations_apply*.txt``, each block
+    gathered in place; prefetched, held: 90% and 22%).
     Off on XLA:CPU, whose lowering drops the moves. ``scan_layers`` needs
     nothing: its loop writes each trip's input into a host buffer.
 ``compiler_options``
