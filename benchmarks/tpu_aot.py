@@ -160,10 +160,12 @@ BLOCKS_ONLY = ("prefetch_blocks",)
 
 
 @functools.cache
-def tpu_schedule(blocks: bool) -> str:
+def tpu_schedule(name: str) -> str:
     """A fingerprint of the schedule zero_jax compiles with on TPU (``zj.measure.schedule_for``, no trial), of
-    the switches that touch a row's program (``blocks``: an ``apply_layers`` row): a row measured under another
-    one is measured again, or (not measured again) marked ``*`` in the tables."""
+    the switches that touch the program of a row named ``name`` (its key or variant; ``BLOCKS_ONLY`` for an
+    ``apply_layers`` row): a row measured under another one is measured again, or (not measured again) marked
+    ``*`` in the tables."""
+    blocks = "3/apply" in name
     policy = zj.ZeroPolicy(3, zj.topology_mesh("v5p:2x2x2"))
     with zj.measure.trying_schedule():
         schedule = zj.measure.schedule_for(policy)
@@ -174,7 +176,7 @@ def tpu_schedule(blocks: bool) -> str:
 
 def stale(row: dict[str, Any], variant: str) -> bool:
     """Whether a row of ``variant`` was measured under an older TPU schedule than today's (:func:`tpu_schedule`)."""
-    return "compile_s" in row and row.get("schedule") != tpu_schedule("3/apply" in variant)
+    return "compile_s" in row and row.get("schedule") != tpu_schedule(variant)
 
 
 def cached(key: str, compute: Any, refresh: bool = True) -> dict[str, Any]:
@@ -184,7 +186,7 @@ def cached(key: str, compute: Any, refresh: bool = True) -> dict[str, Any]:
     if key not in ROWS and RENDER_ONLY:
         return {"missing": True}
     if key not in ROWS or (stale(ROWS[key], key) and refresh and not RENDER_ONLY):
-        ROWS[key] = compute() | {"schedule": tpu_schedule("3/apply" in key)}
+        ROWS[key] = compute() | {"schedule": tpu_schedule(key)}
         if ROWS_FILE:
             ROWS_FILE[0].write_text(json.dumps(ROWS, indent=1, default=str))
     return dict(ROWS[key])
@@ -234,8 +236,7 @@ def depth(quick: bool, log: Any) -> list[dict[str, Any]]:
     mesh, tpu = zj.topology_mesh(topology), zj.tpu_slice(topology)
     # The unrolled program (apply_layers) compiles in minutes at depth 16 (the scanned one at any depth).
     series = {"3/scan": (1024, DEPTHS_SCAN), "1": (1024, [16, 32]), "3/apply": (1024, DEPTHS_APPLY)}
-    for label, (dim, ds) in series.items():
-        variant = label.strip()
+    for variant, (dim, ds) in series.items():
         for d in ds if not quick else ds[:2]:
             cfg = TransformerConfig(depth=d, vocab=32000, dim=dim, heads=16, seq=1024) if not quick else (
                 TransformerConfig(depth=d, vocab=512, dim=256, heads=4, seq=64))  # fmt: skip
