@@ -357,6 +357,41 @@ def test_a_start_done_pair_with_compute_between_is_overlapped() -> None:
     assert (c.shape, c.bytes, c.ring_bytes) == ((1024, 1024), 4 * 2**20, 4.0 * 2**20)
 
 
+# libtpu 0.0.52, v5p, the schedule's SparseCore all-gather offload (TPU_SPARSECORE_ALL_GATHER): the gather runs on
+# the SparseCores (custom-call-start / -update / -done, the collective in its called computation) while the
+# TensorCore runs a fusion. libtpu shares one called computation among same-shaped offloads (named for the first):
+# the done names the gather. Sync state tuples trimmed to one s32.
+SPARSECORE = hlo(
+    "%called_computation.15 (param_0.1548: bf16[64,256]) -> bf16[512,256] {",
+    "  %param_0.1548 = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(0)",
+    f"  ROOT %all-gather.72 = bf16[512,256]{{1,0:T(8,128)(2,1)}} all-gather(%param_0.1548), channel_id=1, {GROUP}, "
+    'dimensions={0}, metadata={op_name="jit(_step)/shard_map/jvp(zj_block0_gather)/all_gather"}',
+    '}, execution_thread="sparsecore"',
+    "ENTRY %main.7_spmd (param.1: bf16[64,256], param.2: f32[8,256]) -> f32[8,256] {",
+    "  %param.1 = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(0)",
+    "  %param.2 = f32[8,256]{1,0:T(8,128)} parameter(1)",
+    '  %all-gather.47.call-start = ((), (), (s32[8]{0})) custom-call-start(), async_execution_thread="sparsecore", '
+    'custom_call_target="sc", called_computations={%called_computation.15}',
+    "  %all-gather.47.call-update = ((bf16[64,256]{1,0}), bf16[512,256]{1,0}, (s32[8]{0})) "
+    "custom-call-update(%all-gather.47.call-start, %param.1)",
+    "  %fusion.1 = f32[8,256]{1,0:T(8,128)} fusion(%param.2), kind=kLoop, calls=%fused_computation.1",
+    "  %all-gather.47.call-done = bf16[512,256]{1,0:T(8,128)(2,1)} custom-call-done(%all-gather.47.call-update), "
+    'metadata={op_name="jit(_step)/shard_map/jvp(zj_block1_gather)/all_gather"}',
+    "  ROOT %fusion.2 = f32[8,256]{1,0:T(8,128)} fusion(%fusion.1, %all-gather.47.call-done), kind=kOutput, "
+    "calls=%fused_computation.2",
+    "}",
+)
+
+
+def test_a_collective_offloaded_to_sparsecore_is_one_async_all_gather_overlapped_with_the_fusion_beside_it() -> None:
+    (c,) = measure.read_compiled(SPARSECORE, 8).collectives
+    assert (c.kind, c.op, c.spelling, c.done, c.compute, c.overlapped) == (
+        "all-gather", "all-gather", _compiled.OFFLOADED, "all-gather.47.call-done", 1, True,
+    )  # fmt: skip
+    assert (c.shape, c.bytes, c.ring_bytes) == ((512, 256), 512 * 256 * 2, 7 / 8 * 512 * 256 * 2)
+    assert c.op_name.endswith("zj_block1_gather)/all_gather")
+
+
 def test_overlap_counts_layer_gathers_exposed_when_synchronous_and_overlapped_when_async() -> None:
     policy = zj.ZeroPolicy(3, jax.make_mesh((8,), ("data",)))
     overlapped = _schedule.layer_overlap(measure.read_compiled(CONTINUATION, 8), [], policy)
@@ -415,12 +450,13 @@ def audited(case: str) -> zj.AuditReport:
     """One audit per case, compiled once for the whole file. A zero_jax step on TPU compiles with the
     schedule's options (libtpu's async all-gather); "libtpu defaults" builds it without them."""
     if case.endswith("libtpu defaults"):
-        without = {"tpu": zj_schedule.MEASURED["tpu"]._replace(compiler_options=())}
+        entries = zj_schedule.MEASURED["tpu"]
+        without = {"tpu": tuple(e._replace(compiler_options=(), fallback_options=()) for e in entries)}
         with mock.patch.dict(zj_schedule.MEASURED, without):
             return audited.__wrapped__(case.removesuffix(" libtpu defaults"))
     if case.endswith("gathers as all-reduces"):  # the schedule's options less the one that keeps gathers gathers
         options = tuple(o for o in zj_schedule.TPU_ASYNC_ALL_GATHER if o[0] != PREFER_ALL_GATHER)
-        fewer = {"tpu": zj_schedule.MEASURED["tpu"]._replace(compiler_options=options)}
+        fewer = {"tpu": tuple(e._replace(compiler_options=options) for e in zj_schedule.MEASURED["tpu"])}
         with mock.patch.dict(zj_schedule.MEASURED, fewer):
             return audited.__wrapped__(case.removesuffix(" gathers as all-reduces"))
     topology, stage, depth, scan, options, grads = {

@@ -10,7 +10,16 @@ import numpy as np
 from _models import make_mesh
 
 import zero_jax as zj
-from zero_jax._layerwise.schedule import MEASURED, Schedule, schedule_for, tie
+from zero_jax._base.toolchain import compiler_version, parse_version, version_text
+from zero_jax._layerwise.schedule import (
+    MEASURED,
+    Schedule,
+    accepted_options,
+    entry_for,
+    read_only_options,
+    schedule_for,
+    tie,
+)
 
 
 def test_the_tie_changes_no_bit() -> None:
@@ -41,8 +50,41 @@ def test_each_trick_switches_off_alone() -> None:
 
 def test_a_backend_not_measured_gets_the_cpu_schedule() -> None:
     policy = zj.ZeroPolicy(3, make_mesh(8))
-    assert schedule_for(policy) == MEASURED["cpu"]._replace(backend="cpu")
-    assert set(MEASURED) >= {"cpu"}
+    running = compiler_version("cpu")[1]
+    entry = entry_for("cpu", running)
+    assert schedule_for(policy) == entry._replace(backend="cpu", running=f"jaxlib {version_text(running)}")
+    assert set(MEASURED) >= {"cpu", "tpu"}
+    assert entry_for("gpu", running) == entry  # a backend without entries: XLA:CPU's
+
+
+def test_the_entry_of_the_running_compiler_or_the_nearest() -> None:
+    """Each backend's entries are keyed by compiler version: the running version's, else the nearest older
+    one, else the oldest; a schedule built on a version without its own entry says which it took."""
+    for backend, entries in MEASURED.items():
+        versions = sorted(parse_version(e.compiler.split()[-1]) for e in entries)
+        assert len(set(versions)) == len(versions), backend  # one entry per version
+        for v in versions:
+            assert parse_version(entry_for(backend, v).compiler.split()[-1]) == v
+        assert parse_version(entry_for(backend, (*versions[-1], 9)).compiler.split()[-1]) == versions[-1]
+        assert parse_version(entry_for(backend, (0,)).compiler.split()[-1]) == versions[0]
+    nearest = entry_for("tpu", (0, 0, 50, 1))._replace(running="libtpu 0.0.50.1")
+    assert nearest.nearest and "running libtpu 0.0.50.1: the nearest entry" in nearest.describe()
+
+
+def test_options_the_compiler_refuses_are_left_out() -> None:
+    """An option set the running compiler refuses (here an option XLA:CPU does not know) is never the reason
+    a step fails: the next set is taken (or none), and the refusal is said; the read-only options are each
+    kept only where accepted (jaxlib 0.12 has no xla_cpu_use_fusion_emitters)."""
+    devices = jax.devices()
+    unknown = (("xla_zero_jax_no_such_option", "true"),)
+    known = (("xla_backend_optimization_level", "0"),)
+    options, refused = accepted_options(devices, (unknown, known))
+    assert options == known and len(refused) == 1 and "xla_zero_jax_no_such_option" in refused[0]
+    assert accepted_options(devices, (unknown,)) == ((), refused)
+    read_only = read_only_options(devices)
+    assert read_only["xla_backend_optimization_level"] == 0
+    assert set(read_only) <= {name for name, _ in entry_for("cpu", compiler_version("cpu")[1]).read_only_options}
+    jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options=read_only)  # all accepted
 
 
 def test_a_trial_replaces_the_compiler_options() -> None:
@@ -51,7 +93,7 @@ def test_a_trial_replaces_the_compiler_options() -> None:
     policy = zj.ZeroPolicy(3, make_mesh(8), bucket_bytes="1MiB")
     with zj.measure.trying_schedule(compiler_options={"xla_example_option": "true"}):
         assert schedule_for(policy).compiler_options == (("xla_example_option", "true"),)
-    assert schedule_for(policy).compiler_options == MEASURED["cpu"].compiler_options
+    assert schedule_for(policy).compiler_options == entry_for("cpu", compiler_version("cpu")[1]).compiler_options
 
 
 def test_integer_leaves_are_tied_only_when_asked() -> None:
@@ -62,3 +104,21 @@ def test_integer_leaves_are_tied_only_when_asked() -> None:
     np.testing.assert_array_equal(np.asarray(tie(codes, anchor, integers=True)), np.asarray(codes))
     text = str(jax.make_jaxpr(lambda c, a: tie(c, a, integers=True))(codes, anchor))
     assert "or" in text  # the integer zero made from the anchor joins the codes
+
+
+def test_the_audit_says_which_entry_a_step_was_built_with_and_when_it_is_the_nearest() -> None:
+    """A compiler version the seam has no entry for: the nearest entry is used and the audit's report says so."""
+    from unittest import mock
+
+    import optax
+
+    policy = zj.ZeroPolicy(2, make_mesh(8))
+    tx = zj.shard_optimizer(optax.sgd(0.1), policy)
+    state = zj.init_state({"w": jnp.ones((64, 8))}, tx, policy)
+    step = zj.make_train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, policy)
+    batch = jnp.ones((16, 64))
+    own = entry_for("cpu", compiler_version("cpu")[1]).compiler
+    assert f"schedule seam: the cpu entry measured on {own}" in str(zj.audit(step, state, batch))
+    with mock.patch("zero_jax._layerwise.schedule.compiler_version", return_value=("jaxlib", (0, 11, 1))):
+        text = str(zj.audit(step, state, batch))
+    assert "the cpu entry measured on jaxlib 0.10.2 (running jaxlib 0.11.1: the nearest entry)" in text

@@ -6,6 +6,10 @@
 >>> tx = zj.shard_optimizer(optax.adamw(1e-3), policy)
 """
 
+from zero_jax._base.toolchain import check_jax
+
+check_jax()  # before anything else: an unsupported jax says so in one line, with the pip line that fixes it
+
 from zero_jax import adapters, checkpoint, measure
 from zero_jax._audit.audit import audit
 from zero_jax._audit.hlo import Collective

@@ -125,6 +125,7 @@ from zero_jax._audit.violations import (
 )
 from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_any
 from zero_jax._base.units import is_whole_number
+from zero_jax._layerwise.schedule import read_only_options, schedule_for
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.optimizer import frozen_leaves
@@ -211,7 +212,7 @@ def measure_grads(train_step: Any, state: Any, batch: Any, abstract: bool, optio
     """The gradient as the step holds it: the arrays ``train_step.grads``
     returns, or for abstract inputs its compiled output shardings."""
     if hlo.on_cpu((state, batch)):  # only the outputs' shardings and bytes are read
-        options = {**options, **hlo.READ_ONLY_CPU}
+        options = {**options, **read_only_options(jax.devices("cpu"))}
     compiled = jax.jit(train_step.grads).lower(state, batch).compile(compiler_options=options)
     return compiled.out_info if abstract else compiled(state, batch)
 
@@ -436,7 +437,7 @@ def audit(
         min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
         abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
         compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
-        fragmentation=fragmentation, buffers=buffers,
+        fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
     )  # fmt: skip
 
 

@@ -21,6 +21,12 @@ collective it is (:class:`CompiledCollective`):
   and ``xla_enable_async_all_gather=true``, and on v5e for some by default
   (with ``..._fuse_kloop_fusions=true`` a start may read a value another
   collective's steps carry: it starts a collective of its own);
+* a collective *offloaded to SparseCore* (libtpu 0.0.52 on v5p with
+  ``xla_tpu_enable_sparse_core_collective_offload_all_gather=true``): a
+  ``custom-call-start`` (``call-start`` on 0.0.46.3) with
+  ``async_execution_thread="sparsecore"`` whose ``called_computations``
+  hold the collective, then ``custom-call-update`` (reading its operand)
+  and ``custom-call-done``; the TensorCore computes between start and done;
 * a reduce-scatter *done as all-reduce*: an ``all-reduce`` of the whole
   operand whose result feeds a ``dynamic-slice`` (bare or inside a fusion) of
   1/N of it. Pass ``reduce-scatter-decomposer`` does this to every
@@ -69,6 +75,10 @@ KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective
 #: What counts as compute between a collective's start and its done (the overlap read off the schedule).
 COMPUTE_OPS = frozenset({"fusion", "convolution", "dot", "custom-call"})
 SYNC, START_DONE, ASYNC_WRAPPED, CONTINUATION = "synchronous", "start/done", "async-start/done", "continuation fusion"
+OFFLOADED = "offloaded (sparsecore)"
+#: The start / update / done of a collective offloaded to the chip's SparseCores (libtpu 0.0.46+).
+_OFFLOAD_OPS = {"start": ("custom-call-start", "call-start"), "update": ("custom-call-update", "call-update"),
+                "done": ("custom-call-done", "call-done")}  # fmt: skip
 
 _SCHEDULED = re.compile(
     r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
@@ -204,7 +214,7 @@ class CompiledProgram(NamedTuple):
 
 
 def _callee(ins: Instruction, key: str = "calls") -> str | None:
-    m = re.search(rf"\b{key}=%?([\w.\-]+)", ins.attrs)
+    m = re.search(rf"\b{key}=\{{?%?([\w.\-]+)", ins.attrs)
     return m.group(1) if m else None
 
 
@@ -226,9 +236,10 @@ def scheduled_names(comps: Mapping[str, list[Instruction]], entry: str) -> list[
     return out
 
 
-def _inner(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> Instruction | None:
-    """The collective inside a fusion or ``async-start`` (a continuation fusion's clone)."""
-    callee = _callee(ins)
+def _inner(ins: Instruction, comps: Mapping[str, list[Instruction]], key: str = "calls") -> Instruction | None:
+    """The collective inside a fusion or ``async-start`` (a continuation fusion's clone), or (``key``
+    ``called_computations``) a SparseCore offload's."""
+    callee = _callee(ins, key)
     return next((j for j in comps.get(callee or "", []) if j.op in KINDS), None)
 
 
@@ -238,6 +249,9 @@ def _kind(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> tuple[str
         return ins.op, SYNC, ins
     if ins.op.endswith("-start") and ins.op[: -len("-start")] in KINDS:
         return ins.op[: -len("-start")], START_DONE, ins
+    if ins.op in _OFFLOAD_OPS["start"] and "sparsecore" in ins.attrs:
+        inner = _inner(ins, comps, "called_computations") or _inner(ins, comps, "to_apply")
+        return (inner.op, OFFLOADED, inner) if inner is not None else None
     if ins.op in ("async-start", "fusion") and (inner := _inner(ins, comps)) is not None:
         if ins.op == "async-start":
             return inner.op, ASYNC_WRAPPED, inner
@@ -254,7 +268,8 @@ def _chain(ins: Instruction, kind: str, spelling: str, body: list[Instruction],
     if spelling == SYNC:
         return set(), None
     done_name = ins.name.replace(_START, "async-collective-done", 1) if spelling == CONTINUATION else None
-    dones, updates = (f"{kind}-done", "async-done"), (f"{kind}-update", "async-update")
+    dones = (f"{kind}-done", "async-done", *(_OFFLOAD_OPS["done"] if spelling == OFFLOADED else ()))
+    updates = (f"{kind}-update", "async-update", *(_OFFLOAD_OPS["update"] if spelling == OFFLOADED else ()))
     chain, frontier, done = set(), [ins.name], None
     while frontier:
         nxt = []
@@ -404,6 +419,8 @@ def _collective(where: _Where, t: int, found: tuple[str, str, Instruction], comp
         # the op that made its operand.
         borrowed = kind == "all-reduce" and (len(members) > 1 or real == "reduce-scatter")
         mine = _named(source, comps, where.by_name) if borrowed and source is not None else holder.op_name
+        if spelling == OFFLOADED:  # libtpu shares one called computation among same-shaped offloads: its name is one's
+            mine = (done.op_name if done is not None else "") or ins.op_name or holder.op_name
         out.append(CompiledCollective(
             real, kind, spelling, member[0], shape, nbytes, n, where.trips, ins.name, (done or ins).name, where.name,
             t, end, mine or holder.op_name, real != kind, max(steps, 0), compute, i,

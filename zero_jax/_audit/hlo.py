@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from zero_jax._audit.memory import LivePeak, hbm_bytes_from_dump, live_peak_from_dump
+from zero_jax._layerwise.schedule import read_only_options
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {
@@ -253,17 +254,9 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
     return out
 
 
-#: What a program compiled only to be read is compiled with on XLA:CPU (:func:`partitioned_hlo`, whose executable
-#: is thrown away and whose text is taken right after SPMD partitioning, before the backend's own passes; the
-#: audit's gradient program, whose outputs are read for their shardings and bytes only): the cheapest code the
-#: CPU backend emits (LLVM optimisation off, the older loop emitters: about half the compile time; the
-#: partitioned HLO is the same text, the outputs' layouts the same, their values equal to float32 rounding).
-READ_ONLY_CPU = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-
-
 def partitioned_hlo(jitted: Any, *args: Any) -> str:
     """The HLO text right after SPMD partitioning of ``jitted(*args)``."""
-    return compile_with_hlo(jitted.lower(*args), READ_ONLY_CPU if on_cpu(args) else None)[1]
+    return compile_with_hlo(jitted.lower(*args), read_only_options(jax.devices("cpu")) if on_cpu(args) else None)[1]
 
 
 def on_cpu(args: Any) -> bool:

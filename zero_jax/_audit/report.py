@@ -678,6 +678,9 @@ class AuditReport:
         (:class:`CompiledComm`).
       overlap: layer gathers and reductions overlapped with compute in the
         compiled schedule (:class:`Overlap`).
+      schedule: which entry of the schedule seam the step was built with (the
+        running compiler's own or the nearest) and what the compiler refused
+        of its options (``Schedule.describe``).
     """
 
     stage: int
@@ -712,6 +715,7 @@ class AuditReport:
     overlap: Overlap | None = None
     fragmentation: Fragmentation | None = None
     buffers: Buffers | None = None
+    schedule: str = ""
 
     @property
     def ok(self) -> bool:
@@ -824,6 +828,7 @@ class AuditReport:
         lines.extend(self.layers.lines() if self.layers is not None else [])
         lines.extend(self.overlap.lines() if self.overlap is not None else [])
         lines.extend(self.buffers.lines() if self.buffers is not None else [])
+        lines.extend([self.schedule] if self.schedule else [])
         if self.violations:
             lines.append(f"VIOLATIONS ({len(self.violations)}):")
             lines.extend(f"  - {v}" for v in self.violations)

@@ -156,16 +156,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Jaxpr, Literal
 
 from zero_jax._base.jaxpr import called, live_equations
 from zero_jax._base.scoped import Scoped
+from zero_jax._base.toolchain import compiler_version, parse_version, version_text
 from zero_jax._base.tree import PyTree
 from zero_jax._comm.collectives import can_move_together, varying_axes
 from zero_jax._layout.leaf import LeafLayout, is_real_float
@@ -191,6 +194,34 @@ class Schedule(NamedTuple):
     #: A layer's partitioned leaves of at most this many bytes (whole, as stored) move together: one all-gather
     #: and one reduce-scatter per dtype for all of them (0: each leaf its own).
     together_bytes: int = 0
+    #: The compiler (and its version) this entry was measured on, e.g. ``"libtpu 0.0.42.1"``.
+    compiler: str = ""
+    #: Option sets tried in turn when the compiler refuses ``compiler_options`` on a device kind (probed once:
+    #: :func:`accepted_options`); the last resort is none.
+    fallback_options: tuple[tuple[tuple[str, str], ...], ...] = ()
+    #: Options for a program compiled only to be read (the audit's gradient program, ``partitioned_hlo``).
+    read_only_options: tuple[tuple[str, Any], ...] = ()
+    #: Filled in by :func:`schedule_for`: the compiler running here, and what it refused of this entry.
+    running: str = ""
+    refused: tuple[str, ...] = ()
+
+    @property
+    def nearest(self) -> bool:
+        """Whether this entry was measured on another compiler version than the one running (the nearest)."""
+        return bool(self.running) and self.running != self.compiler
+
+    def describe(self) -> str:
+        """One line: which entry of the seam's table a step was built with, and why.
+
+        >>> Schedule("tpu", compiler="libtpu 0.0.46.3", running="libtpu 0.0.52").describe()
+        'schedule seam: the tpu entry measured on libtpu 0.0.46.3 (running libtpu 0.0.52: the nearest entry)'
+        """
+        line = f"schedule seam: the {self.backend} entry measured on {self.compiler or 'no compiler version'}"
+        if self.nearest:
+            line += f" (running {self.running}: the nearest entry)"
+        if self.refused:
+            line += "; refused by the compiler and left out: " + "; ".join(self.refused)
+        return line
 
     def due(self, piece: Any, anchor: Any) -> Any:
         """``piece`` for a gather, computed only once ``anchor`` exists (``tie_gathers``).
@@ -311,12 +342,99 @@ def bucket_options(backend: str, bucket_bytes: int | None) -> tuple[tuple[str, s
     return tuple((name, str(int(bucket_bytes))) for name in BUCKET_OPTIONS.get(backend, ()))
 
 
-#: The schedule of each backend that was measured (see the module docstring).
-MEASURED: dict[str, Schedule] = {
-    "cpu": Schedule("cpu"),
-    "tpu": Schedule("tpu", prefetch_across_trips=False, prefetch_blocks=False, hold_host_copies=1,
-                    compiler_options=TPU_ASYNC_ALL_GATHER, together_bytes=2**16),
+#: libtpu's SparseCore all-gather offload: the gathers run asynchronously on the chip's SparseCores beside the
+#: TensorCores' compute. libtpu 0.0.46.3 and 0.0.52 refuse continuation fusion for all-gathers on every chip but
+#: v5e (``FAILED_PRECONDITION: Continuation fusion for AllGather is enabled on platform viperfish ... not
+#: supported/recommended on platforms other than ...``: v5p, v4, v6e); they accept this set on each (MaxText's v5p
+#: flags offload all-gathers so). Figures: ``benchmarks/results/tpu_aot.txt`` (the libtpu column).
+TPU_SPARSECORE_ALL_GATHER = (
+    ("xla_tpu_enable_sparse_core_collective_offload_all_gather", "true"),
+    ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "false"),
+    ("xla_enable_async_all_gather", "true"),
+    ("xla_tpu_prefer_async_allgather_to_allreduce", "true"),
+)
+
+#: What XLA:CPU compiles a program only to be read with (the audit's gradient program, ``partitioned_hlo``: the
+#: executable is thrown away or its outputs read for shardings and bytes): LLVM optimisation off and, where
+#: jaxlib still has them (0.10.2; 0.12.1 has no such option), the older loop emitters: about half the compile
+#: time; the partitioned HLO is the same text, the outputs' layouts the same, their values equal to float32
+#: rounding.
+CPU_READ_ONLY = (("xla_backend_optimization_level", 0), ("xla_cpu_use_fusion_emitters", False))
+
+#: The schedule of each backend, one entry per compiler version it was measured on (see the module docstring):
+#: :func:`schedule_for` takes the entry of the running version, else the nearest older one (the oldest when the
+#: running one is older than all), and says so (:meth:`Schedule.describe`, printed by ``zj.audit``). Backends
+#: without an entry take XLA:CPU's.
+_TPU = Schedule("tpu", prefetch_across_trips=False, prefetch_blocks=False, hold_host_copies=1,
+                compiler_options=TPU_ASYNC_ALL_GATHER, together_bytes=2**16)  # fmt: skip
+MEASURED: dict[str, tuple[Schedule, ...]] = {
+    "cpu": (
+        Schedule("cpu", compiler="jaxlib 0.10.2", read_only_options=CPU_READ_ONLY),
+        Schedule("cpu", compiler="jaxlib 0.12.1", read_only_options=CPU_READ_ONLY[:1]),
+    ),
+    "tpu": (
+        _TPU._replace(compiler="libtpu 0.0.42.1"),
+        _TPU._replace(compiler="libtpu 0.0.46.3", fallback_options=(TPU_SPARSECORE_ALL_GATHER,)),
+        _TPU._replace(compiler="libtpu 0.0.52", fallback_options=(TPU_SPARSECORE_ALL_GATHER,)),
+    ),
 }
+
+
+def entry_for(backend: str, running: tuple[int, ...]) -> Schedule:
+    """The entry of :data:`MEASURED` for ``backend`` (XLA:CPU's without one) and the running compiler version:
+    the same version, else the nearest older one, else the oldest.
+
+    >>> entry_for("tpu", (0, 0, 52)).compiler, entry_for("tpu", (0, 0, 50, 1)).compiler
+    ('libtpu 0.0.52', 'libtpu 0.0.46.3')
+    >>> entry_for("tpu", (0, 0, 30)).compiler, entry_for("gpu", (0, 12, 1)).compiler
+    ('libtpu 0.0.42.1', 'jaxlib 0.12.1')
+    """
+    entries = sorted(MEASURED.get(backend) or MEASURED["cpu"], key=lambda e: parse_version(e.compiler.split()[-1]))
+    older = [e for e in entries if parse_version(e.compiler.split()[-1]) <= running]
+    return older[-1] if older else entries[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _refusal(devices: tuple[Any, ...], options: tuple[tuple[str, Any], ...]) -> str | None:
+    """The first line of the compiler's refusal of ``options`` for a small program that all-gathers over
+    ``devices`` (one all-gather: what the TPU options steer), or None when it compiles."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("probe",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("probe"))
+    probe = jax.ShapeDtypeStruct((8 * len(devices), 128), jnp.float32, sharding=sharded)
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    lowered = jax.jit(lambda x: x * 2, out_shardings=whole).lower(probe)
+    try:
+        lowered.compile(compiler_options=dict(options))
+    except Exception as e:  # any refusal: the option set is not for this compiler and chip
+        return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return None
+
+
+def accepted_options(
+    devices: Sequence[Any], candidates: Sequence[tuple[tuple[str, Any], ...]]
+) -> tuple[tuple[tuple[str, Any], ...], tuple[str, ...]]:
+    """The first option set of ``candidates`` the compiler accepts for ``devices`` (probed once per device
+    set and option set), else none; and the refusals met on the way (what the audit reports)."""
+    refused = []
+    for options in candidates:
+        if not options:
+            return options, tuple(refused)
+        why = _refusal(tuple(devices), tuple(options))
+        if why is None:
+            return options, tuple(refused)
+        more = f" and {len(options) - 1} more" if len(options) > 1 else ""
+        refused.append(f"{options[0][0]}{more}: {why[:160]}")
+    return (), tuple(refused)
+
+
+def read_only_options(devices: Sequence[Any]) -> dict[str, Any]:
+    """The options of the running compiler's entry for a program compiled only to be read, each one the
+    compiler accepts (probed once: an option a newer jaxlib dropped is left out, never the reason a compile
+    fails)."""
+    backend = str(devices[0].platform)
+    entry = entry_for(backend, compiler_version(backend)[1])
+    options = entry.read_only_options
+    return {name: value for name, value in options if _refusal(tuple(devices), ((name, value),)) is None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,14 +449,22 @@ NOT_A_SWITCH = "trying: {names} are not schedule switches; the switches are {kno
 
 
 def schedule_for(policy: Any) -> Schedule:
-    """The schedule for the backend of ``policy``'s devices (XLA:CPU's for a
-    backend not measured; the combiner bounds of ``policy.bucket_bytes``
-    added to its options), with the switches of an enclosing :func:`trying`."""
-    backend = str(policy.mesh.devices.flat[0].platform)
-    measured = MEASURED.get(backend, MEASURED["cpu"])
+    """The schedule for the backend of ``policy``'s devices and the compiler
+    running here (:func:`entry_for`): the first of its option sets the compiler
+    accepts for those devices (:func:`accepted_options`), the combiner bounds of
+    ``policy.bucket_bytes`` added, with the switches of an enclosing :func:`trying`."""
+    devices = tuple(policy.mesh.devices.flat)
+    backend = str(devices[0].platform)
+    package, version = compiler_version(backend)
+    measured = entry_for(backend, version)
     changes = dict(_TRIAL.current().changes)  # a trial's compiler options replace the measured ones
-    options = changes.pop("compiler_options", measured.compiler_options) + bucket_options(backend, policy.bucket_bytes)
-    return measured._replace(backend=backend, compiler_options=options, **changes)
+    if "compiler_options" in changes:
+        options, refused = changes.pop("compiler_options"), ()
+    else:
+        options, refused = accepted_options(devices, (measured.compiler_options, *measured.fallback_options))
+    running = f"{package} {version_text(version) if version else '(version unknown)'}"
+    return measured._replace(backend=backend, compiler_options=options + bucket_options(backend, policy.bucket_bytes),
+                             running=running, refused=refused, **changes)  # fmt: skip
 
 
 def trying(**switches: Any) -> contextlib.AbstractContextManager[Trial]:

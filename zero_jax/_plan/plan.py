@@ -85,8 +85,9 @@ REFUSED_ALL = (
     "no planned stage fits {budget} per device{where}: the TPU compiler refused each ({refusals}). Plan a "
     "higher stage, offload_optimizer=True or a larger slice."
 )
-#: How libtpu refuses a program that does not fit HBM (libtpu 0.0.42.1; "G" is GiB): the compile fails.
-OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: (?P<what>Ran out of memory[^\n]*)")
+#: How libtpu refuses a program that does not fit HBM ("G" is GiB): the compile fails, with "RESOURCE_EXHAUSTED:
+#: Ran out of memory ..." (libtpu 0.0.42.1) or "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out ..." (0.0.52).
+OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: (?:E\d+: \w+: )?(?P<what>Ran out of memory[^\n]*)")
 _GIB_FIGURES = (  # the exception's wording, and the compiler log's
     re.compile(r"\((?P<need>[\d.]+)G\) exceeds available HBM \((?P<have>[\d.]+)G\)"),
     re.compile(r"Used (?P<need>[\d.]+)G of (?P<have>[\d.]+)G hbm"),

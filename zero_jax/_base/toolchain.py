@@ -1,0 +1,91 @@
+"""The toolchain zero_jax runs on: the jax versions it supports, and which
+compiler (and version of it) compiles for each backend.
+
+The supported range is the one the suite runs on (``.ci/run``): the oldest
+end is jax 0.10.2 on Python 3.11 (the newest jax the registries serve for
+3.11), the newest end jax 0.12.1 on Python 3.12 and 3.13. An older jax is
+refused at import with the pip line that fixes it; a newer one is allowed
+with one warning (no break is known, none is tested).
+
+>>> parse_version("0.0.46.3"), parse_version("0.12.0rc1"), parse_version("unknown")
+((0, 0, 46, 3), (0, 12, 0), ())
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import warnings
+
+import jax
+
+#: The oldest jax the suite runs on (``.ci/run``'s oldest toolchain: Python 3.11).
+OLDEST_JAX = (0, 10, 2)
+#: The newest jax minor the suite runs on (``.ci/run``'s newest toolchain: Python 3.12 / 3.13, jax 0.12.1).
+NEWEST_JAX_TESTED = (0, 12)
+
+TOO_OLD = (
+    "zero_jax needs jax >= {oldest} (found jax {found}); tested with jax {oldest} (Python 3.11) to {newest}.x "
+    '(Python 3.12 / 3.13): pip install -U "jax>={oldest}" "jaxlib>={oldest}"'
+)
+NEWER_THAN_TESTED = (
+    "zero_jax was tested with jax {oldest} to {newest}.x, not with jax {found}: report what breaks, or "
+    'pip install "jax<{next_minor}" "jaxlib<{next_minor}"'
+)
+
+#: The package whose compiler compiles for each backend (XLA:CPU is in jaxlib; GPU: the CUDA plugin).
+COMPILER_PACKAGES: dict[str, tuple[str, ...]] = {
+    "cpu": ("jaxlib",),
+    "tpu": ("libtpu", "libtpu-nightly"),
+    "gpu": ("jax-cuda12-plugin", "jax-cuda13-plugin", "jaxlib"),
+    "cuda": ("jax-cuda12-plugin", "jax-cuda13-plugin", "jaxlib"),
+}
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """The leading dotted integers of a version string (``()`` when there are none)."""
+    m = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(p) for p in m.group(0).split(".")) if m else ()
+
+
+def version_text(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def compiler_version(backend: str) -> tuple[str, tuple[int, ...]]:
+    """(package, version) of the compiler that compiles for ``backend`` here:
+    jaxlib's XLA for CPU, libtpu for TPU, the CUDA plugin for GPU (``()``
+    when the package is not installed).
+
+    >>> compiler_version("cpu")[0]
+    'jaxlib'
+    """
+    packages = COMPILER_PACKAGES.get(backend, ("jaxlib",))
+    for package in packages:
+        try:
+            return package, parse_version(importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return packages[0], ()
+
+
+def check_jax(found: str | None = None) -> None:
+    """Refuse a jax older than the oldest tested one (ImportError naming the
+    range and the pip line), warn once about one newer than the newest tested.
+
+    >>> check_jax("0.10.2"), check_jax("0.12.1")
+    (None, None)
+    >>> try:
+    ...     check_jax("0.9.2")
+    ... except ImportError as e:
+    ...     print(str(e)[:48], "...", str(e)[-46:])
+    zero_jax needs jax >= 0.10.2 (found jax 0.9.2); ... pip install -U "jax>=0.10.2" "jaxlib>=0.10.2"
+    """
+    found = jax.__version__ if found is None else found
+    version, oldest, newest = parse_version(found), version_text(OLDEST_JAX), version_text(NEWEST_JAX_TESTED)
+    if version < OLDEST_JAX:
+        raise ImportError(TOO_OLD.format(oldest=oldest, found=found, newest=newest))
+    if version[:2] > NEWEST_JAX_TESTED:
+        next_minor = f"{NEWEST_JAX_TESTED[0]}.{NEWEST_JAX_TESTED[1] + 1}"
+        message = NEWER_THAN_TESTED.format(oldest=oldest, newest=newest, found=found, next_minor=next_minor)
+        warnings.warn(message, UserWarning, stacklevel=3)
