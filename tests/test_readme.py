@@ -44,6 +44,7 @@ PRELUDE_NAMES = ("params", "loss_fn", "batches", "batch", "mesh")
 COMMAND = "python -m zero_jax "
 # A MyST-NB code cell's fence; its language is the kernel's (ipython3).
 CODE_CELL = re.compile(r"^```\{code-cell\}\s*(\w+)\s*$")
+CELL_OPTION = re.compile(r"^:[\w-]+:")
 
 
 class Block(NamedTuple):
@@ -76,9 +77,12 @@ def blocks(text: str, path: Path = README) -> list[Block]:
             end = lines.index("```", i + 1)
             lang = "python" if line.startswith("```{code-cell}") else fence.group(1)
             counts[lang, section] = counts.get((lang, section), 0) + 1
-            code = "\n".join(lines[i + 1 : end]) + "\n"
+            first = i + 1
+            while lang == "python" and first < end and CELL_OPTION.match(lines[first]):
+                first += 1  # a code cell's options (":tags: [hide-input]") are MyST's, not Python
+            code = "\n".join(lines[first:end]) + "\n"
             key = f"{document_name(path)}:{lang}:{section}:{counts[lang, section]}"
-            found.append(Block(key, lang, path, i + 2, code))
+            found.append(Block(key, lang, path, first + 1, code))
             i = end
         i += 1
     return found
