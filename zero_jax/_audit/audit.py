@@ -412,7 +412,7 @@ def audit(
     params = _param_infos(facts, state)
     phi = sum(math.prod(p.layout.shape) for p in params)
     if reduce_dtype is None:
-        reduce_dtype = policy.precision.reduce_dtype
+        reduce_dtype = policy.precision.reduce_dtype  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
     comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
     per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
@@ -425,9 +425,9 @@ def audit(
     # gather="all" and local accumulation (one gather per step) hold the whole model by design.
     layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
     violations += layer_violations(layers, policy, layerwise)
-    buffers = comm_buffers(colls, program, policy.bucket_bytes)
+    buffers = comm_buffers(colls, program, policy.bucket_bytes)  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
     if policy.bucket_bytes is not None:
-        violations += buffers.over(policy.bucket_bytes, single_alone=True, what="bucket_bytes")
+        violations += buffers.over(policy.bucket_bytes, single_alone=True, what="bucket_bytes")  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
     return AuditReport(
         stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
         formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),

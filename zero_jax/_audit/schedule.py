@@ -347,7 +347,7 @@ def layer_schedule(
         for i, r in sorted(named.items())
     ]
     blocks += [
-        BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name][:3], g.bytes, unnamed[g.name][3] // g.weights)
+        BlockSchedule(g.name, g.layers, g.weights, *unnamed[g.name][:3], g.bytes, unnamed[g.name][3] // g.weights)  # pyright: ignore[reportCallIssue] - unnamed[name] is a 4-tuple
         for g in groups
         if any(unnamed[g.name])
     ]

@@ -69,7 +69,7 @@ def check_live(tree: PyTree, *, where: str) -> None:
     dead = [
         path_str(path)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted()
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted()  # pyright: ignore[reportAttributeAccessIssue] - jax.core is loaded by import jax
     ]
     if dead:
         shown = ", ".join(dead[:5]) + (", ..." if len(dead) > 5 else "")

@@ -104,7 +104,7 @@ def parse_bandwidth(value: Any, what: str = "bandwidth") -> float:
     >>> parse_bandwidth("300GB/s")
     300000000000.0
     """
-    if isinstance(value, str) and _SIZE.match(value) and not _SIZE.match(value).group("unit"):
+    if isinstance(value, str) and _SIZE.match(value) and not _SIZE.match(value).group("unit"):  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         raise ValueError(BANDWIDTH_NEEDS_UNIT.format(what=what, value=value))
     return parse_bytes(value, what, rate=True)
 

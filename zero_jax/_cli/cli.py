@@ -270,7 +270,7 @@ def _compile_model(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         cfg = _config(args)
         note = COMPILED_AS_GIVEN.format(depth=cfg.depth, dim=cfg.dim, phi=cfg.num_params(), params=args.params)
     model = dict(vocab=cfg.vocab, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, seq=cfg.seq)
-    model.update(batch_per_device=args.batch_per_device, compute_dtype="bfloat16" if args.bf16 else None)
+    model.update(batch_per_device=args.batch_per_device, compute_dtype="bfloat16" if args.bf16 else None)  # pyright: ignore[reportArgumentType] - the model dict mixes ints and dtype names
     if args.quantize_weights or args.quantize_grads:  # reference_step applies each where the stage has it
         wire = dict(quantize_weights=args.quantize_weights, quantize_grads=args.quantize_grads)
         model.update(wire, quant_block=args.quant_block)
@@ -393,8 +393,8 @@ def _wire_caption(args: argparse.Namespace) -> str:
 def _secondary_line(num_params: float, n: int, args: argparse.Namespace, per: dict[str, float], m: int) -> str:
     """hpZ at stage 3 by the formulas: the memory it adds, the bytes across and within the nodes."""
     s = args.secondary_axis
-    with_hpz = model_state_bytes(num_params, n, 3, secondary=s, model_parallel=m, **per)
-    without = model_state_bytes(num_params, n, 3, model_parallel=m, **per)
+    with_hpz = model_state_bytes(num_params, n, 3, secondary=s, model_parallel=m, **per)  # pyright: ignore[reportArgumentType] - **per holds the byte sizes only
+    without = model_state_bytes(num_params, n, 3, model_parallel=m, **per)  # pyright: ignore[reportArgumentType] - **per holds the byte sizes only
     comm = comm_bytes_per_axis(num_params, n, 3, secondary=s, dtype_bytes=args.grad_bytes, model_parallel=m,
                                **_wire(args, 3))  # fmt: skip
     flat = comm["across"] * 3 / 2 if not (args.quantize_weights or args.quantize_grads) else None
@@ -419,8 +419,8 @@ def _hybrid_table(num_params: float, n: int, args: argparse.Namespace, per: dict
     for col in ("stage", "HSDP per device", "over R per device", "comm within N", "comm across R"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for s in range(1, 4):
-        hsdp = model_state_bytes(num_params, n, s, replicas=r, model_parallel=m, **per).total
-        hpz = model_state_bytes(num_params, n, s, replicas=r, optimizer_over_replicas=True, model_parallel=m, **per)
+        hsdp = model_state_bytes(num_params, n, s, replicas=r, model_parallel=m, **per).total  # pyright: ignore[reportArgumentType] - **per holds the byte sizes only
+        hpz = model_state_bytes(num_params, n, s, replicas=r, optimizer_over_replicas=True, model_parallel=m, **per)  # pyright: ignore[reportArgumentType] - **per holds the byte sizes only
         comm = comm_bytes_per_axis(num_params, n, s, replicas=r, dtype_bytes=b, model_parallel=m, **_wire(args, s))
         table.add_row(f"{s} {STAGE_NAMES[s]}", _si(hsdp), _si(hpz.total), _si(comm["shard"]), _si(comm["replica"]))
     return table
@@ -621,7 +621,7 @@ def _audit_command(args: argparse.Namespace, cfg: TransformerConfig) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The ``python -m zero_jax`` parser and its three subcommands."""
-    top = argparse.ArgumentParser(prog="python -m zero_jax", description=__doc__.split("\n\n")[0])
+    top = argparse.ArgumentParser(prog="python -m zero_jax", description=__doc__.split("\n\n")[0])  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     sub = top.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train the reference model with each stage and print memory and time")
     d.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))

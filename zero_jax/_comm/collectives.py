@@ -109,7 +109,7 @@ def to_varying(x: jax.Array, axis: AxisName) -> jax.Array:
     missing = tuple(a for a in axes if a not in varying)
     if not missing:  # already per-device
         return x
-    return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
+    return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")  # pyright: ignore[reportGeneralTypeIssues] - missing is not empty here
 
 
 def checks_varying() -> bool:
@@ -177,9 +177,9 @@ def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.
         g = pad(g, layout)
         for over in steps:
             if axes.wire.grads is not None:
-                g = _quantized_reduce_scatter(g, over, layout.dim, block)
+                g = _quantized_reduce_scatter(g, over, layout.dim, block)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
             else:
-                g = jax.lax.psum_scatter(g, over, scatter_dimension=layout.dim, tiled=True)
+                g = jax.lax.psum_scatter(g, over, scatter_dimension=layout.dim, tiled=True)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
         return g
 
     return per_model_shard(scatter, layout, x)
@@ -233,7 +233,7 @@ def reduce_across_replicas(piece: jax.Array, layout: LeafLayout, axis: AxisName)
     replica = _name(axes.replica)
     if axes.scatter_replicas:
         return per_model_shard(
-            lambda g: jax.lax.psum_scatter(g, replica, scatter_dimension=layout.dim, tiled=True), layout, piece
+            lambda g: jax.lax.psum_scatter(g, replica, scatter_dimension=layout.dim, tiled=True), layout, piece  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
         )
     return per_model_shard(lambda g: jax.lax.psum(g, replica), layout, piece)
 
@@ -250,7 +250,7 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
     if _axes(axis).secondary:
         return gather_secondary(secondary_piece(x, layout, axis), layout, axis)
     shard = _name(_axes(axis).shard)
-    whole = per_model_shard(lambda p: jax.lax.all_gather(p, shard, axis=layout.dim, tiled=True), layout, x)
+    whole = per_model_shard(lambda p: jax.lax.all_gather(p, shard, axis=layout.dim, tiled=True), layout, x)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
     # Per-replica too: the gathered weights meet replica-varying activations,
     # and an invariant value there would make autodiff all-reduce the whole
     # gradient across the replicas behind our back.
@@ -286,8 +286,8 @@ def secondary_piece(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arr
     across = _name(axes.across)
     if axes.wire.weights is not None:
         q, scale = quantize_blocks(x, axes.wire.block)
-        return Int8Pieces(jax.lax.all_gather(q, across), jax.lax.all_gather(scale, across), x.shape, x.dtype)
-    return per_model_shard(lambda p: jax.lax.all_gather(p, across, axis=layout.dim, tiled=True), layout, x)
+        return Int8Pieces(jax.lax.all_gather(q, across), jax.lax.all_gather(scale, across), x.shape, x.dtype)  # pyright: ignore[reportReturnType] - the int8 wire hands its pieces on
+    return per_model_shard(lambda p: jax.lax.all_gather(p, across, axis=layout.dim, tiled=True), layout, x)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
 
 
 def gather_secondary(piece: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
@@ -305,7 +305,7 @@ def gather_secondary(piece: jax.Array, layout: LeafLayout, axis: AxisName) -> ja
         dequantize = lambda qi, si: dequantize_blocks(qi, si, piece.shape, piece.dtype)  # noqa: E731
         whole = _join_pieces(jax.vmap(dequantize)(q, scale), layout.dim)
     else:
-        whole = per_model_shard(lambda p: jax.lax.all_gather(p, secondary, axis=layout.dim, tiled=True), layout, piece)
+        whole = per_model_shard(lambda p: jax.lax.all_gather(p, secondary, axis=layout.dim, tiled=True), layout, piece)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
     return to_varying(unpad(whole, layout), axis)
 
 
@@ -320,7 +320,7 @@ def _quantized_gather_for_use(x: jax.Array, layout: LeafLayout, axes: Axes) -> j
     def zero_jax_quantized_gather(piece: jax.Array) -> jax.Array:
         if axes.secondary:
             return gather_secondary(secondary_piece(piece, layout, axes), layout, axes)
-        gather = lambda p: _quantized_all_gather(p, shard, layout.dim, axes.wire.block)  # noqa: E731
+        gather = lambda p: _quantized_all_gather(p, shard, layout.dim, axes.wire.block)  # noqa: E731  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
         return to_varying(unpad(per_model_shard(gather, layout, piece), layout), axes)
 
     def fwd(piece: jax.Array) -> tuple[jax.Array, None]:
@@ -341,7 +341,7 @@ def gather_replicated(x: jax.Array, layout: LeafLayout, axes: tuple[str, ...], *
         return x
     name = _name(axes)
     whole = per_model_shard(
-        lambda p: jax.lax.all_gather(p, name, axis=layout.dim, tiled=True, to="invarying"), layout, x
+        lambda p: jax.lax.all_gather(p, name, axis=layout.dim, tiled=True, to="invarying"), layout, x  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
     )
     return unpad(whole, layout) if unpadded else whole
 
@@ -379,11 +379,11 @@ def gather_together(pieces: list[jax.Array], layouts: list[LeafLayout], axis: Ax
         rows = jax.lax.all_gather(jnp.concatenate([p.ravel() for p in ps])[None], shard, tiled=True)
         wholes, start = [], 0
         for p, lay in zip(ps, layouts, strict=True):
-            wholes.append(_join_pieces(rows[:, start : start + p.size].reshape(rows.shape[0], *p.shape), lay.dim))
+            wholes.append(_join_pieces(rows[:, start : start + p.size].reshape(rows.shape[0], *p.shape), lay.dim))  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
             start += p.size
         return wholes
 
-    wholes = per_model_shard(gather, None, pieces)
+    wholes = per_model_shard(gather, None, pieces)  # pyright: ignore[reportArgumentType] - per_model_shard maps lists of arrays too
     return [to_varying(unpad(w, lay), axis) for w, lay in zip(wholes, layouts, strict=True)]
 
 
@@ -395,7 +395,7 @@ def reduce_scatter_together(grads: list[jax.Array], layouts: list[LeafLayout], a
 
     def scatter(gs: list[jax.Array]) -> list[jax.Array]:
         n = jax.lax.axis_size(shard)
-        cut = [_cut_into_pieces(pad(g, lay), lay.dim, n) for g, lay in zip(gs, layouts, strict=True)]
+        cut = [_cut_into_pieces(pad(g, lay), lay.dim, n) for g, lay in zip(gs, layouts, strict=True)]  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
         rows = jnp.concatenate([c.reshape(n, -1) for c in cut], axis=1)
         mine = jax.lax.psum_scatter(rows, shard, scatter_dimension=0, tiled=True)[0]
         pieces, start = [], 0
@@ -405,7 +405,7 @@ def reduce_scatter_together(grads: list[jax.Array], layouts: list[LeafLayout], a
             start += size
         return pieces
 
-    return per_model_shard(scatter, None, grads)
+    return per_model_shard(scatter, None, grads)  # pyright: ignore[reportArgumentType, reportReturnType] - per_model_shard maps lists of arrays too
 
 
 def _by_groups(values: list[Any], layouts: list[LeafLayout], axis: AxisName, together: Sequence[Sequence[int]],
@@ -509,4 +509,4 @@ def _fetch_secondary_with_grad_slot(source: jax.Array, slot: jax.Array, layout: 
 
 def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName, dtype: object) -> jax.Array:
     """A per-device zero array shaped like this device's piece of a leaf."""
-    return to_varying(jnp.zeros(shard_shape(layout, num_shards), dtype), axis)
+    return to_varying(jnp.zeros(shard_shape(layout, num_shards), dtype), axis)  # pyright: ignore[reportArgumentType] - a dtype

@@ -63,6 +63,6 @@ def dequantize_blocks(q: jax.Array, scale: jax.Array, shape: tuple[int, ...], dt
 def round_trip_bound(x: np.ndarray | jax.Array, block: int) -> jax.Array:
     """Per element, the largest error the round trip may make: half a
     quantization step of its block (``max|block| / 127 / 2``)."""
-    _, scale = quantize_blocks(x, block)
+    _, scale = quantize_blocks(x, block)  # pyright: ignore[reportArgumentType] - quantize_blocks takes numpy arrays too
     size = int(np.size(x))
     return jnp.repeat(scale / 2, block_size(size, block))[:size].reshape(jnp.shape(x))

@@ -145,20 +145,20 @@ class _Block:
         with jax.named_scope(scope):
             for k, (src, lay, a) in enumerate(zip(sources, self.layouts, anchors, strict=True)):
                 if src is None or not gather:
-                    wholes.append(None if src is None else coll.fetch(src, lay, axis, gather=False))
+                    wholes.append(None if src is None else coll.fetch(src, lay, axis, gather=False))  # pyright: ignore[reportArgumentType] - a gathered block's layouts are all set
                     regather_from.append(src)
                     continue
                 # A secondary piece (hpZ's re-gather) is made in the step, on the device.
                 ready = schedule.due(src if again and axis.secondary else to_device(src), a)
                 if axis.secondary:  # hpZ
-                    piece = ready if again else coll.secondary_piece(ready, lay, axis)
-                    wholes.append(coll.gather_secondary(piece, lay, axis))
+                    piece = ready if again else coll.secondary_piece(ready, lay, axis)  # pyright: ignore[reportArgumentType] - a gathered block's layouts are all set
+                    wholes.append(coll.gather_secondary(piece, lay, axis))  # pyright: ignore[reportArgumentType] - a gathered block's layouts are all set
                     regather_from.append(piece)
                 else:  # the backward starts again from the piece as stored (in host memory with offload_params)
                     pieces[k] = ready
                     wholes.append(None)
                     regather_from.append(src)
-            gathered = coll.gather_leaves(pieces, list(self.layouts), axis, self.together(policy))
+            gathered = coll.gather_leaves(pieces, list(self.layouts), axis, self.together(policy))  # pyright: ignore[reportArgumentType] - a gathered block's layouts are all set
         return [w if p is None else g for w, p, g in zip(wholes, pieces, gathered, strict=True)], regather_from
 
     def together(self, policy: ZeroPolicy) -> tuple[tuple[int, ...], ...]:
@@ -186,9 +186,9 @@ def _instantiate(ct: Any, axis: Any) -> Any:
     a constant a block hands on, takes unvarying zeros)."""
     if not isinstance(ct, SymbolicZero):
         return ct
-    if ct.aval.dtype == jax.dtypes.float0:
-        return jnp.zeros(ct.aval.shape, jax.dtypes.float0)
-    zeros = jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    if ct.aval.dtype == jax.dtypes.float0:  # pyright: ignore[reportAttributeAccessIssue] - a cotangent's aval is a ShapedArray
+        return jnp.zeros(ct.aval.shape, jax.dtypes.float0)  # pyright: ignore[reportAttributeAccessIssue] - a cotangent's aval is a ShapedArray
+    zeros = jnp.zeros(ct.aval.shape, ct.aval.dtype)  # pyright: ignore[reportAttributeAccessIssue] - a cotangent's aval is a ShapedArray
     manual = getattr(ct.aval, "manual_axis_type", None)
     if manual is None:  # no varying-axis type to match
         return coll.to_varying(zeros, axis)
@@ -240,7 +240,7 @@ class LayerChain:
         # Checked in every stage; only stage 3 gathers, so only stage 3 keeps anything.
         kept = kept_count(keep_gathered, [gathered_bytes(p) for p in self.layers], where)
         self.kept = kept if self._gathers else 0
-        self._queue: dict[int, tuple[Any, list[Any]]] = {}
+        self._queue: dict[int, tuple[Any, tuple[list[Any], list[Any]]]] = {}
         self._last: _Call | None = None
         self._hosted: list[tuple[Any, list[Any]]] = []  # (trace, host copies) of blocks whose copies nothing waits for
         self.calls = 0
@@ -313,7 +313,7 @@ class LayerChain:
         queued = self._queue.pop(index, None)
         if queued is not None and queued[0] == trace:
             return queued[1]
-        return block.first_gather(block.sources, self.policy, inputs_anchor(args), kept=self.keeps(index))
+        return block.first_gather(block.sources, self.policy, inputs_anchor(args), kept=self.keeps(index))  # pyright: ignore[reportArgumentType] - a chain that gathers has a policy
 
 
 def _token_zeros(wholes: list[Any], axis: Any) -> list[Any]:
@@ -330,7 +330,7 @@ def _handed(
         return []
     slots = iter(g_slots)
     grads = [None if dt is None else next(slots) for dt in slot_dtypes]
-    sizes = [0 if src is None else lay.nbytes for src, lay in zip(sources, prev.block.layouts, strict=True)]
+    sizes = [0 if src is None else lay.nbytes for src, lay in zip(sources, prev.block.layouts, strict=True)]  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     freed = [0 if lay is None else lay.nbytes for lay in block.layouts]
     anchors = schedule_for(policy).prefetch_anchors(prev.needed, sizes, produced, grads, freed, list(block.layouts),
                                                     ct_out, ct_out, prev.block.together(policy))  # fmt: skip
@@ -387,7 +387,7 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
     # The channel from this block's backward pass to the previous call's: that call's token
     # output, whose cotangent is its re-gathered block (none for a kept block: no re-gather).
     chained = prefetch > 0 and previous is not None and not previous.kept
-    token_in, prev_sources = (previous.token, list(previous.regather_from)) if chained else ([], [])
+    token_in, prev_sources = (previous.token, list(previous.regather_from)) if chained else ([], [])  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
 
     # Values that are not differentiated (integers, keys) enter the custom VJP
     # as inputs too: its backward pass is traced later and may not close over them.
@@ -427,11 +427,11 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
             ct_token, is_leaf=lambda x: isinstance(x, SymbolicZero))) else None  # fmt: skip
         ws = list(kept_ws) if keep else handed if handed is not None else block.wholes(sources, policy, ct_out)
         arg_f, ws = _recompute_inputs(arg_f, ws, ct_out, policy, offload)
-        _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)
+        _, vjp = jax.vjp(lambda *d: apply(*d, fixed), ws, plain_f, arg_f, const_f)  # pyright: ignore[reportCallIssue] - jax.vjp takes any number of primals
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):
             cast = [None if dt is None else g.astype(dt) for g, dt in zip(g_ws, slot_dtypes, strict=True)]
-            reduced = coll.reduce_scatter_leaves(cast, list(block.layouts), axis, block.together(policy))
+            reduced = coll.reduce_scatter_leaves(cast, list(block.layouts), axis, block.together(policy))  # pyright: ignore[reportArgumentType] - a gathered block's layouts are all set
             g_slots = [r for r, dt in zip(reduced, slot_dtypes, strict=True) if dt is not None]
         # The block before this one runs its backward pass only once this
         # block's gradient is reduce-scattered (and its whole gradient freed).
@@ -589,5 +589,5 @@ def apply_layers(
         check_parameter_pieces(layers, policy, "zj.apply_layers")
     chain = LayerChain(policy, layers, prefetch=int(prefetch), offload_activations=offload, keep_gathered=keep_gathered)
     for i, fn in enumerate(fns):
-        carry = chain.call(i, fn, carry)
+        carry = chain.call(i, fn, carry)  # pyright: ignore[reportArgumentType] - one function per block here
     return carry

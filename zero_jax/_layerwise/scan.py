@@ -229,10 +229,10 @@ def scan_layers(
     parts = zero_jax_split_layers(diff, first) if 0 < first < depth else (diff, diff)
     if first:
         per_trip = schedule_for(policy).layers_per_trip(first) if unrolls else 1
-        carry = _zero_scan(layer_fn, treedef, nodes, parts[0], carry, policy, ahead(first), first, offload,
+        carry = _zero_scan(layer_fn, treedef, nodes, parts[0], carry, policy, ahead(first), first, offload,  # pyright: ignore[reportIndexIssue] - parts is a pair of subtrees
                            per_trip=per_trip)  # fmt: skip
     if first < depth:
-        carry = _zero_scan(layer_fn, treedef, nodes, parts[1], carry, policy, ahead(depth - first), depth - first,
+        carry = _zero_scan(layer_fn, treedef, nodes, parts[1], carry, policy, ahead(depth - first), depth - first,  # pyright: ignore[reportIndexIssue] - parts is a pair of subtrees
                            False, start=first, keep=True)  # fmt: skip
     return carry
 
@@ -317,7 +317,7 @@ def _fetch(
         else:
             pieces[k] = source if g else None
             out.append(None if g else coll.fetch(source, lay, plan.axis, gather=False))
-    gathered = coll.gather_leaves(pieces, plan.layouts, plan.axis, plan.together)
+    gathered = coll.gather_leaves(pieces, plan.layouts, plan.axis, plan.together)  # pyright: ignore[reportArgumentType] - a gathered layer's layouts are all set
     out = [o if p is None else w for o, p, w in zip(out, pieces, gathered, strict=True)]
     return _Fetched(jax.tree_util.tree_unflatten(plan.treedef, out), secondary)
 
@@ -328,7 +328,7 @@ def _reduce_layer(plan: _ScanPlan, g_layer: PyTree) -> list[Any]:
     gs = jax.tree_util.tree_flatten(g_layer)[0]
     cast = [g.astype(dt) if s and dt is not None else None for s, dt, g in zip(plan.sharded, plan.slot_dtypes, gs,
                                                                                 strict=True)]  # fmt: skip
-    reduced = coll.reduce_scatter_leaves(cast, plan.layouts, plan.axis, plan.together)
+    reduced = coll.reduce_scatter_leaves(cast, plan.layouts, plan.axis, plan.together)  # pyright: ignore[reportArgumentType] - a gathered layer's layouts are all set
     return [r if s else g for s, r, g in zip(plan.sharded, reduced, gs, strict=True)]
 
 
@@ -370,7 +370,7 @@ def _pipelined(
         if reverse and plan.order is not None:  # the backward pass: leaf by leaf (paired_anchors)
             s_in, (s, y) = s, step(s, index(t), q[0])
             grads = [None if dt is None else g for dt, g in zip(plan.slot_dtypes, y, strict=True)]
-            sizes = [lay.nbytes if g else 0 for g, lay in zip(plan.gathers, plan.layouts, strict=True)]
+            sizes = [lay.nbytes if g else 0 for g, lay in zip(plan.gathers, plan.layouts, strict=True)]  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
             anchors = plan.schedule.prefetch_anchors(plan.order[0], sizes, plan.order[1], grads, sizes, plan.layouts,
                                                      s_in, s, plan.together)  # fmt: skip
             ahead = fetch(t + prefetch, s, anchors)

@@ -93,7 +93,7 @@ class LeafLayout:
         if self.dim is None or not axes:
             return PartitionSpec()
         entries: list[Any] = [None] * self.dim
-        entries.append(axes if len(axes) > 1 else axes[0])
+        entries.append(axes if len(axes) > 1 else axes[0])  # pyright: ignore[reportGeneralTypeIssues] - axes is not empty here
         return PartitionSpec(*entries)
 
     def sharding_spec(self, axes: tuple[str, ...]) -> PartitionSpec:
@@ -101,7 +101,7 @@ class LeafLayout:
         plus the cut over ZeRO ``axes`` (``()``: the model layout alone)."""
         entries: list[Any] = list(self.model) or [None] * len(self.shape)
         if self.dim is not None and axes:
-            entries[self.dim] = axes if len(axes) > 1 else axes[0]
+            entries[self.dim] = axes if len(axes) > 1 else axes[0]  # pyright: ignore[reportGeneralTypeIssues] - axes is not empty here
         # No trailing Nones: the compiler reports specs without them, and an
         # equal-but-differently-spelled spec would make jit compile twice.
         while entries and entries[-1] is None:

@@ -219,8 +219,8 @@ def choose_keep_gathered(
     tpu = None if topology is None else tpu_slice(topology)  # no libtpu, a bad name: fail here, before any process
     if device_bytes is None and tpu is None:
         raise TypeError("choose_keep_gathered: pass device_bytes=... (e.g. '16GiB'), or a topology= whose HBM it is.")
-    budget = tpu.hbm_per_device if device_bytes is None else parse_bytes(device_bytes, "choose_keep_gathered")
-    if budget <= 0:
+    budget = tpu.hbm_per_device if device_bytes is None else parse_bytes(device_bytes, "choose_keep_gathered")  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+    if budget <= 0:  # pyright: ignore[reportOptionalOperand] - set here: a check above pyright cannot follow
         raise ValueError(f"choose_keep_gathered: device_bytes must be positive, got {device_bytes!r}.")
     if tpu is not None and num_devices not in (None, tpu.num_devices):
         said = TOPOLOGY_DEVICES.format(topology=tpu.topology, n=tpu.num_devices, num_devices=num_devices)
@@ -241,4 +241,4 @@ def choose_keep_gathered(
                      None if tpu is None else tpu.topology, devices=1 if tpu is not None else n, timeout=timeout,
                      where=f"choose_keep_gathered ({on}, {path})")  # fmt: skip
     seconds = time.perf_counter() - started
-    return KeepGatheredChoice(budget, n, depth, tuple(rows), seconds, None if tpu is None else tpu.topology)
+    return KeepGatheredChoice(budget, n, depth, tuple(rows), seconds, None if tpu is None else tpu.topology)  # pyright: ignore[reportArgumentType] - the budget is parsed above

@@ -134,7 +134,7 @@ class Plan:
     seconds: float
     model_parallel: int = 1
     topology: TpuSlice | None = None
-    hbm: dict[int, int] = dataclasses.field(default_factory=dict)
+    hbm: dict[int, float] = dataclasses.field(default_factory=dict)
     out_of_memory: dict[int, str] = dataclasses.field(default_factory=dict)
     bucket_bytes: int | None = None
     secondary: int = 0
@@ -179,7 +179,7 @@ class Plan:
                 f"device, {largest}"]  # fmt: skip
 
     @property
-    def peaks(self) -> dict[int, int]:
+    def peaks(self) -> dict[int, float]:
         """stage -> the compiled step's peak bytes per device (argument +
         output + temp − alias of ``memory_analysis()``)."""
         return {r.stage: r.memory["peak"] for r in self.reports}
@@ -288,7 +288,7 @@ class Plan:
         lines = [
             f"zj.plan: {where}"
             + (f", M = {self.model_parallel} tensor-parallel" if self.model_parallel > 1 else "")
-            + (f", {fmt_bytes(self.device_bytes, decimal=True)} per device" if self._budget_differs() else "")
+            + (f", {fmt_bytes(self.device_bytes, decimal=True)} per device" if self._budget_differs() else "")  # pyright: ignore[reportArgumentType] - a differing budget is set
             + f"; compiled in {self.seconds:.1f} s, peak RSS {fmt_bytes(self.max_rss_bytes)}",
             f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'temp':>11} {'peak':>11} "
             + (f"{'HBM':>11} " if hbm else "")
@@ -413,7 +413,7 @@ def reference_step(
     state = init_state(params, tx, policy)
     model_policy = policy if gather == "manual" else None
     loss_fn = make_loss_fn(cfg, model_policy, prefetch=prefetch, keep_gathered=keep_gathered)
-    step = make_train_step(loss_fn, tx, policy, gather=gather, accum_steps=accum_steps)
+    step = make_train_step(loss_fn, tx, policy, gather=gather, accum_steps=accum_steps)  # pyright: ignore[reportArgumentType] - gather is checked by make_train_step
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=policy.batch_sharding())
     return step, state, {"tokens": tokens}
 
@@ -492,7 +492,7 @@ def compile_stages(
     return {"reports": reports, "hbm": hbm, "out_of_memory": refused, "max_rss": max_rss()}
 
 
-def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditReport | None, int | None, str]:
+def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditReport | None, float | None, str]:
     """:func:`zero_jax.audit` of one step and, for a step on TPU devices, the
     HBM its buffer assignment gives it, read from the dump of the same
     compile; or, when the TPU compiler refuses a step that cannot fit HBM,
@@ -677,7 +677,7 @@ def _built_step_model_parallel(step: Any, tensor_parallel: Any) -> int:
 
 def _plan_built_step(
     step: Any, abstract_state: Any, abstract_batch: Any, num_devices: Any, grads: bool
-) -> tuple[AuditReport | None, int | None, str]:
+) -> tuple[AuditReport | None, float | None, str]:
     """:func:`plan` of a built step: compiled here, on its mesh's devices
     (:func:`audit_stage`'s report, HBM total on TPU, or the compiler's refusal)."""
     if abstract_state is None or abstract_batch is None:

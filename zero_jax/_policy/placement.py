@@ -58,9 +58,9 @@ def place_batch(batch: PyTree, shardings: PyTree) -> PyTree:
     global arrays) left for ``jit`` to place as it would."""
 
     def one(x: object, sharding: jax.sharding.Sharding) -> object:
-        concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # traced: jit places it
-        if concrete and x.committed and x.is_fully_addressable:
-            if not x.sharding.is_equivalent_to(sharding, x.ndim):
+        concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # traced: jit places it  # pyright: ignore[reportAttributeAccessIssue] - jax.core is loaded by import jax
+        if concrete and x.committed and x.is_fully_addressable:  # pyright: ignore[reportAttributeAccessIssue] - concrete: x is a jax.Array
+            if not x.sharding.is_equivalent_to(sharding, x.ndim):  # pyright: ignore[reportAttributeAccessIssue] - concrete: x is a jax.Array
                 return jax.device_put(x, sharding)
         return x
 

@@ -336,12 +336,12 @@ class ZeroPolicy:
     @property
     def axes(self) -> tuple[str, ...]:
         """The partition axes (``axis``, always a tuple)."""
-        return self.axis
+        return self.axis  # pyright: ignore[reportReturnType] - __post_init__ normalizes the axes to a tuple
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
         """The replica axes (``replica_axis``, always a tuple; empty without)."""
-        return self.replica_axis
+        return self.replica_axis  # pyright: ignore[reportReturnType] - __post_init__ normalizes the axes to a tuple
 
     @property
     def stacked_prefixes(self) -> tuple[tuple[str, ...], ...]:
@@ -515,7 +515,7 @@ class ZeroPolicy:
             hits = (by_path.get(tuple(path[start:])) for start in range(len(path) + 1))
             hit = next((h for h in hits if h is not None and h[0] == shape), None)
             mirrors = hit is not None and is_float(dtype)
-            out.append(dataclasses.replace(hit[1], dtype=dtype) if mirrors else self.leaf_layout(leaf, stacked=False))
+            out.append(dataclasses.replace(hit[1], dtype=dtype) if mirrors else self.leaf_layout(leaf, stacked=False))  # pyright: ignore[reportOptionalSubscript] - set here: a check above pyright cannot follow
         return jax.tree_util.tree_unflatten(treedef, out)
 
     # -- shardings -----------------------------------------------------------------

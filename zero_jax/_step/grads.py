@@ -216,7 +216,7 @@ def diff_var(plan: GradPlan, p: jax.Array, lay: LeafLayout, frozen: bool) -> jax
         return None
     policy = plan.policy
     if plan.slots and lay.dim is not None:
-        return coll.zeros_like_piece(lay, policy.num_shards, policy.comm, policy.precision.reduce_dtype)
+        return coll.zeros_like_piece(lay, policy.num_shards, policy.comm, policy.precision.reduce_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     return coll.to_varying(p, policy.comm)
 
 
@@ -317,7 +317,7 @@ def reduce_grads(plan: GradPlan, g: PyTree) -> PyTree:
             return None
         if plan.slots and lay.dim is not None:
             return x  # reduce-scattered by the backward pass already
-        x = x.astype(policy.precision.reduce_dtype)
+        x = x.astype(policy.precision.reduce_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         if cut(plan, lay):
             return coll.sum_reduce_scatter(x, lay, policy.comm)
         return coll.sum_all_reduce_leaf(x, lay, policy.comm)
@@ -335,7 +335,7 @@ def reduced_shapes(plan: GradPlan, g: PyTree) -> PyTree:
         if x is None or (plan.slots and lay.dim is not None):
             return x
         shape = shard_shape(lay, policy.num_shards) if cut(plan, lay) else x.shape
-        return jax.ShapeDtypeStruct(shape, policy.precision.reduce_dtype)
+        return jax.ShapeDtypeStruct(shape, policy.precision.reduce_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
 
     return per_leaf(one, plan.layouts, g)
 
@@ -359,7 +359,7 @@ def accumulate(
     model state flows through the microbatches in order."""
     k, axis = plan.accum_steps, plan.policy.comm
     micro_batches, rebuild = split_microbatches(batch, k)
-    acc_dtype = plan.policy.precision.param_dtype
+    acc_dtype = plan.policy.precision.param_dtype  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
 
     def step(carry: tuple[PyTree, PyTree], rows: list[jax.Array]) -> tuple[tuple[PyTree, PyTree], Any]:
         acc, ms = carry
@@ -530,7 +530,7 @@ def over_microbatches(kind: str, a: jax.Array) -> jax.Array:
 def split_loss(out: Any) -> tuple[jax.Array, Any]:
     if isinstance(out, tuple) and len(out) == 2:
         return out[0], out[1]
-    return out, None
+    return out, None  # pyright: ignore[reportReturnType] - the loss's output, as the user returns it
 
 
 STATEFUL_OUTPUT = (
@@ -639,7 +639,7 @@ def agree(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     agree across devices and is taken as its maximum."""
     if is_float(x):
         return jax.lax.pmean(x, axes)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # pyright: ignore[reportPrivateImportUsage] - public at runtime, not re-exported in the stubs
         return jax.random.wrap_key_data(jax.lax.pmax(jax.random.key_data(x), axes), impl=jax.random.key_impl(x))
     if x.dtype == jnp.bool_:
         return jax.lax.pmax(x.astype(jnp.int32), axes).astype(jnp.bool_)

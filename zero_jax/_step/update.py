@@ -52,8 +52,8 @@ def optimizer_grads(grads: PyTree, state: TrainState, grad_norm: jax.Array, clip
         if g is None:  # frozen or non-float: the optimizer never reads it (compiled away)
             partitioned = policy.partitions_opt_state and lay.dim is not None
             shape = lay.stored_shape if partitioned else lay.shape
-            return jnp.zeros(shape, prec.param_dtype if is_float(lay) else lay.dtype)
-        g = g.astype(prec.param_dtype)
+            return jnp.zeros(shape, prec.param_dtype if is_float(lay) else lay.dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+        g = g.astype(prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         if scale is not None:
             g = g / scale
         if clip_norm is not None:
@@ -84,12 +84,12 @@ def apply_optimizer(
     policy = state.policy
 
     def update(master: PyTree, opt_state: ShardedOptState) -> tuple[PyTree, ShardedOptState]:
-        updates, opt_state = tx.update(grads, opt_state, master)
+        updates, opt_state = tx.update(grads, opt_state, master)  # pyright: ignore[reportArgumentType, reportAssignmentType] - a ShardedTransformation's state
         return optax.apply_updates(master, updates), opt_state
 
     master = optimizer_view(state)
     if policy.offloads:
-        update = _offload.stream_update(update, master, state, shardings)
+        update = _offload.stream_update(update, master, state, shardings)  # pyright: ignore[reportAssignmentType] - a ShardedTransformation's state
     if state.loss_scale is None:
         return Updated(*update(master, state.opt_state), jnp.asarray(True))
     finite = jnp.isfinite(sq_norm)
@@ -124,7 +124,7 @@ def master_for_compute(state: TrainState, new_master: PyTree, shardings: TrainSt
     is made in (see ``_offload.for_compute``); otherwise unchanged."""
     policy = state.policy
     if policy.offloads:
-        return _offload.for_compute(new_master, shardings.params, policy.precision.compute_dtype)
+        return _offload.for_compute(new_master, shardings.params, policy.precision.compute_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     return new_master
 
 
@@ -135,7 +135,7 @@ def updated_params(state: TrainState, new_master: PyTree, frozen: PyTree) -> PyT
     policy = state.policy
     prec = policy.precision
     layouts = state.layouts.tree()
-    compute = cast_floats(new_master, prec.compute_dtype)
+    compute = cast_floats(new_master, prec.compute_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     if policy.optimizer_sees_slice:
         compute = store(compute, layouts, policy, True, axes=policy.state_axes)
         trained_layouts = per_leaf(lambda fz, lay: None if fz else lay, layouts, frozen)
@@ -145,7 +145,7 @@ def updated_params(state: TrainState, new_master: PyTree, frozen: PyTree) -> PyT
     else:
         params = compute
     params = keep_non_float(params, state.params, layouts)
-    return stored_params(params, with_dtype(layouts, prec.compute_dtype), policy)
+    return stored_params(params, with_dtype(layouts, prec.compute_dtype), policy)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
 
 
 def keep_non_float(new: PyTree, old: PyTree, layouts: PyTree) -> PyTree:

@@ -63,7 +63,7 @@ def check_devices(num_devices: Any, where: str, what: str = "num_devices") -> in
 
 def is_stage(stage: Any) -> bool:
     """Whether ``stage`` is a ZeRO stage: an integer (not a bool) from 0 to 3."""
-    return not isinstance(stage, bool) and isinstance(stage, numbers.Integral) and 0 <= stage <= 3
+    return not isinstance(stage, bool) and isinstance(stage, numbers.Integral) and 0 <= stage <= 3  # pyright: ignore[reportOperatorIssue] - an Integral compares with an int
 
 
 def check_stage(stage: Any, where: str) -> int:

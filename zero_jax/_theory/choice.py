@@ -105,7 +105,7 @@ def choose_stage(
         raise ValueError(f"{where}: activation_bytes must be >= 0, got {activation_bytes!r}.")
     m = check_devices(model_parallel, where, "model_parallel")
     per = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
-    state = tuple(model_state_bytes(psi, n, s, model_parallel=m, **per) for s in range(4))
+    state = tuple(model_state_bytes(psi, n, s, model_parallel=m, **per) for s in range(4))  # pyright: ignore[reportArgumentType] - **per holds the byte sizes only
     fits = tuple(s.total + act <= mem for s in state)
     stage = next((s for s in range(4) if fits[s]), None)
     per_param = param_bytes + grad_bytes + optimizer_bytes

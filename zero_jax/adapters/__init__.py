@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from zero_jax.adapters.linen import from_linen
     from zero_jax.adapters.nnx import from_nnx
 
-__all__ = ["Adapted", "equinox", "from_equinox", "from_linen", "from_nnx", "linen", "nnx"]
+__all__ = ["Adapted", "equinox", "from_equinox", "from_linen", "from_nnx", "linen", "nnx"]  # pyright: ignore[reportUnsupportedDunderAll] - nnx, linen, equinox load lazily (__getattr__)
 
 _LAZY = {"from_nnx": "nnx", "from_linen": "linen", "from_equinox": "equinox"}
 _PACKAGES = {"nnx": "flax", "linen": "flax", "equinox": "equinox"}

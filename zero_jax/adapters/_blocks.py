@@ -180,7 +180,7 @@ def _match_classes(
         raise ValueError(NO_CLASSES.format(where=where, layers=layers, example=example))
     return [
         split_path(path)
-        for path, cls in classes.items()
+        for path, cls in classes.items()  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         if isinstance(cls, type) and issubclass(cls, wanted) and split_path(path) in nodes
     ]
 

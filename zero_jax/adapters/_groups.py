@@ -132,14 +132,14 @@ def repeated_groups(params: PyTree) -> list[tuple[Path, ...]]:
         stem = name_stem(path[-1]) if path else None
         sig = signature(path, leaves) if stem is not None else ()
         if sig:
-            groups.setdefault((path[:-1], stem, sig), []).append(path)
+            groups.setdefault((path[:-1], stem, sig), []).append(path)  # pyright: ignore[reportArgumentType] - a node's path is a tuple of names
     found = [tuple(sorted(g, key=natural_key)) for g in groups.values() if len(g) >= 2]
     return sorted(found, key=lambda g: (-len(g) * subtree_bytes(g[0], leaves), natural_key(g[0])))
 
 
 def describe_group(group: tuple[Path, ...]) -> str:
     """``"'h/*' (12 blocks: h/0 … h/11)"``: a group of :func:`repeated_groups` as messages name it."""
-    parent, stem = join_path(group[0][:-1]) if len(group[0]) > 1 else "", name_stem(group[0][-1])
+    parent, stem = join_path(group[0][:-1]) if len(group[0]) > 1 else "", name_stem(group[0][-1])  # pyright: ignore[reportGeneralTypeIssues] - a node's path is a tuple of names
     pattern = f"{parent}/{stem}*" if parent else f"{stem}*"
     return f"{pattern!r} ({len(group)} blocks: {join_path(group[0])} … {join_path(group[-1])})"
 

@@ -122,7 +122,7 @@ def _shown(d: Declared) -> str:
 
 def _problem(d: Declared, convert: Callable[[tuple[Any, ...], Rules], PartitionSpec]) -> tuple[str, Any]:
     """``("spec", P)`` for a leaf that resolves, else ``(kind, detail)`` of what is wrong with it."""
-    names = tuple(d.names)
+    names = tuple(d.names)  # pyright: ignore[reportArgumentType] - logical partitioning metadata has names
     if d.stacked and len(names) == len(d.shape) - 1:
         names = (None, *names)  # the layer axis of a stack, never model-sharded
     if len(names) != len(d.shape):
@@ -195,7 +195,7 @@ def _mesh_axes(mesh: Any) -> tuple[str, ...] | None:
 
 
 def _linen_convert(names: tuple[Any, ...], rules: Rules) -> PartitionSpec:
-    return nn.logical_to_mesh_axes(names, rules)
+    return nn.logical_to_mesh_axes(names, rules)  # pyright: ignore[reportPrivateImportUsage, reportReturnType] - public at runtime, not re-exported in the stubs
 
 
 def linen_specs(trained: PyTree, rules: Rules | None, stacked: tuple[str, ...], where: str) -> PyTree | None:

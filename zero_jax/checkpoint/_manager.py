@@ -69,7 +69,7 @@ def _prepare(state: Any, step: int | None, where: str) -> tuple[int, dict[str, j
     arrays = jax.tree.leaves(state)
     if len(arrays) != len(entries):
         raise ValueError(LEAVES_NOT_LAYOUTS.format(where=where))
-    keys = [e.name for e, x in zip(entries, arrays, strict=True) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    keys = [e.name for e, x in zip(entries, arrays, strict=True) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]  # pyright: ignore[reportPrivateImportUsage] - public at runtime, not re-exported in the stubs
     if keys:
         raise TypeError(PRNG_KEY_LEAVES.format(where=where, count=len(keys), first=keys[0], names=", ".join(keys)))
     meta = build_metadata(state, entries, step, checksums(arrays, [e.shape for e in entries]))

@@ -240,9 +240,9 @@ def build_metadata(state: TrainState, entries: list[Entry], step: int, sums: lis
         "min_shard_size": policy.min_shard_size,
         "stacked": list(policy.stacked),
         "precision": {
-            "param_dtype": np.dtype(prec.param_dtype).name,
-            "compute_dtype": None if prec.compute_dtype is None else np.dtype(prec.compute_dtype).name,
-            "loss_scale": prec.loss_scale is not None,
+            "param_dtype": np.dtype(prec.param_dtype).name,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+            "compute_dtype": None if prec.compute_dtype is None else np.dtype(prec.compute_dtype).name,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+            "loss_scale": prec.loss_scale is not None,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         },
         "params": _tree_record(state.layouts.tree(), is_leaf=is_layout),
         # The model state's tree (None: the state has none), to rebuild it without a template.

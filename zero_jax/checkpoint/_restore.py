@@ -435,7 +435,7 @@ def _verify(
     bad = [sources[i] for i, sums in zip(idx, got, strict=True) if sums != leaves[sources[i]]["checksum"]]
     if bad:
         raise ValueError(
-            CORRUPTED.format(what=what, first=bad[0], count=len(bad), names=", ".join(bad), present=present)
+            CORRUPTED.format(what=what, first=bad[0], count=len(bad), names=", ".join(bad), present=present)  # pyright: ignore[reportArgumentType, reportCallIssue] - the source names of restored leaves are set
         )
 
 

@@ -113,7 +113,7 @@ def _global_block(x: jax.Array, shape: tuple[int, ...], rows: tuple[int, int]) -
     process calls it, and gets the block replicated onto its devices."""
     a, b = rows
     bounds = ((a, b), *((0, n) for n in shape[1:])) if shape else ()
-    replicated = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+    replicated = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())  # pyright: ignore[reportAttributeAccessIssue] - a placed leaf has a NamedSharding
     piece = _slice_fn(bounds, replicated)(x)
     return np.asarray(piece.addressable_data(0))
 
@@ -153,7 +153,7 @@ def _export_plan(state: TrainState, dtype: Any) -> tuple[list[_Tensor], bytes]:
         name = tensor_name(p)
         out_dtype = _np_dtype(x.dtype)
         if jnp.issubdtype(out_dtype, jnp.floating):
-            out_dtype = _np_dtype(dtype if dtype is not None else state.policy.precision.param_dtype)
+            out_dtype = _np_dtype(dtype if dtype is not None else state.policy.precision.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         if name in header:
             bad.append(f"two parameters would both be named {name!r}")
             continue
