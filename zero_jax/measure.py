@@ -30,7 +30,9 @@ data-parallel step).
 * :func:`trying_schedule`: build and trace steps with some of the layer-wise
   schedule's compiler tricks switched (``zero_jax._layerwise.schedule``), to
   measure what each buys; :func:`schedule_for`: the switches a policy's steps
-  get on its backend.
+  get on its backend and compiler version.
+* :func:`compiler_version`: which compiler (package and version) compiles for
+  a backend here; :func:`parse_version`: a version string as a tuple.
 
 >>> import jax, jax.numpy as jnp
 >>> from zero_jax import measure
@@ -65,6 +67,7 @@ from zero_jax._audit.memory import (
     resident_bytes_by_kind,
 )
 from zero_jax._audit.schedule import layers_alive
+from zero_jax._base.toolchain import compiler_version, parse_version
 from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layerwise.schedule import trying as trying_schedule
 
@@ -77,12 +80,14 @@ __all__ = [
     "collectives",
     "compile_with_dump",
     "compile_with_hlo",
+    "compiler_version",
     "layers_alive",
     "live_peak",
     "live_peak_from_dump",
     "loop_nesting",
     "memory",
     "parse_collectives",
+    "parse_version",
     "partitioned_hlo",
     "read_compiled",
     "resident_bytes",

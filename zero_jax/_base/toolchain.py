@@ -13,6 +13,7 @@ with one warning (no break is known, none is tested).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import re
 import warnings
@@ -52,6 +53,7 @@ def version_text(version: tuple[int, ...]) -> str:
     return ".".join(map(str, version))
 
 
+@functools.cache  # asked at every trace of a layer-wise block; the installed packages do not change under a process
 def compiler_version(backend: str) -> tuple[str, tuple[int, ...]]:
     """(package, version) of the compiler that compiles for ``backend`` here:
     jaxlib's XLA for CPU, libtpu for TPU, the CUDA plugin for GPU (``()``
