@@ -80,10 +80,12 @@ def test_offloaded_training_is_bitwise_equal_and_placed(stage: int, fraction: fl
         assert offl_bytes[(device, "pinned_host")] == plan.host_bytes
 
     # XLA:CPU: host arguments are counted as device arguments and no transfer exists in the
-    # compiled program, so the compiled figures are unchanged by offload (see _offload's docstring).
+    # compiled program, so the compiled figures are unchanged by offload (see _offload's docstring); jaxlib
+    # 0.12.1 adds one 256-byte temp when every float optimizer leaf is on the host (measured, stages 1-3).
     mem, base_mem = _measure.memory(compiled), _measure.memory(base_compiled)
     assert mem["argument"] == base_mem["argument"]
-    assert mem["temp"] == base_mem["temp"]
+    extra = 256 if fraction == 1.0 and stage > 0 and _measure.compiler_version("cpu")[1] >= (0, 12) else 0
+    assert mem["temp"] == base_mem["temp"] + extra
     analysis = compiled.memory_analysis()
     assert analysis.host_argument_size_in_bytes == 0 and analysis.host_temp_size_in_bytes == 0
 

@@ -31,6 +31,11 @@ from zero_jax._cli import cli
 from zero_jax._plan.plan import reference_step
 from zero_jax._plan.topology import INSTALL_LIBTPU, topology_name
 
+#: libtpu 0.0.42.1's buffer assignment allocates less than argument + output + temp - alias for these small steps;
+#: 0.0.52's allocates more (8.1 against 6.6 MiB for the tiny transformer, 2.8 against 2.2 MiB for the one-matrix
+#: step, measured here 2026-12-06): each version's fact is asserted on its own toolchain.
+OLD_LIBTPU = zj.measure.compiler_version("tpu")[1] < (0, 0, 46)
+
 GiB = 2**30
 TINY = dict(vocab=256, dim=128, depth=2, heads=4, seq=64)  # the reference transformer, Φ = 469,504
 TINY_ARGS = ["--vocab", "256", "--dim", "128", "--depth", "2", "--heads", "4", "--seq", "64"]
@@ -245,8 +250,9 @@ def test_plan_for_a_topology_compiles_with_the_tpu_compiler_and_judges_fit_on_hb
     r = p.reports[0]
     assert r.num_devices == 8 and r.num_params == 469_504
     hbm, peak = p.hbm[3], p.peaks[3]
-    # the buffer assignment's total is below argument + output + temp - alias on TPU (measured: 4.84 vs 8.01 MiB)
-    assert r.memory["argument"] < hbm < peak
+    # libtpu 0.0.42.1: the buffer assignment's total is below argument + output + temp - alias (4.84 vs 8.01 MiB);
+    # 0.0.52: above it (8.11 vs 6.60 MiB), within 1.3x
+    assert r.memory["argument"] < hbm < peak if OLD_LIBTPU else r.memory["argument"] < peak < hbm <= 1.3 * peak
     assert p.needs == {3: hbm} and p.fits == {3: True} and p.recommended == 3
     # the audit read the TPU compile's post-SPMD program (after_tpu-spmd-partitioning): ZeRO-3's collectives
     kinds = {c.kind for c in r.collectives}
@@ -295,7 +301,7 @@ def test_a_step_built_on_topology_mesh_plans_here_with_its_hbm() -> None:
     batch = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=policy.batch_sharding())
     p = zj.plan(step, state, batch, topology="v5p:2x2x2", grads=False)
     assert p.topology is not None and p.num_devices == 8 and p.recommended == 2
-    assert 0 < p.hbm[2] <= p.peaks[2]
+    assert 0 < p.hbm[2] <= p.peaks[2] if OLD_LIBTPU else 0 < p.peaks[2] < p.hbm[2] <= 1.3 * p.peaks[2]
     # Adam's mu and nu: w cut 8 ways, b (256 < min_shard_size) whole, and the int32 count
     assert p.reports[0].state_bytes["optimizer"] == 2 * 512 * 256 * 4 // 8 + 2 * 256 * 4 + 4
 

@@ -111,7 +111,9 @@ def made_for_a_zero_collective(c: Collective) -> bool:
     a stacked bias's shape."""
     if ACTIVATION_SCOPE in c.op_name:
         return False
-    return not c.op_name or c.op_name.rsplit("/", 1)[-1] in ZERO_COLLECTIVE_OPS
+    # jax 0.12 names the partitioner's gather of a shard_map operand across the automatic axes for the shard_map
+    # (``.../shard_map``); jax 0.10.2 for the collective inside it (``.../all_gather``).
+    return not c.op_name or c.op_name.rsplit("/", 1)[-1] in ZERO_COLLECTIVE_OPS | {"shard_map"}
 
 
 def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], policy: ZeroPolicy) -> list[Violation]:
