@@ -82,7 +82,7 @@ def rank(row: dict[str, Any]) -> tuple[bool, int]:
 
 def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     versions = sorted({r["libtpu"] for r in rows.values()}, key=zj.measure.parse_version)
-    out = [f"{'libtpu':<10} {'jax':<7} {'case':<19}" + "".join(f" {title:>18}" for _, title, _ in COLUMNS)]
+    out = [f"{'libtpu':<10} {'jax':<7} {'case':<27}" + "".join(f" {title:>18}" for _, title, _ in COLUMNS)]
     for version in versions:
         mine = {k: r for k, r in rows.items() if r["libtpu"] == version}
         for r in sorted(mine.values(), key=rank):
@@ -91,7 +91,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
             if stage1.get("allocated_GiB") and r.get("allocated_GiB"):
                 r["over_stage1"] = r["allocated_GiB"] / stage1["allocated_GiB"]
             cells = "".join(f" {(fmt.format(r[k]) if r.get(k) is not None else '-'):>18}" for k, _, fmt in COLUMNS)
-            out.append(f"{version:<10} {r['jax']:<7} {r['topology'] + ' ' + r['variant']:<19}{cells}")
+            out.append(f"{version:<10} {r['jax']:<7} {r['topology'] + ' ' + r['variant']:<27}{cells}")
         seams = sorted({r["schedule"] for r in mine.values() if not r["variant"].endswith("defaults")})
         out += [f"  libtpu {version}: {s}" for s in seams]
         used = sorted({o for r in mine.values() for o in r["options"]})
