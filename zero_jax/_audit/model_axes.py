@@ -26,8 +26,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.report import MODEL_AXIS_GATHER, ParamInfo, Violation
+from zero_jax._base.toolchain import parse_version
 from zero_jax._base.units import fmt_bytes
 from zero_jax._layerwise.activations import ACTIVATION_SCOPE
 from zero_jax._layout.leaf import LeafLayout
@@ -111,9 +114,13 @@ def made_for_a_zero_collective(c: Collective) -> bool:
     a stacked bias's shape."""
     if ACTIVATION_SCOPE in c.op_name:
         return False
-    # jax 0.12 names the partitioner's gather of a shard_map operand across the automatic axes for the shard_map
-    # (``.../shard_map``); jax 0.10.2 for the collective inside it (``.../all_gather``).
-    return not c.op_name or c.op_name.rsplit("/", 1)[-1] in ZERO_COLLECTIVE_OPS | {"shard_map"}
+    return not c.op_name or c.op_name.rsplit("/", 1)[-1] in ZERO_COLLECTIVE_OPS | SHARD_MAP_OPERAND
+
+
+#: jax 0.12 names the partitioner's gather of a ``shard_map`` operand across the automatic axes for the shard_map
+#: (``.../shard_map``), jax 0.10.2 for the collective inside it (``.../all_gather``; there a gather named for a
+#: shard_map is the model's own, e.g. an activation at a boundary: ``tests/test_apply_layers.py``'s model axis).
+SHARD_MAP_OPERAND = frozenset({"shard_map"}) if parse_version(jax.__version__) >= (0, 12) else frozenset()
 
 
 def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], policy: ZeroPolicy) -> list[Violation]:
