@@ -157,6 +157,10 @@ STAGE_FILTER: dict[str, list[str]] = {}
 
 #: Switches only ``apply_layers``' program reads: a row of another variant is not measured again for them.
 BLOCKS_ONLY = ("prefetch_blocks",)
+#: What a schedule says about itself, not what it switches: the compiler its entry was measured on, the
+#: options tried when the preferred ones are refused, the read-only options, the compiler running and its
+#: refusals (``benchmarks/tpu_versions.py`` keys rows by libtpu version instead).
+ABOUT_THE_ENTRY = ("compiler", "fallback_options", "read_only_options", "running", "refused")
 
 
 @functools.cache
@@ -169,7 +173,7 @@ def tpu_schedule(name: str) -> str:
     policy = zj.ZeroPolicy(3, zj.topology_mesh("v5p:2x2x2"))
     with zj.measure.trying_schedule():
         schedule = zj.measure.schedule_for(policy)
-    fields = [f for f in schedule._fields if blocks or f not in BLOCKS_ONLY]
+    fields = [f for f in schedule._fields if (blocks or f not in BLOCKS_ONLY) and f not in ABOUT_THE_ENTRY]
     text = f"Schedule({', '.join(f'{f}={getattr(schedule, f)!r}' for f in fields)})"  # the NamedTuple's repr
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 

@@ -10,7 +10,7 @@ import numpy as np
 from _models import make_mesh
 
 import zero_jax as zj
-from zero_jax._base.toolchain import compiler_version, parse_version, version_text
+from zero_jax._base.toolchain import compiler_version, version_text
 from zero_jax._layerwise.schedule import (
     MEASURED,
     Schedule,
@@ -61,12 +61,12 @@ def test_the_entry_of_the_running_compiler_or_the_nearest() -> None:
     """Each backend's entries are keyed by compiler version: the running version's, else the nearest older
     one, else the oldest; a schedule built on a version without its own entry says which it took."""
     for backend, entries in MEASURED.items():
-        versions = sorted(parse_version(e.compiler.split()[-1]) for e in entries)
+        versions = sorted(e.version for e in entries)
         assert len(set(versions)) == len(versions), backend  # one entry per version
         for v in versions:
-            assert parse_version(entry_for(backend, v).compiler.split()[-1]) == v
-        assert parse_version(entry_for(backend, (*versions[-1], 9)).compiler.split()[-1]) == versions[-1]
-        assert parse_version(entry_for(backend, (0,)).compiler.split()[-1]) == versions[0]
+            assert entry_for(backend, v).version == v
+        assert entry_for(backend, (*versions[-1], 9)).version == versions[-1]
+        assert entry_for(backend, (0,)).version == versions[0]
     nearest = entry_for("tpu", (0, 0, 50, 1))._replace(running="libtpu 0.0.50.1")
     assert nearest.nearest and "running libtpu 0.0.50.1: the nearest entry" in nearest.describe()
 

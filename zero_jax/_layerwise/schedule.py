@@ -217,6 +217,15 @@ class Schedule(NamedTuple):
     refused: tuple[str, ...] = ()
 
     @property
+    def version(self) -> tuple[int, ...]:
+        """The compiler version this entry was measured on, as a tuple (``()`` without one).
+
+        >>> Schedule("tpu", compiler="libtpu 0.0.46.3").version
+        (0, 0, 46, 3)
+        """
+        return parse_version(self.compiler.split()[-1]) if self.compiler else ()
+
+    @property
     def nearest(self) -> bool:
         """Whether this entry was measured on another compiler version than the one running (the nearest)."""
         return bool(self.running) and self.running != self.compiler
@@ -400,8 +409,8 @@ def entry_for(backend: str, running: tuple[int, ...]) -> Schedule:
     >>> entry_for("tpu", (0, 0, 30)).compiler, entry_for("gpu", (0, 12, 1)).compiler
     ('libtpu 0.0.42.1', 'jaxlib 0.12.1')
     """
-    entries = sorted(MEASURED.get(backend) or MEASURED["cpu"], key=lambda e: parse_version(e.compiler.split()[-1]))
-    older = [e for e in entries if parse_version(e.compiler.split()[-1]) <= running]
+    entries = sorted(MEASURED.get(backend) or MEASURED["cpu"], key=lambda e: e.version)
+    older = [e for e in entries if e.version <= running]
     return older[-1] if older else entries[0]
 
 
