@@ -118,10 +118,12 @@ FLAG_VARIANTS = (
         },
     ),
 )
-#: The dry run on XLA:CPU, whose figures mean nothing, compiles fast: LLVM optimisation off, and XLA:CPU's older
-#: loop emitters (together they cut the dry run's CPU time by more than half; the emitters move float32 rounding,
-#: which no dry-run figure is about). The HLO passes, the schedule section 3 reads and memory_analysis remain.
-SIMULATED_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+#: The dry run on XLA:CPU, whose figures mean nothing, compiles fast: the schedule seam's options for a program
+#: compiled only to be read (LLVM optimisation off, and on jaxlib 0.10.2 XLA:CPU's older loop emitters: together
+#: they cut the dry run's CPU time by more than half; the emitters move float32 rounding, which no dry-run figure
+#: is about), each one the running jaxlib accepts. The HLO passes, the schedule section 3 reads and
+#: memory_analysis remain.
+SIMULATED_OPTIONS: dict[str, Any] = zj.measure.read_only_options(jax.devices("cpu")) if SIMULATED else {}
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 FLOP/s per chip (vendor figures, an assumption)
 OOM = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
 
@@ -366,7 +368,7 @@ def plain_variant(cfg: TransformerConfig, batch: int, device: Any) -> tuple[Call
     """Plain ``jax.jit`` + optax: fp32 master and Adam, the loss on its bf16 cast."""
     tx = optax.adam(LR)
     loss_fn = make_loss_fn(cfg)
-    one = jax.sharding.SingleDeviceSharding(device)
+    one = jax.sharding.make_single_device_sharding(device)
 
     def step(state: Any, batch: Any) -> Any:
         master, opt = state
@@ -457,7 +459,7 @@ def section_overhead(run: Run) -> None:
     if not run.allows("1", "all variants", est, 0.27):
         return
     compiled = run.compile_many({k: v[0] for k, v in variants.items()})
-    batch = real_batch(cfg, b, jax.sharding.SingleDeviceSharding(device))
+    batch = real_batch(cfg, b, jax.sharding.make_single_device_sharding(device))
     for name, (_, abstract) in variants.items():
         if not run.allows("1", f"{name} steps", sz.step_guess_s, 0.30):
             continue

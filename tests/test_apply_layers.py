@@ -144,6 +144,8 @@ def test_small_leaves_move_together_beside_a_model_axis_and_across_replicas(mesh
     (apart, loss, per_leaf), (joined, joined_loss, per_group) = runs[0], runs[4 * D]
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), joined, apart)) and joined_loss == loss
     assert per_group == [w - 1 for w in per_leaf]  # the bias and the scale: one collective
+    if mesh_kind == "model axis":  # the gathers of w over "model" are the model's own: in no block's count
+        assert per_leaf == [3] * 4
 
 
 @pytest.mark.parametrize("stage", [2, 3])

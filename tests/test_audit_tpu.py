@@ -423,12 +423,16 @@ def _leaf_shapes(scaled: bool = False, dim: int = DIM) -> dict[str, tuple[int, .
 
 
 def topology_mesh(name: str) -> jax.sharding.Mesh:
-    devices = np.array(topologies.get_topology_desc(name, platform="tpu").devices)
-    return jax.sharding.Mesh(devices.reshape(-1), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    """The slice's devices in ``jax.make_mesh``'s ring order (``zj.topology_mesh``'s, what users get). On
+    libtpu 0.0.52 the device order decides whether the SparseCore all-gather offload (the seam's v5p options
+    there) overlaps the layer gathers: on v5p:2x2x2 it does over this order, not over the topology's own; on
+    v5p:4x4x4 the other way round (measured 2026-12-07; libtpu 0.0.42.1 overlaps them over either)."""
+    return zj.topology_mesh(name, axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def build(mesh: jax.sharding.Mesh, stage: int, depth: int, scan: bool = False, scaled: bool = False,
-          dim: int = DIM) -> tuple:
+def build(
+    mesh: jax.sharding.Mesh, stage: int, depth: int, scan: bool = False, scaled: bool = False, dim: int = DIM
+) -> tuple:
     """A layer-wise step of ``depth`` blocks (prefetch 1) on abstract inputs: nothing is allocated."""
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     if scan:
@@ -479,6 +483,12 @@ def zj_cpu_mesh() -> jax.sharding.Mesh:
 
 WEIGHT = DIM * 2 * DIM  # elements of w1 (and of w2)
 
+#: libtpu 0.0.46 and newer refuse continuation fusion for all-gathers on v5p: the seam's v5p options there are
+#: the SparseCore all-gather offload (``zj_schedule.TPU_SPARSECORE_ALL_GATHER``), which overlaps differently.
+#: Each version's facts are asserted on its own toolchain (CI: libtpu 0.0.42.1 on Python 3.11, 0.0.52 on 3.13;
+#: measured 2026-12-07).
+OLD_LIBTPU = measure.compiler_version("tpu")[1] < (0, 0, 46)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["v5p stage 3", "v5p stage 1", "v5p stage 3 scan", "v5e stage 3"])
@@ -509,8 +519,12 @@ def test_v5p_reduce_scatters_are_all_reduces_of_the_whole_gradient_and_its_gathe
 @pytest.mark.slow
 def test_v5e_keeps_the_reduce_scatter_of_a_major_dimension() -> None:
     rs = audited("v5e stage 3").compiled.kind("reduce-scatter")
-    assert (rs.executions, rs.decomposed, rs.ops) == (4, 2, 4)  # w2 (512, 256) kept; w1 (256, 512) decomposed
-    assert rs.ring_bytes == pytest.approx(2 * 7 / 8 * WEIGHT * 4 * 2 + 7 / 8 * WEIGHT * 4 * 2)
+    if OLD_LIBTPU:
+        assert (rs.executions, rs.decomposed, rs.ops) == (4, 2, 4)  # w2 (512, 256) kept; w1 (256, 512) decomposed
+        assert rs.ring_bytes == pytest.approx(2 * 7 / 8 * WEIGHT * 4 * 2 + 7 / 8 * WEIGHT * 4 * 2)
+    else:  # libtpu 0.0.52 keeps w1's too: one ring pass each
+        assert (rs.executions, rs.decomposed, rs.ops) == (4, 0, 4)
+        assert rs.ring_bytes == pytest.approx(7 / 8 * WEIGHT * 4 * 4)
 
 
 @pytest.mark.slow
@@ -528,9 +542,22 @@ def test_the_layer_schedule_on_tpu_gathers_each_weight_twice_and_reduces_it_once
 
 @pytest.mark.slow
 def test_overlap_is_zero_by_default_and_positive_with_async_all_gathers() -> None:
-    default, asynchronous = audited("v5p stage 3 libtpu defaults").overlap, audited("v5p stage 3 async").overlap
+    default = audited("v5p stage 3 libtpu defaults").overlap
     assert default.row(_schedule.LAYER_GATHER)[:5] == (_schedule.LAYER_GATHER, 8, 8, 0, 0)
     assert (default.gather_fraction, default.gather_bytes_fraction, default.exposed) == (0.0, 0.0, 16)
+    assert audited("v5e stage 3 libtpu defaults").overlap.gather_fraction == 0.0
+    if not OLD_LIBTPU:
+        # The continuation-fusion options are refused for v5p; the seam's SparseCore offload overlaps every
+        # layer gather of this block (its first one too), the gradient reductions none.
+        with pytest.raises(jax.errors.JaxRuntimeError, match="Continuation fusion for AllGather"):
+            audited("v5p stage 3 async")
+        seam = audited("v5p stage 3")
+        assert seam.overlap.row(_schedule.LAYER_GATHER)[:5] == (_schedule.LAYER_GATHER, 8, 8, 8, 8)
+        assert (seam.overlap.gather_bytes_fraction, seam.overlap.exposed) == (1.0, 8)
+        assert seam.overlap.row(_schedule.LAYER_REDUCTION).overlapped == 0
+        assert "layer all-gathers 100% overlapped" in str(seam)
+        return
+    asynchronous = audited("v5p stage 3 async").overlap
     # The step compiles with the schedule's options, the loop-fusion one among them, and gathers each block in
     # place: every gather overlaps but each block's first in its forward pass (in this two-matmul block the other
     # weight's gather is continued in the only fusion before it; the reference transformer's blocks overlap all:
@@ -544,8 +571,6 @@ def test_overlap_is_zero_by_default_and_positive_with_async_all_gathers() -> Non
     assert "layer all-gathers 75% overlapped" in str(audited("v5p stage 3 async"))
     # A zero_jax step on TPU compiles with the async options itself (the schedule seam).
     assert audited("v5p stage 3").overlap.row(_schedule.LAYER_GATHER)[:5] == (_schedule.LAYER_GATHER, 8, 8, 6, 6)
-    # v5e with libtpu's defaults overlaps none either (it made the prefetched gathers async unasked: 0.25).
-    assert audited("v5e stage 3 libtpu defaults").overlap.gather_fraction == 0.0
 
 
 def test_on_64_chips_the_layer_gathers_stay_async_all_gathers_with_the_schedules_options() -> None:
@@ -553,13 +578,25 @@ def test_on_64_chips_the_layer_gathers_stay_async_all_gathers_with_the_schedules
     # async all-gathers: twice the bytes on the wire, nothing overlapped (the schedule seam sets the option).
     kept, dropped = audited("v5p-64 stage 3"), audited("v5p-64 stage 3 gathers as all-reduces")
     gathered, reduced = (next(k for k in r.compiled.kinds if k.kind == "all-gather") for r in (kept, dropped))
+    assert kept.ok and kept.comm.measured == pytest.approx(kept.comm.theory, rel=1e-5)
+    if not OLD_LIBTPU:
+        # libtpu 0.0.52 keeps every gather an all-gather with or without the option, and on this slice its
+        # SparseCore offload overlaps none over jax.make_mesh's ring order (zj.topology_mesh's), all 8 over the
+        # same devices in the topology's order: the other way round from v5p:2x2x2 (measured 2026-12-07).
+        for k in (gathered, reduced):
+            assert (k.decomposed, k.executions, k.async_executions) == (0, 8, 0)
+            assert k.ring_bytes == pytest.approx(63 / 64 * k.bytes)
+        devices = topologies.get_topology_desc("v5p:4x4x4", platform="tpu").devices  # the topology's own order
+        by_id = jax.sharding.Mesh(np.array(devices), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        step, state, batch, _ = build(by_id, 3, 2)
+        assert zj.audit(step, state, batch, grads=False).overlap.row(_schedule.LAYER_GATHER)[2:5] == (8, 8, 8)
+        return
     assert (gathered.decomposed, gathered.executions, gathered.async_executions) == (0, 8, 6)  # as on 8 chips
     assert (reduced.decomposed, reduced.async_executions) == (8, 0)
     assert gathered.ring_bytes == pytest.approx(63 / 64 * gathered.bytes)
     assert reduced.ring_bytes == pytest.approx(2 * 63 / 64 * reduced.bytes)  # an all-reduce sends it twice
     assert kept.overlap.row(_schedule.LAYER_GATHER)[2:5] == (8, 6, 6) and kept.overlap.gather_bytes_fraction == 0.75
     assert dropped.overlap.row(_schedule.LAYER_GATHER).overlapped == 0
-    assert kept.ok and kept.comm.measured == pytest.approx(kept.comm.theory, rel=1e-5)
 
 
 def test_on_tpu_scan_layers_gathers_in_place_as_overlapped_as_carried_or_four_layers_a_trip() -> None:
@@ -610,9 +647,13 @@ def test_on_tpu_apply_layers_gathers_each_block_in_place() -> None:
         assert r.ok and r.comm.measured == pytest.approx(r.comm.theory, rel=1e-5)
     assert (in_place.layers.max_alive, prefetched.layers.max_alive) == (1, 2)
     # 4 blocks x (w1, w2) x 2 passes
-    assert in_place.overlap.row(_schedule.LAYER_GATHER)[2:5] == (16, 12, 12)
     assert prefetched.overlap.row(_schedule.LAYER_GATHER)[2:5] == (16, 16, 16)
-    assert in_place.memory["live_peak"] == pytest.approx(prefetched.memory["live_peak"], rel=0.02)
+    if OLD_LIBTPU:
+        assert in_place.overlap.row(_schedule.LAYER_GATHER)[2:5] == (16, 12, 12)
+        assert in_place.memory["live_peak"] == pytest.approx(prefetched.memory["live_peak"], rel=0.02)
+    else:  # libtpu 0.0.52's SparseCore offload overlaps each first gather too; its live peak in place is higher
+        assert in_place.overlap.row(_schedule.LAYER_GATHER)[2:5] == (16, 16, 16)
+        assert 1.3 < in_place.memory["live_peak"] / prefetched.memory["live_peak"] < 1.5  # 1.39 measured
 
 
 @pytest.mark.slow

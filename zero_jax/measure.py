@@ -32,7 +32,9 @@ data-parallel step).
   measure what each buys; :func:`schedule_for`: the switches a policy's steps
   get on its backend and compiler version.
 * :func:`compiler_version`: which compiler (package and version) compiles for
-  a backend here; :func:`parse_version`: a version string as a tuple.
+  a backend here; :func:`parse_version`: a version string as a tuple;
+  :func:`read_only_options`: the options a program compiled only to be read
+  (its HLO, its memory) is built with here, each one the compiler accepts.
 
 >>> import jax, jax.numpy as jnp
 >>> from zero_jax import measure
@@ -68,7 +70,7 @@ from zero_jax._audit.memory import (
 )
 from zero_jax._audit.schedule import layers_alive
 from zero_jax._base.toolchain import compiler_version, parse_version
-from zero_jax._layerwise.schedule import schedule_for
+from zero_jax._layerwise.schedule import read_only_options, schedule_for
 from zero_jax._layerwise.schedule import trying as trying_schedule
 
 __all__ = [
@@ -90,6 +92,7 @@ __all__ = [
     "parse_version",
     "partitioned_hlo",
     "read_compiled",
+    "read_only_options",
     "resident_bytes",
     "resident_bytes_by_kind",
     "ring_bytes",

@@ -367,10 +367,14 @@ def _real_kind(member: tuple[str, tuple[int, ...], int], n: int, slices: list[In
     ``("all-gather", whole)`` when its operand is a 1/N piece written into
     zeros (``writes``), else ``("all-reduce", whole)``."""
     dims = member[1]
-    for s in slices:
-        piece = s.arrays[0][1] if s.arrays else ()
+    pieces = {s.name: s.arrays[0][1] if s.arrays else () for s in slices}
+    for piece in pieces.values():
         if n > 1 and math.prod(piece) * n == math.prod(dims):
             return "reduce-scatter", piece
+    # Several leaves reduced as one joined array (``Schedule.together``): libtpu 0.0.52 slices each leaf's part
+    # of this device's 1/N straight out of the result, so the slices together make the piece.
+    if n > 1 and len(pieces) > 1 and sum(math.prod(p) for p in pieces.values()) * n == math.prod(dims):
+        return "reduce-scatter", (dims[0] // n, *dims[1:]) if dims and dims[0] % n == 0 else (math.prod(dims) // n,)
     return ("all-gather" if writes and n > 1 else "all-reduce"), dims
 
 

@@ -40,6 +40,11 @@ _ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
 COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
+_ANY_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>.*)$")
+
+#: Ops that only move their operand (no arithmetic): a collective's result that reaches another collective through
+#: them is that collective's operand (:attr:`Collective.feeds`).
+PASS_THROUGH = frozenset({"copy", "bitcast", "reshape", "transpose", "convert", "get-tuple-element", "tuple"})
 
 
 def ring_bytes_of(kind: str, nbytes: int, group_size: int) -> float:
@@ -67,7 +72,9 @@ class Collective:
     the enclosing loops run it. ``group``: the devices (partition ids) of one
     replica group, or of every source-target pair of a collective-permute,
     when the HLO lists them; ``op_name``: the JAX name of the op that made it
-    (HLO ``metadata={op_name=...}``).
+    (HLO ``metadata={op_name=...}``); ``feeds``: the collectives of the same
+    computation that take its result as their operand, directly or through
+    ops that only move it (:data:`PASS_THROUGH`), by instruction name.
     """
 
     kind: str
@@ -80,6 +87,7 @@ class Collective:
     group: tuple[int, ...] = ()
     op_name: str = ""
     pairs: tuple[tuple[int, int], ...] = ()  # a collective-permute's source-target pairs
+    feeds: tuple[str, ...] = ()
 
     def axes(self, mesh: Any) -> tuple[str, ...]:
         """The mesh axes this collective runs across: those along which the
@@ -227,9 +235,34 @@ def trip_counts(hlo: str) -> dict[str, int]:
     return {name: count(name) for name in comps}
 
 
+def _feeds(hlo: str) -> dict[str, tuple[str, ...]]:
+    """Each collective's :attr:`Collective.feeds`, read off the operands of
+    every instruction (names are unique across an HLO module, so one map)."""
+    users: dict[str, list[tuple[str, str]]] = {}
+    for line in hlo.splitlines():
+        m = _ANY_INSTR.match(line)
+        if m:
+            args = m.group("args").split("), ", 1)[0]
+            for operand in re.findall(r"%([\w.\-]+)", args):
+                users.setdefault(operand, []).append((m.group("name"), m.group("op").removesuffix("-start")))
+    kinds = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+
+    def reached(name: str, seen: set[str]) -> list[str]:
+        out = []
+        for user, op in users.get(name, []):
+            if user in seen:
+                continue
+            seen.add(user)
+            out += [user] if op in kinds else reached(user, seen) if op in PASS_THROUGH else []
+        return out
+
+    return {name: tuple(reached(name, {name})) for name in users}
+
+
 def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
     """Every collective in an HLO module's text, with loop trip counts."""
     trips = trip_counts(hlo)
+    feeds = _feeds(hlo)
     out = []
     current = ""
     for line in hlo.splitlines():
@@ -250,6 +283,7 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
             out.append(Collective(
                 kind, dtype, shape, nbytes, n, trips.get(current, 1), m.group("name"), group,
                 op_name.group(1) if op_name else "", tuple((int(a), int(b)) for a, b in _PAIR.findall(pairs)),
+                feeds.get(m.group("name"), ()),
             ))  # fmt: skip
     return out
 

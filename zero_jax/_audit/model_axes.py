@@ -26,11 +26,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import jax
-
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.report import MODEL_AXIS_GATHER, ParamInfo, Violation
-from zero_jax._base.toolchain import parse_version
 from zero_jax._base.units import fmt_bytes
 from zero_jax._layerwise.activations import ACTIVATION_SCOPE
 from zero_jax._layout.leaf import LeafLayout
@@ -100,27 +97,21 @@ def _int8_over_data_and_model(c: Collective, axes: tuple[str, ...], policy: Zero
     return quantized and bool(set(axes) & model) and bool(set(axes) & set(policy.axes))
 
 
-#: The primitives of ZeRO's own collectives, as an op_name ends: a model-axis all-gather the compiler inserted
-#: for one of them (its operand gathered across model first) carries its name.
-ZERO_COLLECTIVE_OPS = frozenset({"all_gather", "all_gather_invariant", "psum_scatter", "reduce_scatter", "all_to_all"})
-
-
-def made_for_a_zero_collective(c: Collective) -> bool:
-    """Whether a model-axis all-gather belongs to a ZeRO collective's operand
-    (its op_name ends with one of :data:`ZERO_COLLECTIVE_OPS`, or is unknown),
-    not to the model's own computation (a matmul's or reshape's activations)
-    nor to P_a's regather of a saved activation (:data:`ACTIVATION_SCOPE`):
-    a shape alone does not say weight, a (rows, features) activation can have
-    a stacked bias's shape."""
+def made_for_a_zero_collective(c: Collective, colls: dict[str, Collective], policy: ZeroPolicy) -> bool:
+    """Whether a model-axis all-gather is the operand of a ZeRO collective
+    (its result reaches, unchanged, a collective spanning a data or replica
+    axis: :attr:`Collective.feeds`), not the model's own computation (a
+    matmul's or reshape's activations) nor P_a's regather of a saved
+    activation (:data:`ACTIVATION_SCOPE`): a shape alone does not say weight,
+    a (rows, features) activation can have a stacked bias's shape. Read off
+    the dataflow, not the op_name: jax 0.10.2 names the partitioner's gather
+    for the collective it feeds, jax 0.12.1 for the ``shard_map`` around it
+    or for nothing at all (measured on ``tests/test_audit_axes.py`` and
+    ``tests/test_bad_inputs.py``'s P_a case)."""
     if ACTIVATION_SCOPE in c.op_name:
         return False
-    return not c.op_name or c.op_name.rsplit("/", 1)[-1] in ZERO_COLLECTIVE_OPS | SHARD_MAP_OPERAND
-
-
-#: jax 0.12 names the partitioner's gather of a ``shard_map`` operand across the automatic axes for the shard_map
-#: (``.../shard_map``), jax 0.10.2 for the collective inside it (``.../all_gather``; there a gather named for a
-#: shard_map is the model's own, e.g. an activation at a boundary: ``tests/test_apply_layers.py``'s model axis).
-SHARD_MAP_OPERAND = frozenset({"shard_map"}) if parse_version(jax.__version__) >= (0, 12) else frozenset()
+    zero = set(policy.axes + policy.replica_axes)
+    return any(set(colls[f].axes(policy.mesh)) & zero for f in c.feeds if f in colls)
 
 
 def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], policy: ZeroPolicy) -> list[Violation]:
@@ -135,13 +126,15 @@ def model_gather_violations(colls: Iterable[Collective], params: Iterable[Any], 
     for p in params:
         for s in weight_shapes(p, policy.num_shards):
             shapes.setdefault(s, []).append(p.path)
+    colls = list(colls)
+    by_name = {c.name: c for c in colls}
     out = []
     for c in colls:
         axes = c.axes(policy.mesh)
         int8 = _int8_over_data_and_model(c, axes, policy, model)
         if c.kind != "all-gather" or not set(axes) & model or (c.shape not in shapes and not int8):
             continue
-        if not int8 and not made_for_a_zero_collective(c):
+        if not int8 and not made_for_a_zero_collective(c, by_name, policy):
             continue
         message = MODEL_GATHER_MESSAGE.format(
             name=c.name, op_name=c.op_name or "-", shape=f"{c.dtype}[{','.join(map(str, c.shape))}]",

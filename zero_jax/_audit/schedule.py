@@ -304,6 +304,8 @@ def _count(
             gather = op == "all-gather"
             if gather and makes_secondary_pieces(ins, policy):
                 continue  # hpZ's gather across the nodes: a secondary piece, not a whole layer
+            if model_axes_only(ins, policy):
+                continue  # the model's own layout (a tensor-parallel gather), whatever block its op_name names
             if (gather and not policy.partitions_params) or (op == "all-to-all" and not int8):
                 continue  # stage 2: the update's all-gathers, not layers; a float all-to-all: the model's
             whole = [stored.get(d, (0, b))[1] if dt == "s8" else b * (1 if gather else policy.num_shards)
@@ -359,7 +361,7 @@ def layer_schedule(
     elements = max([g.elements for g in groups] + [r[5] for r in named.values()], default=1)
 
     def classify(ins: Instruction) -> Any:
-        if not policy.partitions_params or makes_secondary_pieces(ins, policy):
+        if not policy.partitions_params or makes_secondary_pieces(ins, policy) or model_axes_only(ins, policy):
             return None
         scope = _scope(ins.op, ins.op_name)
         if scope is not None:
@@ -380,6 +382,32 @@ def makes_secondary_pieces(ins: Instruction, policy: ZeroPolicy) -> bool:
     size, group = replica_group(ins.attrs, policy.mesh.size)
     axes = Collective("all-gather", "", (), 0, size, group=group).axes(policy.mesh)
     return bool(axes) and policy.secondary_axis not in axes and set(axes) <= set(policy.axes)
+
+
+def model_axes_only(ins: Instruction, policy: ZeroPolicy) -> bool:
+    """Whether a collective runs across the policy's model axes only (its
+    replica group known): the model's own layout, such as the gather of a
+    weight cut over ``"model"`` that the SPMD partitioner inserts, never a
+    layer's ZeRO gather or reduction. Its op_name is no guide: jax 0.10.2
+    names such a gather for the block scope around it
+    (``jvp(zj_block0_gather)/reshape``), jax 0.12.1 for the op beside it
+    (``jvp()/dot_general``).
+
+    >>> import jax
+    >>> from zero_jax._audit.compiled import read_compiled
+    >>> policy = ZeroPolicy(3, jax.make_mesh((4, 2), ("data", "model")))
+    >>> text = chr(10).join(["ENTRY %main (p: f32[4,32]) -> f32[8,32] {", "  %p = f32[4,32]{1,0} parameter(0)",
+    ...     "  ROOT %g = f32[8,32]{1,0} all-gather(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}", "}"])
+    >>> model_axes_only(read_compiled(text, 8).computations["main"][-1], policy)
+    True
+    """
+    if not policy.model_axes:
+        return False
+    size, group = replica_group(ins.attrs, policy.mesh.size)
+    if not group:
+        return False
+    axes = Collective(ins.op, "", (), 0, size, group=group).axes(policy.mesh)
+    return bool(axes) and set(axes) <= set(policy.model_axes)
 
 
 def _layer_shapes(groups: list[_Group], policy: ZeroPolicy) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
@@ -419,8 +447,14 @@ def layer_overlap(program: str | CompiledProgram, params: list[ParamInfo], polic
     params = [p._replace(layout=model_shard_layout(p)) for p in params]
     gathered, pieces = _layer_shapes(_layer_groups(params, policy), policy) if params else (set(), set())
     rows: dict[str, list[Any]] = {role: [set(), 0, 0, 0, 0, 0] for role in (LAYER_GATHER, LAYER_REDUCTION, OTHER)}
+    model_own = {
+        (comp, ins.name)
+        for comp, instrs in program.computations.items()
+        for ins in instrs
+        if ins.op.startswith(("all-gather", "reduce-scatter", "all-to-all")) and model_axes_only(ins, policy)
+    }
     for c in program.collectives:
-        row = rows[_role(c, policy, gathered, pieces)]
+        row = rows[OTHER if (c.computation, c.name) in model_own else _role(c, policy, gathered, pieces)]
         row[0].add((c.computation, c.name))
         row[1] += c.trips
         row[2] += c.trips * c.is_async
