@@ -43,6 +43,25 @@ COMPILER_PACKAGES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: The libtpu each jax minor compiles deviceless with, as the ``tpu`` extra installs it: jax 0.10's and 0.11's
+#: own pairings; jax 0.12.1's own extra asks for libtpu 0.0.53, which no registry serves (2026-12-06), and 0.0.52
+#: compiles with it.
+LIBTPU_FOR_JAX: dict[tuple[int, int], str] = {(0, 10): "0.0.42.1", (0, 11): "0.0.46.3", (0, 12): "0.0.52"}
+
+
+def libtpu_install(jax_version: str | None = None) -> str:
+    """The pip line that installs the TPU compiler matching ``jax_version``
+    (the running jax by default), leaving jax as it is: the pinned libtpu of
+    a tested jax minor, else jax's own ``tpu`` extra.
+
+    >>> libtpu_install("0.12.1"), libtpu_install("0.13.0")
+    ('pip install "libtpu==0.0.52"', 'pip install "jax[tpu]==0.13.0"')
+    """
+    version = jax_version or jax.__version__
+    pinned = LIBTPU_FOR_JAX.get(parse_version(version)[:2])  # pyright: ignore[reportArgumentType] - two ints
+    return f'pip install "libtpu=={pinned}"' if pinned else f'pip install "jax[tpu]=={version}"'
+
+
 def parse_version(text: str) -> tuple[int, ...]:
     """The leading dotted integers of a version string (``()`` when there are none)."""
     m = re.match(r"\d+(?:\.\d+)*", text.strip())

@@ -159,8 +159,12 @@ The TPU entries for libtpu 0.0.46.3 and 0.0.52 were measured at the 1B class on
 v5p-8 (``benchmarks/tpu_versions.py``, ``benchmarks/results/tpu_versions.txt``:
 with SparseCore all-gather offload every layer gather's bytes overlapped, with
 libtpu's defaults none); the other switches there are 0.0.42.1's, not yet
-measured on and off on the newer versions. jaxlib 0.12.1's XLA:CPU entry
-differs from 0.10.2's only in its read-only options.
+measured on and off on the newer versions. Under SparseCore offload the
+device order of the mesh decides (libtpu 0.0.52, ``tests/test_audit_tpu.py``):
+on v5p:2x2x2 the layer gathers overlap over ``jax.make_mesh``'s ring order and
+stay synchronous over the topology's own order; on v5p:4x4x4 the other way
+round. jaxlib 0.12.1's XLA:CPU entry differs from 0.10.2's only in its
+read-only options.
 """
 
 from __future__ import annotations

@@ -562,7 +562,7 @@ def plan(  # house: one public entry, its argument checks in order beside what t
         ``model_parallel``, or pass a step built on a (data, model) mesh.
       topology: a TPU slice (``"v5p:4x4x8"``, ``"v5p-128"``, ``"v5e:4x4"``:
         :func:`zero_jax.topology_mesh`'s names) to compile for with the TPU
-        compiler, on this machine (libtpu: ``pip install "jax[tpu]==0.10.2"``).
+        compiler, on this machine (libtpu: ``pip install -e ".[tpu]"``).
         A factory then runs on a 1-D mesh of the slice's devices (N = its
         device count); a built step must be built on
         ``zj.topology_mesh(topology, ...)``. Fit is judged on the HBM of each

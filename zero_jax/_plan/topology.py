@@ -3,8 +3,8 @@ with the real TPU compiler without a TPU (deviceless, "ahead of time").
 
 ``jax.experimental.topologies.get_topology_desc(topology_name=..., platform="tpu")``
 gives the compile-only devices of a slice once libtpu is installed
-(``pip install "jax[tpu]==0.10.2"``); a step lowered on a ``Mesh`` of those
-devices compiles with the TPU backend: ``memory_analysis()`` is TPU HBM buffer
+(``pip install -e ".[tpu]"``: the libtpu matching the running jax); a step
+lowered on a ``Mesh`` of those devices compiles with the TPU backend: ``memory_analysis()`` is TPU HBM buffer
 assignment and ``as_text()`` the scheduled TPU program. ``JAX_PLATFORMS=cpu``
 keeps ``jax.devices()`` on the CPU meanwhile. Nothing here runs at import:
 libtpu is loaded by the first :func:`tpu_slice` or :func:`topology_mesh`.
@@ -33,10 +33,11 @@ from typing import Any
 import jax
 from jax.experimental import topologies
 
+from zero_jax._base.toolchain import libtpu_install
 from zero_jax._base.units import fmt_bytes
 
-#: The pip line that installs the TPU compiler (libtpu 0.0.42.1 for jax 0.10.2).
-INSTALL_LIBTPU = 'pip install "jax[tpu]==0.10.2"'
+#: The pip line that installs the TPU compiler matching the running jax.
+INSTALL_LIBTPU = libtpu_install()
 NO_LIBTPU = (
     "compiling for a TPU slice needs libtpu, the TPU compiler, which is not installed: {install} "
     "(about 250 MB; no TPU needed, it compiles on any machine), or pip install -e \".[test]\"."
