@@ -167,36 +167,37 @@ def init_state(
     # Several processes: agree on the policy before the first collective, so
     # a mismatch is an error on every process rather than a hang.
     check_same_on_all_processes("zj.init_state", policy_fingerprint(policy))
-    make, abstract_only = _params_maker(params, policy)
-    prec = policy.precision
-    shapes = jax.eval_shape(make)
-    warn_default_cast(shapes, prec, policy.precision_chosen)  # pyright: ignore[reportArgumentType] - policy.precision is always set
-    layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-    model_state = _model_state_values(model_state)
+    with policy.program_mesh():  # the policy's mesh context, whatever jax.set_mesh says
+        make, abstract_only = _params_maker(params, policy)
+        prec = policy.precision
+        shapes = jax.eval_shape(make)
+        warn_default_cast(shapes, prec, policy.precision_chosen)  # pyright: ignore[reportArgumentType] - policy.precision is always set
+        layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+        model_state = _model_state_values(model_state)
 
-    def build() -> TrainState:
-        logical = cast_floats(make(), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-            opt_state=tx.init(logical),  # pyright: ignore[reportArgumentType] - shard_optimizer's init returns a ShardedOptState
-            master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
-            if prec.mixed  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-            else None,
-            loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-            model_state=jax.tree.map(
-                lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, model_state
-            ),
-            policy=policy,
-            layouts=TreeLayouts.of(layouts),
-        )
+        def build() -> TrainState:
+            logical = cast_floats(make(), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+            return TrainState(
+                step=jnp.zeros((), jnp.int32),
+                params=stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                opt_state=tx.init(logical),  # pyright: ignore[reportArgumentType] - shard_optimizer's init returns a ShardedOptState
+                master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
+                if prec.mixed  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                else None,
+                loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                model_state=jax.tree.map(
+                    lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, model_state
+                ),
+                policy=policy,
+                layouts=TreeLayouts.of(layouts),
+            )
 
-    shardings = state_shardings(jax.eval_shape(build))
-    if abstract_only:
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(build), shardings
-        )
-    return jax.jit(build, out_shardings=shardings)()
+        shardings = state_shardings(jax.eval_shape(build))
+        if abstract_only:
+            return jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(build), shardings
+            )
+        return jax.jit(build, out_shardings=shardings)()
 
 
 def _params_maker(params: PyTree | Callable[[], PyTree], policy: ZeroPolicy) -> tuple[Callable[[], PyTree], bool]:
@@ -237,8 +238,14 @@ def _on_other_mesh(x: Any, policy: ZeroPolicy) -> bool:
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.NamedSharding):
         return False
     mesh = sharding.mesh
-    return mesh.axis_names != policy.mesh.axis_names or mesh.devices.shape != policy.mesh.devices.shape or not (  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-        np.array_equal(np.vectorize(lambda d: d.id)(mesh.devices), np.vectorize(lambda d: d.id)(policy.mesh.devices))
+    return (
+        mesh.axis_names != policy.mesh.axis_names
+        or mesh.devices.shape != policy.mesh.devices.shape
+        or not (  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+            np.array_equal(
+                np.vectorize(lambda d: d.id)(mesh.devices), np.vectorize(lambda d: d.id)(policy.mesh.devices)
+            )
+        )
     )
 
 
@@ -349,9 +356,10 @@ def full_params(state: TrainState) -> PyTree:
         stored, partitioned = state.master, policy.partitions_opt_state
     else:
         stored, partitioned = state.params, policy.partitions_params
-    if not partitioned:  # a copy: the state's own buffers are donated to the next step
-        return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(stored)
-    return jax.jit(lambda t: _unstore(t, layouts, policy))(stored)
+    with policy.program_mesh():
+        if not partitioned:  # a copy: the state's own buffers are donated to the next step
+            return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(stored)
+        return jax.jit(lambda t: _unstore(t, layouts, policy))(stored)
 
 
 def _unstore(stored: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTree:
