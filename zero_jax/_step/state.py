@@ -12,8 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from zero_jax._base.tree import PyTree, check_live, path_str
+from zero_jax._layout.leaf import LeafLayout, is_layout
 from zero_jax._layout.trees import TreeLayouts, with_dtype
 from zero_jax._policy.placement import store, to_logical
 from zero_jax._policy.policy import ZeroPolicy
@@ -234,34 +236,45 @@ OTHER_MESH = (
 
 
 def _on_other_mesh(x: Any, policy: ZeroPolicy) -> bool:
+    """Whether ``x`` is laid out on a mesh other than the policy's Auto mesh
+    (:attr:`ZeroPolicy.auto_mesh`): other axis names, devices or axis types."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.NamedSharding):
         return False
-    mesh = sharding.mesh
-    return (
-        mesh.axis_names != policy.mesh.axis_names
-        or mesh.devices.shape != policy.mesh.devices.shape
-        or not (  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-            np.array_equal(
-                np.vectorize(lambda d: d.id)(mesh.devices), np.vectorize(lambda d: d.id)(policy.mesh.devices)
-            )
-        )
-    )
+    return sharding.mesh != policy.auto_mesh
+
+
+def _same_devices(x: jax.Array, policy: ZeroPolicy) -> bool:
+    """``x``'s mesh is the policy's but for its axis types (``jax.make_mesh``'s Explicit axes)."""
+    mesh = x.sharding.mesh  # pyright: ignore[reportAttributeAccessIssue] - a NamedSharding: _on_other_mesh
+    return mesh.axis_names == policy.mesh.axis_names and np.array_equal(mesh.device_ids, policy.mesh.device_ids)
 
 
 def _from_other_meshes(params: PyTree, policy: ZeroPolicy) -> PyTree:
-    """Parameters sharded on another mesh (their own model-parallel mesh, one
-    with other axis names) as host values, which the init program places per
-    the policy; those that span other processes are named in an error."""
+    """Parameters sharded on another mesh re-placed per the policy before the
+    init program reads them: on the policy's devices with other axis types
+    (an Explicit mesh), the same cut on its Auto mesh (no data moves); on
+    other devices or axes (their own model-parallel mesh, devices 4-7), cut
+    as the policy stores them where that divides evenly, else whole. Those
+    on another mesh that span other processes are named in an error."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
     foreign = [(p, x) for p, x in pairs if _on_other_mesh(x, policy)]
     if not foreign:
         return params
     remote = [f"'{path_str(p)}' {x.sharding.spec} on {dict(x.sharding.mesh.shape)}" for p, x in foreign
-              if not x.is_fully_addressable]  # fmt: skip
+              if not x.is_fully_addressable and not _same_devices(x, policy)]  # fmt: skip
     if remote:
         raise ValueError(OTHER_MESH.format(count=len(remote), mesh=dict(policy.mesh.shape), listing="; ".join(remote)))
-    return jax.tree.unflatten(treedef, [np.asarray(x) if _on_other_mesh(x, policy) else x for _, x in pairs])
+    layouts = jax.tree.leaves(policy.layouts(params), is_leaf=is_layout)
+
+    def placed(x: Any, lay: LeafLayout) -> Any:
+        if not _on_other_mesh(x, policy):
+            return x
+        if _same_devices(x, policy):
+            return jax.device_put(x, NamedSharding(policy.auto_mesh, x.sharding.spec))
+        return jax.device_put(x, policy.named_sharding(lay, lay.dim is not None and not lay.padding))
+
+    return jax.tree.unflatten(treedef, [placed(x, lay) for (_, x), lay in zip(pairs, layouts, strict=True)])
 
 
 FACTORY_WITH_ARGUMENTS = (
