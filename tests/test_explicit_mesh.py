@@ -159,8 +159,9 @@ def test_sharded_optimizer_inside_a_users_jit_under_set_mesh() -> None:
     Explicit mesh (where ``jax.set_mesh`` itself is refused): the numbers of plain optax."""
     policy = zj.ZeroPolicy(2, mesh("explicit"), min_shard_size=64)
     tx = zj.shard_optimizer(ADAM, policy)
-    params = mlp_params()
-    grads = jax.grad(mlp_loss)(params, mlp_batch(16))
+    rng = np.random.default_rng(5)  # dimensions that divide by 8: jit's outputs here are the logical (unpadded) arrays
+    params = {"w": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32), "b": jnp.zeros((64,))}
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
     with jax.set_mesh(mesh("explicit")):
         opt_state = jax.jit(tx.init)(params)
         updates, _ = jax.jit(tx.update)(grads, opt_state, params)
@@ -249,3 +250,106 @@ def test_audit_and_plan_under_set_mesh_of_an_explicit_mesh(stage: int) -> None:
         return colls(r), r.state_bytes, colls(p.reports[0]), p.reports[0].state_bytes
 
     assert report("set_mesh") == report("none")
+
+
+# --- the adapters: a model built under jax.set_mesh of an Explicit mesh, gathered block by block ------------
+
+
+def adapted_model(library: str) -> Any:
+    """An unscanned model of two blocks in each library, adapted with ``layers="auto"``."""
+    if library == "linen":
+        from flax import linen as nn  # noqa: PLC0415
+
+        class LBlock(nn.Module):
+            @nn.compact
+            def __call__(self, x: jax.Array) -> jax.Array:
+                return jnp.tanh(nn.Dense(WIDTH)(x))
+
+        class LNet(nn.Module):
+            @nn.compact
+            def __call__(self, x: jax.Array) -> jax.Array:
+                h = nn.Dense(WIDTH)(x)
+                for _ in range(2):
+                    h = LBlock()(h)
+                return nn.Dense(6)(h)
+
+        net = LNet()
+        variables = net.init(jax.random.key(0), jnp.ones((1, 12)))
+        loss = lambda v, b: jnp.mean((net.apply(v, b["x"]) - b["y"]) ** 2)  # noqa: E731
+        return zj.adapters.from_linen(net, variables, loss, layers="auto")
+    if library == "nnx":
+        from flax import nnx  # noqa: PLC0415
+
+        class NBlock(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs) -> None:
+                self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+            def __call__(self, x: jax.Array) -> jax.Array:
+                return jnp.tanh(self.lin(x))
+
+        class NNet(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs) -> None:
+                self.inp = nnx.Linear(12, WIDTH, rngs=rngs)
+                self.blocks = nnx.List([NBlock(rngs) for _ in range(2)])
+                self.out = nnx.Linear(WIDTH, 6, rngs=rngs)
+
+            def __call__(self, x: jax.Array) -> jax.Array:
+                h = self.inp(x)
+                for block in self.blocks:
+                    h = block(h)
+                return self.out(h)
+
+        loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+        return zj.adapters.from_nnx(NNet(nnx.Rngs(0)), loss, layers="auto")
+    import equinox as eqx  # noqa: PLC0415
+
+    keys = jax.random.split(jax.random.key(0), 4)
+
+    class EBlock(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jnp.tanh(self.lin(x))
+
+    class ENet(eqx.Module):
+        inp: eqx.nn.Linear
+        blocks: list
+        out: eqx.nn.Linear
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = self.inp(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.out(h)
+
+    blocks = [EBlock(eqx.nn.Linear(WIDTH, WIDTH, key=k)) for k in keys[1:3]]
+    model = ENet(eqx.nn.Linear(12, WIDTH, key=keys[0]), blocks, eqx.nn.Linear(WIDTH, 6, key=keys[3]))
+    loss = lambda m, b: jnp.mean((jax.vmap(m)(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    return zj.adapters.from_equinox(model, loss, layers="auto")
+
+
+def train_adapted(library: str, kind: str, ctx: str) -> tuple[list[np.ndarray], list[float], Any]:
+    with context(ctx, kind):
+        adapted = adapted_model(library)
+        policy = adapted.policy(3, mesh(kind), min_shard_size=0)
+        tx = zj.shard_optimizer(ADAM, policy)
+        state = adapted.init_state(tx, policy)
+        step = adapted.make_train_step(tx, policy)
+        assert step.gather == "manual"
+        losses = []
+        for b in batches():
+            state, metrics = step(state, b)
+            losses.append(float(metrics["loss"]))
+        adapted.to_model(state)  # the trained model rebuilds under the context too
+        return [np.asarray(x) for x in jax.tree.leaves(zj.full_params(state))], losses, adapted
+
+
+@pytest.mark.parametrize("library", ["linen", "nnx", "equinox"])
+def test_adapters_on_explicit_mesh_under_set_mesh(library: str) -> None:
+    got, got_losses, adapted = train_adapted(library, "explicit", "set_mesh")
+    want, want_losses, _ = train_adapted(library, "auto", "none")
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got_losses == want_losses
+    _, ref_losses = reference_run(ADAM, adapted.params, batches(), adapted.loss_fn)
+    np.testing.assert_allclose(got_losses, ref_losses, rtol=1e-5)

@@ -403,42 +403,43 @@ def audit(
     policy.check_batch(batch, where="audit")
     prefetch = _prefetch(prefetch)
 
-    abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
-    options = (dict(hlo.FAST_COMPILE) if fast_compile else {}) | dict(compiler_options or {})
-    memory, colls, loops, scheduled, peak = _program(train_step, state, batch, policy, options)
-    program = read_compiled(scheduled, policy.mesh.size)
-    fragmentation = _fragmentation(memory, peak, program)
-    leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
-    params = _param_infos(facts, state)
-    phi = sum(math.prod(p.layout.shape) for p in params)
-    if reduce_dtype is None:
-        reduce_dtype = policy.precision.reduce_dtype  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-    comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
-    comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
-    per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
+    with policy.program_mesh():  # the step's own mesh context, whatever jax.set_mesh says
+        abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
+        options = (dict(hlo.FAST_COMPILE) if fast_compile else {}) | dict(compiler_options or {})
+        memory, colls, loops, scheduled, peak = _program(train_step, state, batch, policy, options)
+        program = read_compiled(scheduled, policy.mesh.size)
+        fragmentation = _fragmentation(memory, peak, program)
+        leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
+        params = _param_infos(facts, state)
+        phi = sum(math.prod(p.layout.shape) for p in params)
+        if reduce_dtype is None:
+            reduce_dtype = policy.precision.reduce_dtype  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+        comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
+        comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
+        per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
 
-    cats = partitioned_categories(policy)
-    violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size, roles)
-    violations += comm_violation(comm, policy.stage, tolerance)
-    violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
-    layers = layer_schedule(program, params, policy, prefetch)
-    # gather="all" and local accumulation (one gather per step) hold the whole model by design.
-    layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
-    violations += layer_violations(layers, policy, layerwise)
-    buffers = comm_buffers(colls, program, policy.bucket_bytes)  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
-    if policy.bucket_bytes is not None:
-        violations += buffers.over(policy.bucket_bytes, single_alone=True, what="bucket_bytes")  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
-    return AuditReport(
-        stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
-        formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
-        replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
-        memory=memory, collectives=colls, loops=loops, comm=comm,
-        violations=tuple(violations), **_by_axes(colls, params, policy),
-        min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
-        abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
-        compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
-        fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
-    )  # fmt: skip
+        cats = partitioned_categories(policy)
+        violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size, roles)
+        violations += comm_violation(comm, policy.stage, tolerance)
+        violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
+        layers = layer_schedule(program, params, policy, prefetch)
+        # gather="all" and local accumulation (one gather per step) hold the whole model by design.
+        layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
+        violations += layer_violations(layers, policy, layerwise)
+        buffers = comm_buffers(colls, program, policy.bucket_bytes)  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
+        if policy.bucket_bytes is not None:
+            violations += buffers.over(policy.bucket_bytes, single_alone=True, what="bucket_bytes")  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
+        return AuditReport(
+            stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
+            formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
+            replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
+            memory=memory, collectives=colls, loops=loops, comm=comm,
+            violations=tuple(violations), **_by_axes(colls, params, policy),
+            min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
+            abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
+            compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
+            fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
+        )  # fmt: skip
 
 
 def compiled_comm(
