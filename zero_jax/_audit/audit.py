@@ -127,6 +127,7 @@ from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_an
 from zero_jax._base.units import is_whole_number
 from zero_jax._layerwise.schedule import read_only_options, schedule_for
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
+from zero_jax._policy.placement import place_batch
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.optimizer import frozen_leaves
 from zero_jax._step.train import StepFacts, TrainStep
@@ -213,7 +214,12 @@ def measure_grads(train_step: Any, state: Any, batch: Any, abstract: bool, optio
     returns, or for abstract inputs its compiled output shardings."""
     if hlo.on_cpu((state, batch)):  # only the outputs' shardings and bytes are read
         options = {**options, **read_only_options(jax.devices("cpu"))}
-    compiled = jax.jit(train_step.grads).lower(state, batch).compile(compiler_options=options)
+    # The batch enters as the step's own call takes it (a batch placed on an Explicit mesh would otherwise
+    # carry that mesh into this outer program, which jax 0.12 then fails to lower).
+    shardings = train_step.policy.batch_sharding(batch)
+    batch = place_batch(batch, shardings)
+    outer = jax.jit(train_step.grads, in_shardings=(None, shardings))
+    compiled = outer.lower(state, batch).compile(compiler_options=options)
     return compiled.out_info if abstract else compiled(state, batch)
 
 
