@@ -141,7 +141,7 @@ def train_layered(kind: str, ctx: str, stage: int) -> tuple[Any, list[float]]:
         return jax.tree.map(np.asarray, zj.full_params(state)), losses
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize(("kind", "ctx"), [("explicit", "set_mesh"), ("auto", "set_other")])
 def test_manual_primitives_on_explicit_mesh(kind: str, ctx: str, stage: int) -> None:
     got, got_losses = train_layered(kind, ctx, stage)
@@ -188,8 +188,12 @@ def leaves(state: zj.TrainState) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves((state.step, state.params, state.opt_state))]
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(("save_side", "restore_side", "stage"), [
-    (SIDES[0], SIDES[1], 3), (SIDES[1], SIDES[0], 1), (SIDES[2], SIDES[1], 2), (SIDES[1], SIDES[3], 3),
+    pytest.param(SIDES[0], SIDES[1], 3, marks=SLOW), pytest.param(SIDES[1], SIDES[0], 1, marks=SLOW),
+    pytest.param(SIDES[2], SIDES[1], 2, marks=SLOW), (SIDES[1], SIDES[3], 3),
 ])  # fmt: skip
 def test_checkpoint_saved_under_one_restores_under_the_other(
     tmp_path: Any, save_side: tuple[str, str], restore_side: tuple[str, str], stage: int
@@ -233,7 +237,7 @@ def test_checkpoint_manager_and_safetensors_under_set_mesh(tmp_path: Any) -> Non
 # --- audit and plan ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_audit_and_plan_under_set_mesh_of_an_explicit_mesh(stage: int) -> None:
     def report(ctx: str) -> tuple[Any, ...]:
         kind = "explicit" if ctx == "set_mesh" else "auto"
@@ -344,6 +348,7 @@ def train_adapted(library: str, kind: str, ctx: str) -> tuple[list[np.ndarray], 
         return [np.asarray(x) for x in jax.tree.leaves(zj.full_params(state))], losses, adapted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("library", ["linen", "nnx", "equinox"])
 def test_adapters_on_explicit_mesh_under_set_mesh(library: str) -> None:
     got, got_losses, adapted = train_adapted(library, "explicit", "set_mesh")
