@@ -618,6 +618,18 @@ ROWS = [
     ),
     row("call-batch-committed-to-one-device", lambda: _one_device_batch_trains(), None),
     row("init-params-sharded-on-another-mesh", lambda: _params_on_another_mesh_train(), None),
+    # -- issue 43: the last two vague cases --------------------------------------------------------------
+    row(
+        "call-batch-nested-python-lists",
+        lambda: step()(state(), {k: np.asarray(v).tolist() for k, v in batch().items()}),
+        TypeError,
+        "batch leaf 'x' is a nested list of 256 numbers (np.asarray gives shape (16, 16))",
+        "batch leaf 'y' is a nested list of 128 numbers",
+        "must be an array",
+        "jnp.asarray(...) or np.asarray(...)",
+    ),
+    row("init-params-on-devices-4-7", lambda: _params_on_devices_4_to_7_train(set_mesh=False), None),
+    row("init-params-on-devices-4-7-under-set-mesh", lambda: _params_on_devices_4_to_7_train(set_mesh=True), None),
     # -- issue 29: numbers as NumPy gives them ------------------------------------------------------------
     row("step-accum-numpy-int", lambda: step(accum_steps=np.int64(2))(state(), batch()), None),
     row("step-clip-numpy-float", lambda: M(loss_fn, tx(), policy(), clip_norm=np.float32(1.0))(state(), batch()), None),
@@ -987,6 +999,23 @@ def _params_on_another_mesh_train() -> None:
     s = I(placed, tx(3), policy(3))
     np.testing.assert_array_equal(np.asarray(zj.full_params(s)["w"]), np.asarray(params()["w"]))
     step(3)(s, batch())
+
+
+def _params_on_devices_4_to_7_train(*, set_mesh: bool) -> None:
+    """Parameters sharded over devices 4-7 (axis 'x', Explicit: jax.make_mesh's default), given to init_state
+    on the 8-device policy, with that mesh still set (jax.set_mesh) or not: re-placed per the policy, they
+    train as the same parameters made anywhere else do."""
+    other = jax.make_mesh((4,), ("x",), devices=jax.devices()[4:])
+    cuts = {"w": PS(None, "x"), "b": PS("x")}
+    placed = {k: jax.device_put(v, jax.NamedSharding(other, cuts[k])) for k, v in params().items()}
+    with jax.set_mesh(other) if set_mesh else contextlib.nullcontext():
+        s = I(placed, tx(3), policy(3))
+    assert s.params["w"].sharding.mesh == policy(3).auto_mesh, s.params["w"].sharding
+    for k, v in zj.full_params(s).items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(params()[k]))
+    _, got = step(3)(s, batch())
+    _, want = step(3)(state(3), batch())
+    assert float(got["loss"]) == float(want["loss"])
 
 
 def _closure_over_a_piece() -> None:

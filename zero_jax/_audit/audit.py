@@ -127,6 +127,7 @@ from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_an
 from zero_jax._base.units import is_whole_number
 from zero_jax._layerwise.schedule import read_only_options, schedule_for
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
+from zero_jax._policy.placement import place_batch
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.optimizer import frozen_leaves
 from zero_jax._step.train import StepFacts, TrainStep
@@ -213,7 +214,12 @@ def measure_grads(train_step: Any, state: Any, batch: Any, abstract: bool, optio
     returns, or for abstract inputs its compiled output shardings."""
     if hlo.on_cpu((state, batch)):  # only the outputs' shardings and bytes are read
         options = {**options, **read_only_options(jax.devices("cpu"))}
-    compiled = jax.jit(train_step.grads).lower(state, batch).compile(compiler_options=options)
+    # The batch enters as the step's own call takes it (a batch placed on an Explicit mesh would otherwise
+    # carry that mesh into this outer program, which jax 0.12 then fails to lower).
+    shardings = train_step.policy.batch_sharding(batch)
+    batch = place_batch(batch, shardings)
+    outer = jax.jit(train_step.grads, in_shardings=(None, shardings))
+    compiled = outer.lower(state, batch).compile(compiler_options=options)
     return compiled.out_info if abstract else compiled(state, batch)
 
 
@@ -403,42 +409,43 @@ def audit(
     policy.check_batch(batch, where="audit")
     prefetch = _prefetch(prefetch)
 
-    abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
-    options = (dict(hlo.FAST_COMPILE) if fast_compile else {}) | dict(compiler_options or {})
-    memory, colls, loops, scheduled, peak = _program(train_step, state, batch, policy, options)
-    program = read_compiled(scheduled, policy.mesh.size)
-    fragmentation = _fragmentation(memory, peak, program)
-    leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
-    params = _param_infos(facts, state)
-    phi = sum(math.prod(p.layout.shape) for p in params)
-    if reduce_dtype is None:
-        reduce_dtype = policy.precision.reduce_dtype  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-    comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
-    comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
-    per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
+    with policy.program_mesh():  # the step's own mesh context, whatever jax.set_mesh says
+        abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
+        options = (dict(hlo.FAST_COMPILE) if fast_compile else {}) | dict(compiler_options or {})
+        memory, colls, loops, scheduled, peak = _program(train_step, state, batch, policy, options)
+        program = read_compiled(scheduled, policy.mesh.size)
+        fragmentation = _fragmentation(memory, peak, program)
+        leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
+        params = _param_infos(facts, state)
+        phi = sum(math.prod(p.layout.shape) for p in params)
+        if reduce_dtype is None:
+            reduce_dtype = policy.precision.reduce_dtype  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+        comm = communication(colls, params, policy, reduce_dtype, accum_mode, steps)
+        comm, roles = dataclasses.replace(comm, formula=_comm_formula(params, policy)), wire_roles(colls, policy)
+        per_param = _bytes_per_param(leaves, params, policy, "grads" in totals)
 
-    cats = partitioned_categories(policy)
-    violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size, roles)
-    violations += comm_violation(comm, policy.stage, tolerance)
-    violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
-    layers = layer_schedule(program, params, policy, prefetch)
-    # gather="all" and local accumulation (one gather per step) hold the whole model by design.
-    layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
-    violations += layer_violations(layers, policy, layerwise)
-    buffers = comm_buffers(colls, program, policy.bucket_bytes)  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
-    if policy.bucket_bytes is not None:
-        violations += buffers.over(policy.bucket_bytes, single_alone=True, what="bucket_bytes")  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
-    return AuditReport(
-        stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
-        formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
-        replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
-        memory=memory, collectives=colls, loops=loops, comm=comm,
-        violations=tuple(violations), **_by_axes(colls, params, policy),
-        min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
-        abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
-        compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
-        fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
-    )  # fmt: skip
+        cats = partitioned_categories(policy)
+        violations = _program_violations(colls, loops, leaves, params, policy, min_shard_size, roles)
+        violations += comm_violation(comm, policy.stage, tolerance)
+        violations += accum_violations(colls, loops, steps, policy) if accum_mode == "local" and steps > 1 else []
+        layers = layer_schedule(program, params, policy, prefetch)
+        # gather="all" and local accumulation (one gather per step) hold the whole model by design.
+        layerwise = facts.gather != "all" and not (accum_mode == "local" and steps > 1)
+        violations += layer_violations(layers, policy, layerwise)
+        buffers = comm_buffers(colls, program, policy.bucket_bytes)  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
+        if policy.bucket_bytes is not None:
+            violations += buffers.over(policy.bucket_bytes, single_alone=True, what="bucket_bytes")  # pyright: ignore[reportArgumentType] - ZeroPolicy normalizes bucket_bytes to an int
+        return AuditReport(
+            stage=policy.stage, num_devices=policy.num_shards, num_params=phi, **_state_bytes(leaves, totals),
+            formula=_formula(params, policy, per_param), bytes_per_param=per_param, leaves=tuple(leaves),
+            replicated=tuple(x for x in leaves if x.category in cats and is_float(x.dtype) and x.replicated),
+            memory=memory, collectives=colls, loops=loops, comm=comm,
+            violations=tuple(violations), **_by_axes(colls, params, policy),
+            min_shard_size=min_shard_size, tolerance=tolerance, accum_mode=accum_mode, accum_steps=steps,
+            abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
+            compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
+            fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
+        )  # fmt: skip
 
 
 def compiled_comm(

@@ -426,7 +426,8 @@ def _refusal(devices: tuple[Any, ...], options: tuple[tuple[str, Any], ...]) -> 
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("probe"))
     probe = jax.ShapeDtypeStruct((8 * len(devices), 128), jnp.float32, sharding=sharded)
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    lowered = jax.jit(lambda x: x * 2, out_shardings=whole).lower(probe)
+    with jax.set_mesh(mesh):  # the probe's own mesh, whatever mesh the caller set
+        lowered = jax.jit(lambda x: x * 2, out_shardings=whole).lower(probe)
     try:
         lowered.compile(compiler_options=dict(options))
     except Exception as e:  # any refusal: the option set is not for this compiler and chip

@@ -41,6 +41,12 @@ BATCH_NOT_ARRAYS = (
     "values out of it: close over them in loss_fn (a string, a flag, a config), or encode them as arrays "
     "(token ids for text)."
 )
+BATCH_NESTED_LISTS = (
+    "{where}: {leaves}: a batch leaf must be an array, one row per example along dimension 0. JAX takes a "
+    "Python list as a pytree of separate scalars (each number would go to every device whole, and the loss "
+    "would get lists, not arrays), so convert it first: jnp.asarray(...) or np.asarray(...), e.g. batch = "
+    "jax.tree.map(np.asarray, batch, is_leaf=lambda v: isinstance(v, list))."
+)
 LEGACY_KEY_HINT = (
     " ('{leaf}' looks like a raw jax.random.PRNGKey: pass a typed key, jax.random.key(seed), which the step "
     "replicates, or one key per example, jax.random.split(key, batch_size))"
@@ -72,6 +78,29 @@ def batch_leaf_specs(batch: PyTree, rows: PartitionSpec) -> PyTree:
     """Per batch leaf, its spec: ``rows`` (split by rows), or ``P()`` for a
     replicated leaf (:func:`is_replicated_leaf`)."""
     return jax.tree.map(lambda x: PartitionSpec() if is_replicated_leaf(x) else rows, batch)
+
+
+def _number_list(x: Any) -> bool:
+    """A Python ``list`` whose leaves are all Python numbers (nested lists
+    included, as ``ndarray.tolist()`` gives): an array written as lists."""
+    if type(x) is not list:
+        return False
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(isinstance(v, (bool, int, float, complex)) for v in leaves)
+
+
+def _as_array(x: list) -> str:
+    try:
+        return f"np.asarray gives shape {np.asarray(x).shape}"
+    except ValueError:  # rows of different lengths
+        return "ragged: its rows differ in length"
+
+
+def _nested_lists(batch: PyTree) -> list[str]:
+    """Each subtree of ``batch`` that is a (nested) list of numbers, named with its size."""
+    pairs = jax.tree_util.tree_flatten_with_path(batch, is_leaf=_number_list)[0]
+    return [f"'{path_str(p)}' is a nested list of {len(jax.tree.leaves(x))} numbers ({_as_array(x)})"
+            for p, x in pairs if _number_list(x)]  # fmt: skip
 
 
 def _listing(leaves: list[str]) -> str:
@@ -121,6 +150,9 @@ def check_batch(
     k = microbatches
     uneven, unsplit, unfit = [], [], []
     split = [] if batch_spec is None or mesh is None else list(enumerate(batch_spec))[1:]
+    lists = _nested_lists(batch)
+    if lists:
+        raise TypeError(BATCH_NESTED_LISTS.format(where=where, leaves=_listing(lists)))
     pairs = jax.tree_util.tree_flatten_with_path(batch)[0]
     not_arrays = [f"'{path_str(p)}' is a {type(x).__name__}" for p, x in pairs if not is_batch_value(x)]
     if not_arrays:

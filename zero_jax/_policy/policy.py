@@ -9,9 +9,11 @@ code that uses a group of options reads it as one value: :attr:`ZeroPolicy.wire`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import jax
@@ -577,6 +579,30 @@ class ZeroPolicy:
         or whose ``batch_spec`` dimensions do not split over their axes."""
         check_batch_leaves(batch, where=where, n=self.num_batch_shards, axes=self.batch_axes,
                            microbatches=microbatches, batch_spec=self.batch_spec, mesh=self.mesh)  # fmt: skip
+
+    def program_mesh(self) -> AbstractContextManager[Any]:
+        """The mesh context zero_jax's programs are traced and run in:
+        :attr:`auto_mesh`, this policy's mesh with every axis Auto.
+
+        Under ``jax.set_mesh(mesh)`` of a mesh with ``AxisType.Explicit`` axes
+        a sharding constraint is an assert and ``shard_map`` wants its mesh to
+        be the context's; under another mesh's ``set_mesh`` (other devices)
+        ``jit`` refuses the policy's shardings. So every entry point enters
+        this around its programs: outside a trace it sets the policy's Auto
+        mesh (``jax.set_mesh``, the concrete mesh too), inside one (``jax.jit``
+        of a user's own, which ``jax.set_mesh`` refuses) the abstract mesh
+        (``jax.sharding.use_abstract_mesh``). With no mesh in context, the
+        Auto mesh already, or inside a ``shard_map`` (manual axes: a nested
+        call) nothing changes, so the programs are those of an Auto mesh.
+        """
+        current = jax.sharding.get_abstract_mesh()
+        target = self.auto_mesh.abstract_mesh
+        if current.empty or current == target or AxisType.Manual in current.axis_types:
+            return contextlib.nullcontext()
+        try:
+            return jax.set_mesh(self.auto_mesh)  # set on construction, restored on exit
+        except ValueError:  # inside a trace: jax.set_mesh is refused there
+            return jax.sharding.use_abstract_mesh(target)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.auto_mesh, PartitionSpec())

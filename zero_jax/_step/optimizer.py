@@ -319,11 +319,12 @@ def shard_optimizer(
 
     def init(params: PyTree) -> ShardedOptState:
         record = TreeLayouts.of(policy.layouts(params))
-        inner = tx.init(hide_non_float(params, _float_flags(record.layouts)))
-        layouts = policy.state_layouts(inner, params)
-        return ShardedOptState(
-            store(inner, layouts, policy, partitioned, axes=axes), policy, record, TreeLayouts.of(layouts)
-        )
+        with policy.program_mesh():
+            inner = tx.init(hide_non_float(params, _float_flags(record.layouts)))
+            layouts = policy.state_layouts(inner, params)
+            return ShardedOptState(
+                store(inner, layouts, policy, partitioned, axes=axes), policy, record, TreeLayouts.of(layouts)
+            )
 
     def update(
         updates: PyTree, state: ShardedOptState, params: PyTree | None = None, **extra_args: Any
@@ -332,16 +333,17 @@ def shard_optimizer(
         check_tree(updates, state.param_layouts, "shard_optimizer.update: the gradient tree", STATE_FIX)
         keep = _float_flags(state.param_layouts.layouts)
         param_layouts = hide_non_float(state.param_layouts.tree(), keep, is_leaf=is_layout)
-        state_layouts = state.layouts.tree()
-        inner_state = to_logical(state.inner_state, state_layouts, policy, partitioned, axes=axes)
-        grads = to_logical(hide_non_float(updates, keep), param_layouts, policy, partitioned, axes=axes)
-        if params is not None:
-            check_tree(params, state.param_layouts, "shard_optimizer.update: the parameter tree", STATE_FIX)
-            params = to_logical(hide_non_float(params, keep), param_layouts, policy, partitioned, axes=axes)
-        new_updates, new_inner = tx.update(grads, inner_state, params, **extra_args)  # type: ignore[call-arg]
-        new_inner = store(new_inner, state_layouts, policy, partitioned, axes=axes)
-        back = _updates_back(new_updates, updates, state.param_layouts.layouts, keep, policy, axes)
-        return back, ShardedOptState(new_inner, policy, state.param_layouts, state.layouts)
+        with policy.program_mesh():
+            state_layouts = state.layouts.tree()
+            inner_state = to_logical(state.inner_state, state_layouts, policy, partitioned, axes=axes)
+            grads = to_logical(hide_non_float(updates, keep), param_layouts, policy, partitioned, axes=axes)
+            if params is not None:
+                check_tree(params, state.param_layouts, "shard_optimizer.update: the parameter tree", STATE_FIX)
+                params = to_logical(hide_non_float(params, keep), param_layouts, policy, partitioned, axes=axes)
+            new_updates, new_inner = tx.update(grads, inner_state, params, **extra_args)  # type: ignore[call-arg]
+            new_inner = store(new_inner, state_layouts, policy, partitioned, axes=axes)
+            back = _updates_back(new_updates, updates, state.param_layouts.layouts, keep, policy, axes)
+            return back, ShardedOptState(new_inner, policy, state.param_layouts, state.layouts)
 
     parts = ShardedParts(tx, policy)
     return ShardedTransformation(_Carrying(init, parts), _Carrying(update, parts))

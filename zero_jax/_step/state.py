@@ -12,8 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from zero_jax._base.tree import PyTree, check_live, path_str
+from zero_jax._layout.leaf import LeafLayout, is_layout
 from zero_jax._layout.trees import TreeLayouts, with_dtype
 from zero_jax._policy.placement import store, to_logical
 from zero_jax._policy.policy import ZeroPolicy
@@ -167,36 +169,37 @@ def init_state(
     # Several processes: agree on the policy before the first collective, so
     # a mismatch is an error on every process rather than a hang.
     check_same_on_all_processes("zj.init_state", policy_fingerprint(policy))
-    make, abstract_only = _params_maker(params, policy)
-    prec = policy.precision
-    shapes = jax.eval_shape(make)
-    warn_default_cast(shapes, prec, policy.precision_chosen)  # pyright: ignore[reportArgumentType] - policy.precision is always set
-    layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-    model_state = _model_state_values(model_state)
+    with policy.program_mesh():  # the policy's mesh context, whatever jax.set_mesh says
+        make, abstract_only = _params_maker(params, policy)
+        prec = policy.precision
+        shapes = jax.eval_shape(make)
+        warn_default_cast(shapes, prec, policy.precision_chosen)  # pyright: ignore[reportArgumentType] - policy.precision is always set
+        layouts = with_dtype(policy.layouts(shapes), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+        model_state = _model_state_values(model_state)
 
-    def build() -> TrainState:
-        logical = cast_floats(make(), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-            opt_state=tx.init(logical),  # pyright: ignore[reportArgumentType] - shard_optimizer's init returns a ShardedOptState
-            master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
-            if prec.mixed  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-            else None,
-            loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-            model_state=jax.tree.map(
-                lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, model_state
-            ),
-            policy=policy,
-            layouts=TreeLayouts.of(layouts),
-        )
+        def build() -> TrainState:
+            logical = cast_floats(make(), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+            return TrainState(
+                step=jnp.zeros((), jnp.int32),
+                params=stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                opt_state=tx.init(logical),  # pyright: ignore[reportArgumentType] - shard_optimizer's init returns a ShardedOptState
+                master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
+                if prec.mixed  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                else None,
+                loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                model_state=jax.tree.map(
+                    lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, model_state
+                ),
+                policy=policy,
+                layouts=TreeLayouts.of(layouts),
+            )
 
-    shardings = state_shardings(jax.eval_shape(build))
-    if abstract_only:
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(build), shardings
-        )
-    return jax.jit(build, out_shardings=shardings)()
+        shardings = state_shardings(jax.eval_shape(build))
+        if abstract_only:
+            return jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(build), shardings
+            )
+        return jax.jit(build, out_shardings=shardings)()
 
 
 def _params_maker(params: PyTree | Callable[[], PyTree], policy: ZeroPolicy) -> tuple[Callable[[], PyTree], bool]:
@@ -233,28 +236,45 @@ OTHER_MESH = (
 
 
 def _on_other_mesh(x: Any, policy: ZeroPolicy) -> bool:
+    """Whether ``x`` is laid out on a mesh other than the policy's Auto mesh
+    (:attr:`ZeroPolicy.auto_mesh`): other axis names, devices or axis types."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.NamedSharding):
         return False
-    mesh = sharding.mesh
-    return mesh.axis_names != policy.mesh.axis_names or mesh.devices.shape != policy.mesh.devices.shape or not (  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-        np.array_equal(np.vectorize(lambda d: d.id)(mesh.devices), np.vectorize(lambda d: d.id)(policy.mesh.devices))
-    )
+    return sharding.mesh != policy.auto_mesh
+
+
+def _same_devices(x: jax.Array, policy: ZeroPolicy) -> bool:
+    """``x``'s mesh is the policy's but for its axis types (``jax.make_mesh``'s Explicit axes)."""
+    mesh = x.sharding.mesh  # pyright: ignore[reportAttributeAccessIssue] - a NamedSharding: _on_other_mesh
+    return mesh.axis_names == policy.mesh.axis_names and np.array_equal(mesh.device_ids, policy.mesh.device_ids)
 
 
 def _from_other_meshes(params: PyTree, policy: ZeroPolicy) -> PyTree:
-    """Parameters sharded on another mesh (their own model-parallel mesh, one
-    with other axis names) as host values, which the init program places per
-    the policy; those that span other processes are named in an error."""
+    """Parameters sharded on another mesh re-placed per the policy before the
+    init program reads them: on the policy's devices with other axis types
+    (an Explicit mesh), the same cut on its Auto mesh (no data moves); on
+    other devices or axes (their own model-parallel mesh, devices 4-7), cut
+    as the policy stores them where that divides evenly, else whole. Those
+    on another mesh that span other processes are named in an error."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
     foreign = [(p, x) for p, x in pairs if _on_other_mesh(x, policy)]
     if not foreign:
         return params
     remote = [f"'{path_str(p)}' {x.sharding.spec} on {dict(x.sharding.mesh.shape)}" for p, x in foreign
-              if not x.is_fully_addressable]  # fmt: skip
+              if not x.is_fully_addressable and not _same_devices(x, policy)]  # fmt: skip
     if remote:
         raise ValueError(OTHER_MESH.format(count=len(remote), mesh=dict(policy.mesh.shape), listing="; ".join(remote)))
-    return jax.tree.unflatten(treedef, [np.asarray(x) if _on_other_mesh(x, policy) else x for _, x in pairs])
+    layouts = jax.tree.leaves(policy.layouts(params), is_leaf=is_layout)
+
+    def placed(x: Any, lay: LeafLayout) -> Any:
+        if not _on_other_mesh(x, policy):
+            return x
+        if _same_devices(x, policy):
+            return jax.device_put(x, NamedSharding(policy.auto_mesh, x.sharding.spec))
+        return jax.device_put(x, policy.named_sharding(lay, lay.dim is not None and not lay.padding))
+
+    return jax.tree.unflatten(treedef, [placed(x, lay) for (_, x), lay in zip(pairs, layouts, strict=True)])
 
 
 FACTORY_WITH_ARGUMENTS = (
@@ -349,9 +369,10 @@ def full_params(state: TrainState) -> PyTree:
         stored, partitioned = state.master, policy.partitions_opt_state
     else:
         stored, partitioned = state.params, policy.partitions_params
-    if not partitioned:  # a copy: the state's own buffers are donated to the next step
-        return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(stored)
-    return jax.jit(lambda t: _unstore(t, layouts, policy))(stored)
+    with policy.program_mesh():
+        if not partitioned:  # a copy: the state's own buffers are donated to the next step
+            return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(stored)
+        return jax.jit(lambda t: _unstore(t, layouts, policy))(stored)
 
 
 def _unstore(stored: PyTree, layouts: PyTree, policy: ZeroPolicy) -> PyTree:

@@ -162,20 +162,23 @@ class TrainStep:
     # -- the public face -------------------------------------------------------------
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        state, batch = self._validate(state, batch)
-        return self._programs(batch)[0](state, batch)
+        with self.policy.program_mesh():  # the step's own mesh context, whatever jax.set_mesh says
+            state, batch = self._validate(state, batch)
+            return self._programs(batch)[0](state, batch)
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
-        state, batch = self._validate(state, batch)
-        return self._programs(batch)[0].lower(state, batch)
+        with self.policy.program_mesh():
+            state, batch = self._validate(state, batch)
+            return self._programs(batch)[0].lower(state, batch)
 
     def grads(self, state: TrainState, batch: PyTree) -> PyTree:
         """The batch-mean gradient as the policy holds it: in the reduce dtype
         (float32 accumulators when accumulating), partitioned and padded in
         stages 2–3, whole in stages 0–1; ``None`` for frozen and non-float
         leaves. Loss scaling is not undone here."""
-        state, batch = self._validate(state, batch)
-        return self._programs(batch)[1](state, batch).grads
+        with self.policy.program_mesh():
+            state, batch = self._validate(state, batch)
+            return self._programs(batch)[1](state, batch).grads
 
     @property
     def facts(self) -> StepFacts:
@@ -306,24 +309,29 @@ class TrainStep:
         from stage 1 on (the optimizer works on pieces); otherwise as the
         policy holds them (whole in stage 1).
         """
-        plan = grad_plan(
-            self.loss_fn,
-            self.policy,
-            state.layouts.tree(),
-            self._frozen(state.layouts),
-            gather=self.gather,
-            accum_steps=self.accum_steps,
-            accum_mode=self.accum_mode,
-            stateful=self.stateful,
-            scale_loss=state.loss_scale is not None,
-            for_optimizer=for_optimizer,
-            aux_reduce=self.aux_reduce,
-            keep_gathered=self.keep_gathered,
-        )
-        scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-        return compute_grads(plan, state.params, batch, scale, state.model_state)
+        with self.policy.program_mesh():  # also when a jax.jit of the caller's traces this (zj.audit's)
+            plan = grad_plan(
+                self.loss_fn,
+                self.policy,
+                state.layouts.tree(),
+                self._frozen(state.layouts),
+                gather=self.gather,
+                accum_steps=self.accum_steps,
+                accum_mode=self.accum_mode,
+                stateful=self.stateful,
+                scale_loss=state.loss_scale is not None,
+                for_optimizer=for_optimizer,
+                aux_reduce=self.aux_reduce,
+                keep_gathered=self.keep_gathered,
+            )
+            scale = state.loss_scale.scale if plan.scale_loss else jnp.ones((), jnp.float32)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+            return compute_grads(plan, state.params, batch, scale, state.model_state)
 
     def _step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        with self.policy.program_mesh():  # also when a jax.jit of the caller's traces this
+            return self._step_traced(state, batch)
+
+    def _step_traced(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         prec = self.policy.precision
         shardings = state_shardings(state)  # once per trace: the new state has the same
         out = self._grads(state, batch, for_optimizer=True)
