@@ -22,7 +22,9 @@ is needed). Sections (``--only NAME`` runs one; ``--quick`` shrinks every model 
 
 Writes ``benchmarks/results/tpu_aot.txt`` (the tables, the command, the machine), ``tpu_aot.json`` and
 ``tpu_aot.png``. The sections' results are cached in ``tpu_aot.json`` as they finish, so an interrupted
-run resumes (``--fresh`` starts over).
+run resumes (``--fresh`` starts over). Each row records the libtpu it was compiled with (rows without one:
+0.0.42.1); a row of another libtpu than the installed one is measured again (``--cached-only``: kept and
+marked ``*``). The claims on several libtpu versions side by side: ``benchmarks/tpu_versions.py``.
 """
 
 from __future__ import annotations
@@ -178,9 +180,15 @@ def tpu_schedule(name: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+#: The libtpu the rows measured before rows named theirs were measured with (the results' header said so).
+FIRST_LIBTPU = "0.0.42.1"
+
+
 def stale(row: dict[str, Any], variant: str) -> bool:
-    """Whether a row of ``variant`` was measured under an older TPU schedule than today's (:func:`tpu_schedule`)."""
-    return "compile_s" in row and row.get("schedule") != tpu_schedule(variant)
+    """Whether a row of ``variant`` was measured under an older TPU schedule than today's (:func:`tpu_schedule`)
+    or with another libtpu than the one installed (each row records its own)."""
+    other = row.get("libtpu", FIRST_LIBTPU) != _libtpu_version()
+    return "compile_s" in row and (other or row.get("schedule") != tpu_schedule(variant))
 
 
 def cached(key: str, compute: Any, refresh: bool = True) -> dict[str, Any]:
@@ -190,7 +198,7 @@ def cached(key: str, compute: Any, refresh: bool = True) -> dict[str, Any]:
     if key not in ROWS and RENDER_ONLY:
         return {"missing": True}
     if key not in ROWS or (stale(ROWS[key], key) and refresh and not RENDER_ONLY):
-        ROWS[key] = compute() | {"schedule": tpu_schedule(key)}
+        ROWS[key] = compute() | {"schedule": tpu_schedule(key), "libtpu": _libtpu_version()}
         if ROWS_FILE:
             ROWS_FILE[0].write_text(json.dumps(ROWS, indent=1, default=str))
     return dict(ROWS[key])
@@ -675,6 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(results, args.out / f"{stem}.png")
 
 
+@functools.cache
 def _libtpu_version() -> str:
     out = subprocess.run([sys.executable, "-m", "pip", "show", "libtpu"], capture_output=True, text=True).stdout
     return next((line.split()[-1] for line in out.splitlines() if line.startswith("Version")), "?")
