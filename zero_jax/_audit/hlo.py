@@ -181,9 +181,10 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[st
     calling instruction (the TPU compiler's post-SPMD program of an unrolled
     ``lax.scan`` calls the loop body's computation once per unrolled layer).
 
-    Right after SPMD partitioning the while loops carry no trip-count
-    annotation, so it is read off the loop condition ``compare(i, constant(K)),
-    direction=LT``.
+    Right after SPMD partitioning (and in libtpu's compiled programs) the
+    while loops carry no trip-count annotation, so it is read off the loop's
+    induction variable (:func:`loop_trips`); XLA:CPU's compiled loops carry
+    ``known_trip_count``.
     """
     comps: dict[str, list[str]] = {}
     current = None
@@ -197,14 +198,108 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[st
     callers: dict[str, list[tuple[str, int | None]]] = {}
     for name, lines in comps.items():
         for line in lines:
-            m = re.search(r"while\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", line)
+            m = re.search(r"while\((.*?)\),\s*condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", line)
             if m:
-                c = re.search(r"constant\((\d+)\)", "\n".join(comps.get(m.group(1), [])))
-                callers.setdefault(m.group(2), []).append((name, int(c.group(1)) if c else 1))
+                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                trips = int(known.group(1)) if known else loop_trips(
+                    lines, m.group(1).strip().lstrip("%"), comps.get(m.group(2), []), comps.get(m.group(3), []))
+                callers.setdefault(m.group(3), []).append((name, trips))
             for called in _CALLED.findall(line):
                 for callee in re.findall(r"%?([\w.\-]+)", called):
                     callers.setdefault(callee, []).append((name, None))
     return comps, callers
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+([\w\-]+)\((.*)$")
+
+
+def _defs(lines: list[str]) -> dict[str, tuple[str, list[str], str]]:
+    """A computation's instructions: name -> (op, operand names, the rest of the line)."""
+    out = {}
+    for line in lines:
+        m = _DEF.match(line)
+        if m:
+            args, _, rest = m.group(3).partition(")")
+            out[m.group(1)] = (m.group(2), [a.strip().lstrip("%") for a in args.split(",") if a.strip()], rest)
+    return out
+
+
+def _constant(defs: Mapping[str, tuple[str, list[str], str]], name: str) -> int | None:
+    """The integer value of a scalar constant instruction (through copies and converts), else None."""
+    for _ in range(4):
+        op, args, _ = defs.get(name, ("", [], ""))
+        if op == "constant" and len(args) == 1 and re.fullmatch(r"-?\d+", args[0]):
+            return int(args[0])
+        if op not in ("copy", "convert", "bitcast") or not args:
+            return None
+        name = args[0]
+    return None
+
+
+def _tuple_index(defs: Mapping[str, tuple[str, list[str], str]], name: str) -> int | None:
+    """The tuple index a ``get-tuple-element`` of the computation's parameter reads, else None."""
+    op, args, rest = defs.get(name, ("", [], ""))
+    m = re.search(r"index=(\d+)", rest)
+    if op != "get-tuple-element" or not m or not args or defs.get(args[0], ("",))[0] != "parameter":
+        return None
+    return int(m.group(1))
+
+
+def loop_trips(caller: list[str], init: str, condition: list[str], body: list[str]) -> int:
+    """How many times a while loop runs, from its induction variable: the
+    condition's ``compare(i, K)`` (``i`` a tuple element of the loop state),
+    the body's ``i + step`` and the initial value of that element in the
+    tuple the caller passes (0 when not a constant). A loop whose induction is
+    not spelled so is read as before: the condition's first constant. The
+    SPMD partitioner's windowed einsum steps its loops by 2, which the limit
+    alone would count twice.
+
+    >>> cond = ["  %p = (s32[], f32[8]) parameter(0)", "  %i = s32[] get-tuple-element(%p), index=0",
+    ...         "  %k = s32[] constant(8)", "  ROOT %lt = pred[] compare(%i, %k), direction=LT"]
+    >>> body = ["  %p = (s32[], f32[8]) parameter(0)", "  %i = s32[] get-tuple-element(%p), index=0",
+    ...         "  %two = s32[] constant(2)", "  %next = s32[] add(%i, %two)",
+    ...         "  %x = f32[8] get-tuple-element(%p), index=1", "  ROOT %t = (s32[], f32[8]) tuple(%next, %x)"]
+    >>> caller = ["  %zero = s32[] constant(0)", "  %x0 = f32[8] parameter(0)",
+    ...           "  %init = (s32[], f32[8]) tuple(%zero, %x0)"]
+    >>> by_one = [line.replace("(2)", "(1)") for line in body]
+    >>> loop_trips(caller, "init", cond, body), loop_trips(caller, "init", cond, by_one)
+    (4, 8)
+    """
+    first = re.search(r"constant\((\d+)\)", "\n".join(condition))
+    fallback = int(first.group(1)) if first else 1
+    cdefs, bdefs, kdefs = _defs(condition), _defs(body), _defs(caller)
+    root = next((m.group(1) for line in condition if (m := _DEF.match(line)) and "ROOT" in line.split("=")[0]), None)
+    op, args, rest = cdefs.get(root or "", ("", [], ""))
+    direction = re.search(r"direction=(\w+)", rest)
+    if op != "compare" or len(args) != 2 or not direction:
+        return fallback
+    a, b = args
+    index, limit, flip = _tuple_index(cdefs, a), _constant(cdefs, b), False
+    if index is None or limit is None:
+        index, limit, flip = _tuple_index(cdefs, b), _constant(cdefs, a), True
+    if index is None or limit is None:
+        return fallback
+    broot = next((m.group(1) for line in body if (m := _DEF.match(line)) and "ROOT" in line.split("=")[0]), None)
+    bop, outs, _ = bdefs.get(broot or "", ("", [], ""))
+    if bop != "tuple" or index >= len(outs):
+        return fallback
+    aop, terms, _ = bdefs.get(outs[index], ("", [], ""))
+    if aop not in ("add", "subtract") or len(terms) != 2:
+        return fallback
+    own = [_tuple_index(bdefs, t) == index for t in terms]
+    step = _constant(bdefs, terms[1] if own[0] else terms[0]) if any(own) else None
+    if step is None or step == 0:
+        return fallback
+    step = -step if aop == "subtract" else step
+    iop, inits, _ = kdefs.get(init, ("", [], ""))
+    start = (_constant(kdefs, inits[index]) if iop == "tuple" and index < len(inits) else None) or 0
+    cmp = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}.get(direction.group(1), direction.group(1)) if flip else (
+        direction.group(1))  # fmt: skip
+    span = {"LT": limit - start, "LE": limit - start + 1, "GT": start - limit, "GE": start - limit + 1,
+            "NE": abs(limit - start)}.get(cmp)  # fmt: skip
+    if span is None:
+        return fallback
+    return max(0, -(-span // abs(step)))
 
 
 def _loops(name: str, callers: Mapping[str, list[tuple[str, int | None]]]) -> tuple[int, ...]:
