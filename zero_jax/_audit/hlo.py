@@ -37,6 +37,8 @@ _INSTR = re.compile(
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\((?P<args>.*)$"
 )
 _ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
+#: XLA's own trip count of a compiled while loop (XLA:GPU writes it into the loop's backend_config).
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
@@ -183,7 +185,11 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[st
 
     Right after SPMD partitioning the while loops carry no trip-count
     annotation, so it is read off the loop condition ``compare(i, constant(K)),
-    direction=LT``.
+    direction=LT`` (or off the fusion the condition calls for it: XLA:GPU's
+    ``fused_compare``). A compiled loop that carries XLA's own count
+    (``backend_config={"known_trip_count":{"n":"K"}}``: XLA:GPU's, after its
+    collective pipeliner peeled iterations out of the loop) is taken at its
+    word.
     """
     comps: dict[str, list[str]] = {}
     current = None
@@ -199,12 +205,23 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[st
         for line in lines:
             m = re.search(r"while\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", line)
             if m:
-                c = re.search(r"constant\((\d+)\)", "\n".join(comps.get(m.group(1), [])))
-                callers.setdefault(m.group(2), []).append((name, int(c.group(1)) if c else 1))
+                known = _KNOWN_TRIPS.search(line)
+                callers.setdefault(m.group(2), []).append(
+                    (name, int(known.group(1)) if known else _condition_bound(m.group(1), comps))
+                )
             for called in _CALLED.findall(line):
                 for callee in re.findall(r"%?([\w.\-]+)", called):
                     callers.setdefault(callee, []).append((name, None))
     return comps, callers
+
+
+def _condition_bound(condition: str, comps: Mapping[str, list[str]]) -> int:
+    """The constant a loop condition compares its counter with: in the condition itself, or in a fusion it
+    calls (1 when there is none)."""
+    lines = comps.get(condition, [])
+    fused = [c for line in lines for called in _CALLED.findall(line) for c in re.findall(r"%?([\w.\-]+)", called)]
+    c = re.search(r"constant\((\d+)\)", "\n".join(lines + [x for f in fused for x in comps.get(f, [])]))
+    return int(c.group(1)) if c else 1
 
 
 def _loops(name: str, callers: Mapping[str, list[tuple[str, int | None]]]) -> tuple[int, ...]:

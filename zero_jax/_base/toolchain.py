@@ -62,6 +62,24 @@ def libtpu_install(jax_version: str | None = None) -> str:
     return f'pip install "libtpu=={pinned}"' if pinned else f'pip install "jax[tpu]=={version}"'
 
 
+#: What a deviceless GPU compile needs beside jaxlib: the CUDA plugin and its PJRT library (both at jaxlib's
+#: exact version) and ptxas (``nvidia-cuda-nvcc-cu12``); none of the CUDA runtime wheels ``jax[cuda12]`` adds.
+CUDA_PLUGIN_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
+
+
+def cuda_plugin_install(jaxlib_version: str | None = None) -> str:
+    """The pip line that installs what compiles for NVIDIA GPUs here, without a
+    GPU, matching ``jaxlib_version`` (the running jaxlib by default): the CUDA
+    plugin pieces pinned to it, and ptxas.
+
+    >>> cuda_plugin_install("0.10.2")
+    'pip install "jax-cuda12-plugin==0.10.2" "jax-cuda12-pjrt==0.10.2" nvidia-cuda-nvcc-cu12'
+    """
+    version = jaxlib_version or importlib.metadata.version("jaxlib")
+    pins = " ".join(f'"{p}=={version}"' for p in CUDA_PLUGIN_PACKAGES)
+    return f"pip install {pins} nvidia-cuda-nvcc-cu12"
+
+
 def parse_version(text: str) -> tuple[int, ...]:
     """The leading dotted integers of a version string (``()`` when there are none)."""
     m = re.match(r"\d+(?:\.\d+)*", text.strip())
