@@ -18,7 +18,7 @@ import zero_jax as zj
 from zero_jax._base.units import fmt_bytes
 from zero_jax._cli import cli
 from zero_jax._plan.plan import reference_step
-from zero_jax._plan.topology import GPU_SPECS, INSTALL_CUDA_PLUGIN, gpu_name, is_gpu_name
+from zero_jax._plan.topology import CUDA_PLUGINS, GPU_SPECS, INSTALL_CUDA_PLUGIN, gpu_name, is_gpu_name
 
 GiB = 2**30
 TINY = dict(vocab=256, dim=128, depth=2, heads=4, seq=64, compute_dtype="bfloat16")  # Φ = 469,504
@@ -72,9 +72,11 @@ def test_a_gpu_name_where_a_tpu_one_is_required_and_the_reverse_are_one_error_ea
 
 
 def test_without_the_cuda_plugin_the_error_names_the_pip_line(monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)  # what an environment without it finds
+    for plugin in CUDA_PLUGINS:  # what an environment without them finds
+        monkeypatch.setitem(sys.modules, f"jax_plugins.{plugin}", None)
     v = importlib.metadata.version("jaxlib")
-    assert INSTALL_CUDA_PLUGIN == f'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" nvidia-cuda-nvcc-cu12'
+    cuda = "12" if v.startswith(("0.10.", "0.11.")) else "13"  # the registries serve jax 0.12.1's for CUDA 13 only
+    assert INSTALL_CUDA_PLUGIN.startswith(f'pip install "jax-cuda{cuda}-plugin=={v}" "jax-cuda{cuda}-pjrt=={v}" ')
     for fn in (zj.gpu_slice, zj.topology_mesh, lambda name: zj.plan(topology=name)):
         with pytest.raises(ImportError) as e:
             fn("h100:1x8")

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 from jax.experimental import topologies
 
-from zero_jax._base.toolchain import cuda_plugin_install, libtpu_install
+from zero_jax._base.toolchain import compiler_version, cuda_plugin_install, libtpu_install
 from zero_jax._base.units import fmt_bytes
 
 #: The pip line that installs the TPU compiler matching the running jax.
@@ -82,11 +82,13 @@ NOT_A_GPU = (
     "or describe a TPU slice with zj.tpu_slice({name!r}) (zj.topology_mesh and zj.plan(topology=...) take either)."
 )
 
+#: The CUDA plugins' PJRT modules (``jax_plugins.<name>``), as JAX discovers them.
+CUDA_PLUGINS = ("xla_cuda12", "xla_cuda13")
 #: The pip line that installs the GPU compiler matching the running jaxlib (the CUDA plugin and ptxas).
 INSTALL_CUDA_PLUGIN = cuda_plugin_install()
 NO_CUDA_PLUGIN = (
     "compiling for GPU hosts needs the CUDA plugin, the GPU compiler, which is not installed: {install} "
-    "(about 280 MB; no GPU or CUDA driver needed, it compiles on any machine), or pip install -e \".[gpu]\"."
+    "(about 200 MB; no GPU or CUDA driver needed, it compiles on any machine), or pip install -e \".[gpu]\"."
 )
 GPU_FORMS = "Write KIND:HOSTSxGPUS (GPUS per host), KIND one of {kinds}: e.g. 'h100:1x8', 'h200:2x8', 'a100:4x8'"
 UNKNOWN_GPU = "topology {name!r}: no GPU named {kind!r} is known. " + GPU_FORMS + " (XLA's spec files: gpu_specs/)."
@@ -129,9 +131,10 @@ GPU_SPECS = {
     "b200": GpuSpec("b200.txtpb", "300ec95ab85fa9f40af388054f7d43707407cb52"),
     "a100": GpuSpec("a100_sxm_80.txtpb", "4336d12e0706168f6a382ddb231f3a83853b0657"),
 }
-#: Fields of XLA's newer spec files an older CUDA plugin's parser does not know (jax-cuda12-plugin 0.10.2:
-#: ``collective_memory_granularity``): dropped when the file as written is refused.
-NEWER_SPEC_FIELDS = ("collective_memory_granularity",)
+#: Fields of XLA's newer spec files an older CUDA plugin's parser does not know -> the first plugin version
+#: measured to read them (jax-cuda12-plugin 0.10.2 refuses ``collective_memory_granularity``, jax-cuda13-plugin
+#: 0.12.1 reads it): dropped for an older plugin, and whenever the file as written is refused.
+NEWER_SPEC_FIELDS = {"collective_memory_granularity": (0, 12)}
 _GPU_NAME = re.compile(r"^\s*(?P<kind>[A-Za-z][A-Za-z0-9]*)\s*:\s*(?P<shape>[^\s]+)\s*$")
 _TPU_KIND = re.compile(r"^(v\d|tpu)", re.IGNORECASE)
 
@@ -324,7 +327,7 @@ def deviceless_environment() -> None:
 
 def check_cuda_plugin() -> None:
     """Raise ``ImportError`` naming the pip line unless the CUDA plugin is installed."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:  # found, not imported: JAX loads it
+    if all(importlib.util.find_spec(f"jax_plugins.{m}") is None for m in CUDA_PLUGINS):  # found, not imported
         raise ImportError(NO_CUDA_PLUGIN.format(install=INSTALL_CUDA_PLUGIN))
 
 
@@ -342,8 +345,11 @@ def _load_gpu(topology: str) -> tuple[Any, ...]:
     written, or without :data:`NEWER_SPEC_FIELDS` when this plugin's parser refuses them."""
     kind, shape = topology.split(":")
     shape = f"1x{shape}"  # slices x hosts x GPUs per host
+    plugin = compiler_version("gpu")[1]
+    unknown = [field for field, since in NEWER_SPEC_FIELDS.items() if plugin < since]
     try:
-        desc = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=gpu_target_config(kind))
+        config = gpu_target_config(kind, unknown)
+        desc = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=config)
     except jax.errors.JaxRuntimeError as e:
         if "GpuTargetConfigProto" not in str(e):
             raise
