@@ -25,6 +25,9 @@ TINY = dict(vocab=256, dim=128, depth=2, heads=4, seq=64, compute_dtype="bfloat1
 TINY_ARGS = ["--vocab", "256", "--dim", "128", "--depth", "2", "--heads", "4", "--seq", "64", "--bf16"]
 #: device_memory_size of XLA's H100 SXM spec (xla/backends/gpu/target_config/specs/h100_sxm.txtpb).
 H100_BYTES = 84942979072
+#: jax 0.12.1's GPU compiler (jax-cuda13-plugin 0.12.1) runs some collectives synchronously where 0.10.2's
+#: (jax-cuda12-plugin) runs every one async: each version's facts are asserted on its own toolchain.
+NEW_PLUGIN = zj.measure.compiler_version("gpu")[1] >= (0, 12)
 
 
 def _one_line(text: str, *words: str) -> str:
@@ -168,18 +171,21 @@ def test_the_audit_reads_the_gpu_program() -> None:
     step, state, batch = reference_step(3, zj.topology_mesh("h100:1x8"), **TINY)
     r = zj.audit(step, state, batch, grads=False)
     assert r.compiled is not None and r.compiled.backend == "gpu (NVIDIA H100 80GB HBM3)"
-    # NCCL's collectives, every one an async start/done pair after XLA:GPU's combiner, none decomposed.
+    # NCCL's collectives after XLA:GPU's combiner, none decomposed; with jax-cuda12-plugin 0.10.2 every one an
+    # async start/done pair, with jax-cuda13-plugin 0.12.1 some synchronous (measured: 15 of 24 all-gathers and
+    # 10 of 13 reduce-scatters async).
     kinds = {k.kind: k for k in r.compiled.kinds}
     assert set(kinds) == {"all-gather", "reduce-scatter", "all-reduce"}
-    assert all(k.async_executions == k.executions and k.decomposed == 0 for k in kinds.values())
+    assert all(k.decomposed == 0 and k.async_executions > 0 for k in kinds.values())
+    assert all(k.async_executions == k.executions for k in kinds.values()) != NEW_PLUGIN, kinds
     # The scan's loops carry XLA's own trip counts (its collective pipeliner peels iterations out of them): read
     # so, the compiled program sends what the post-SPMD one does (measured: 2.28 MiB both, 0.971x theory).
     assert abs(r.compiled.ring_bytes / r.compiled.post_spmd - 1) < 0.01, (r.compiled.ring_bytes, r.compiled.post_spmd)
     assert abs(r.comm.ratio - 1) < 0.05
     # Overlap, read off the GPU schedule: compute between start and done (measured: 15 of 17 layer gathers, 90%
-    # of their bytes; every layer reduction).
-    assert r.overlap is not None
-    assert r.overlap.gather_bytes_fraction > 0.8 and r.overlap.reduction_fraction == 1.0, r.overlap
+    # of their bytes on 0.10.2; 9 of 17, 49% of their bytes on 0.12.1; every layer reduction on both).
+    assert r.overlap is not None and r.overlap.reduction_fraction == 1.0, r.overlap
+    assert (0.3 < r.overlap.gather_bytes_fraction < 0.7) if NEW_PLUGIN else r.overlap.gather_bytes_fraction > 0.8
     # Memory: the GPU buffer assignment and XLA's live peak, one layer whole at a time.
     assert abs(r.memory["allocated"] / r.memory["peak"] - 1) < 0.01 and r.memory["live_peak"] < r.memory["allocated"]
     assert r.layers is not None and r.layers.max_alive == 1
