@@ -89,8 +89,11 @@ gradient with nothing in flight beside it:
 ...     "  %a = (s32[], bf16[16,128]{1,0}, bf16[16]{0}) parameter(0)",
 ...     "  ROOT %loop = (s32[], bf16[16,128]{1,0}, bf16[16]{0}) while(%a), condition=%cond, body=%body, "
 ...     'backend_config={"known_trip_count":{"n":"4"}}', "}"])
->>> [(c.kind, c.spelling, c.shape, c.bytes, c.trips, c.overlapped) for c in read_compiled(gpu, 8).collectives]
-[('all-gather', 'start/done', (128, 128), 32768, 4, True), ('all-gather', 'start/done', (128,), 256, 4, True), ('reduce-scatter', 'start/done', (16, 128), 32768, 4, False)]
+>>> for c in read_compiled(gpu, 8).collectives:
+...     print(c.kind, c.spelling, c.shape, c.bytes, "x", c.trips, "overlapped" if c.overlapped else "exposed")
+all-gather start/done (128, 128) 32768 x 4 overlapped
+all-gather start/done (128,) 256 x 4 overlapped
+reduce-scatter start/done (16, 128) 32768 x 4 exposed
 """
 
 from __future__ import annotations

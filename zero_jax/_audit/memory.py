@@ -139,7 +139,9 @@ def hbm_bytes_from_dump(dump_dir: str) -> int | None:
     if written is None:
         return None
     name, report = written
-    return gpu_device_bytes(report) if "_gpu_after_optimizations" in name else memory_usage_totals(report).get("default")
+    if "_gpu_after_optimizations" in name:  # XLA:GPU's dump (``module_N.jit_f.sm_9.0a_gpu_after_optimizations-...``)
+        return gpu_device_bytes(report)
+    return memory_usage_totals(report).get("default")
 
 
 def live_peak(report: str) -> LivePeak | None:
