@@ -327,8 +327,16 @@ def deviceless_environment() -> None:
 
 def check_cuda_plugin() -> None:
     """Raise ``ImportError`` naming the pip line unless the CUDA plugin is installed."""
-    if all(importlib.util.find_spec(f"jax_plugins.{m}") is None for m in CUDA_PLUGINS):  # found, not imported
+    if not any(_installed(f"jax_plugins.{m}") for m in CUDA_PLUGINS):
         raise ImportError(NO_CUDA_PLUGIN.format(install=INSTALL_CUDA_PLUGIN))
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found, not imported: JAX loads a plugin itself)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package (``jax_plugins``) is not there either
+        return False
 
 
 def gpu_target_config(kind: str, drop: Sequence[str] = ()) -> str:
