@@ -9,7 +9,11 @@ compiles (2 layers, dim 128, bf16 compute, on h100:1x8, N = 8: 15-35 s each on 2
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import pytest
@@ -18,7 +22,14 @@ import zero_jax as zj
 from zero_jax._base.units import fmt_bytes
 from zero_jax._cli import cli
 from zero_jax._plan.plan import reference_step
-from zero_jax._plan.topology import CUDA_PLUGINS, GPU_SPECS, INSTALL_CUDA_PLUGIN, gpu_name, is_gpu_name
+from zero_jax._plan.topology import (
+    CUDA_NOT_STARTED,
+    CUDA_PLUGINS,
+    GPU_SPECS,
+    INSTALL_CUDA_PLUGIN,
+    gpu_name,
+    is_gpu_name,
+)
 
 GiB = 2**30
 TINY = dict(vocab=256, dim=128, depth=2, heads=4, seq=64, compute_dtype="bfloat16")  # Φ = 469,504
@@ -28,6 +39,7 @@ H100_BYTES = 84942979072
 #: jax 0.12.1's GPU compiler (jax-cuda13-plugin 0.12.1) runs some collectives synchronously where 0.10.2's
 #: (jax-cuda12-plugin) runs every one async: each version's facts are asserted on its own toolchain.
 NEW_PLUGIN = zj.measure.compiler_version("gpu")[1] >= (0, 12)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _one_line(text: str, *words: str) -> str:
@@ -86,6 +98,34 @@ def test_without_the_cuda_plugin_the_error_names_the_pip_line(monkeypatch, capsy
         _one_line(str(e.value), "needs the CUDA plugin", INSTALL_CUDA_PLUGIN, '".[gpu]"')
     assert cli.main(["plan", "--topology", "h100:1x8", "--params", "1B"]) == 2
     _one_line(capsys.readouterr().err, "python -m zero_jax plan: error:", INSTALL_CUDA_PLUGIN)
+
+
+@pytest.mark.slow
+def test_without_jax_platforms_gpu_hosts_load_unless_jax_started_first() -> None:
+    """On a machine without CUDA the plugin registers only if its CUDA version check is skipped before JAX
+    starts its backends: zero_jax skips it (``deviceless_environment``) when it gets there first, and says what
+    to set when it does not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    first = textwrap.dedent("""
+        import zero_jax as zj
+        print(zj.gpu_slice("h100:1x8").num_devices)
+        import jax
+        print(jax.devices()[0].platform)
+        """)
+    late = textwrap.dedent("""
+        import jax
+        jax.devices()
+        import zero_jax as zj
+        try:
+            zj.gpu_slice("h100:1x8")
+        except RuntimeError as e:
+            print(e)
+        """)
+    for code, said in ((first, ["8", "cpu"]), (late, [CUDA_NOT_STARTED])):
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines() == said, run.stdout
 
 
 # -- the hosts ------------------------------------------------------------------------------------------------
