@@ -80,7 +80,8 @@ def cuda_plugin_install(jaxlib_version: str | None = None) -> str:
     'pip install "jax-cuda13-plugin==0.12.1" "jax-cuda13-pjrt==0.12.1" "nvidia-cuda-nvcc>=13"'
     """
     version = jaxlib_version or importlib.metadata.version("jaxlib")
-    cuda = CUDA_FOR_JAX.get(parse_version(version)[:2], 13)  # pyright: ignore[reportArgumentType] - two ints
+    v = parse_version(version)
+    cuda = CUDA_FOR_JAX.get((v[0], v[1]) if len(v) > 1 else (0, 0), 13)
     nvcc = "nvidia-cuda-nvcc-cu12" if cuda == 12 else f'"nvidia-cuda-nvcc>={cuda}"'
     return f'pip install "jax-cuda{cuda}-plugin=={version}" "jax-cuda{cuda}-pjrt=={version}" {nvcc}'
 

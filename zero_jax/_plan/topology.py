@@ -361,7 +361,7 @@ def _load_gpu(topology: str) -> tuple[Any, ...]:
     except jax.errors.JaxRuntimeError as e:
         if "GpuTargetConfigProto" not in str(e):
             raise
-        config = gpu_target_config(kind, NEWER_SPEC_FIELDS)
+        config = gpu_target_config(kind, list(NEWER_SPEC_FIELDS))
         desc = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=config)
     return tuple(desc.devices)
 
