@@ -171,7 +171,11 @@ def test_importing_zero_jax_loads_no_tpu_plugin_and_loading_one_prints_nothing()
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["8", "True"]
-    assert run.stderr == "", run.stderr  # no TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings
+    # The CUDA plugin (the gpu extra, in the test extra) logs "Could not find cuda drivers" (jax-cuda12-plugin
+    # 0.10.2, cudart_stub.cc) when `import jax` loads it on a machine without CUDA, zero_jax or not.
+    cuda = ("cudart_stub.cc", "WARNING: All log messages before absl::InitializeLog() is called")
+    said = [line for line in run.stderr.splitlines() if not any(c in line for c in cuda)]
+    assert said == [], run.stderr  # no TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings
 
 
 # -- plan and the CLI on bad input (no compile) ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from zero_jax._layerwise.scan import scan_layers
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, leaf_layout
 from zero_jax._plan.budget import KeepGatheredChoice, choose_keep_gathered
 from zero_jax._plan.plan import Plan, plan
-from zero_jax._plan.topology import TpuSlice, topology_mesh, tpu_slice
+from zero_jax._plan.topology import DeviceSlice, TpuSlice, device_slice, gpu_slice, topology_mesh, tpu_slice
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import DynamicLossScale, LossScaleState, Precision
 from zero_jax._processes.launch import launch
@@ -55,6 +55,7 @@ __all__ = [
     "Collective",
     "Communication",
     "DEFAULT_MIN_SHARD_SIZE",
+    "DeviceSlice",
     "DynamicLossScale",
     "KeepGatheredChoice",
     "KeepGatheredTrade",
@@ -86,11 +87,13 @@ __all__ = [
     "choose_stage",
     "comm_bytes",
     "comm_bytes_per_axis",
+    "device_slice",
     "efficiency",
     "export_params",
     "frozen_leaves",
     "full_params",
     "gather",
+    "gpu_slice",
     "init_state",
     "keep_gathered_trade",
     "launch",

@@ -9,9 +9,17 @@ collective it is (:class:`CompiledCollective`):
 
 * a synchronous op, ``all-gather(...)``: libtpu's default for all-gather,
   all-reduce and all-to-all;
-* an ``X-start`` / ``X-done`` pair (``collective-permute-start``; on GPU also
-  ``all-gather-start``), followed through ``get-tuple-element`` and
-  ``X-update`` to its done;
+* an ``X-start`` / ``X-done`` pair (``collective-permute-start``), followed
+  through ``get-tuple-element`` and ``X-update`` to its done. XLA:GPU
+  (jax-cuda12-plugin 0.10.2, compiled deviceless for ``h100:1x8`` by
+  ``tests/test_gpu_aot.py``) runs every collective so, on NCCL:
+  ``all-gather-start``, ``reduce-scatter-start`` (a real reduce-scatter, never
+  decomposed) and ``all-reduce-start``, after its combiners: one start of a
+  tuple ``((operands...), (results...))`` carries a whole layer's leaves, each
+  a member of its own here, and the compute scheduled between start and done
+  is the overlap. Its collective pipeliner peels loop iterations, so a
+  compiled loop's trip count is the ``known_trip_count`` it carries
+  (:func:`zero_jax._audit.hlo.trip_counts`), not its condition's bound;
 * ``async-start`` / ``async-done`` wrapping a computation that holds it;
 * libtpu's *continuation fusions*: a fusion named ``async-collective-start.K``,
   fusions calling ``async_collective_fusion.N`` (each a clone of the
@@ -59,6 +67,33 @@ schedule (:mod:`zero_jax._audit.schedule`) reads every backend alike.
 >>> (c,) = read_compiled(text, 8).collectives
 >>> c.kind, c.op, c.decomposed, c.shape, c.bytes, c.ring_bytes  # 2 passes of the whole 64 KiB
 ('reduce-scatter', 'all-reduce', True, (8, 256), 65536, 114688.0)
+
+XLA:GPU's spelling: a scanned layer's body (run 4 times) gathers its weight and
+bias with one combined start, runs a GEMM fusion meanwhile, and reduce-scatters a
+gradient with nothing in flight beside it:
+
+>>> gpu = chr(10).join([
+...     "%body (p: (s32[], bf16[16,128], bf16[16])) -> (s32[], bf16[16,128], bf16[16]) {",
+...     "  %p = (s32[], bf16[16,128]{1,0}, bf16[16]{0}) parameter(0)",
+...     "  %w = bf16[16,128]{1,0} get-tuple-element(%p), index=1",
+...     "  %b = bf16[16]{0} get-tuple-element(%p), index=2",
+...     "  %ag = ((bf16[16,128]{1,0}, bf16[16]{0}), (bf16[128,128]{1,0}, bf16[128]{0})) all-gather-start(%w, %b), "
+...     "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+...     "  %gemm = bf16[128,128]{1,0} fusion(%w), kind=kCustom, calls=%gemm_fusion",
+...     "  %agd = (bf16[128,128]{1,0}, bf16[128]{0}) all-gather-done(%ag)",
+...     "  %rs = ((bf16[128,128]{1,0}), (bf16[16,128]{1,0})) reduce-scatter-start(%gemm), channel_id=2, "
+...     "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add",
+...     "  %rsd = bf16[16,128]{1,0} reduce-scatter-done(%rs)",
+...     "  ROOT %t = (s32[], bf16[16,128]{1,0}, bf16[16]{0}) tuple(%i, %rsd, %b)", "}",
+...     "ENTRY %main (a: (s32[], bf16[16,128], bf16[16])) -> (s32[], bf16[16,128], bf16[16]) {",
+...     "  %a = (s32[], bf16[16,128]{1,0}, bf16[16]{0}) parameter(0)",
+...     "  ROOT %loop = (s32[], bf16[16,128]{1,0}, bf16[16]{0}) while(%a), condition=%cond, body=%body, "
+...     'backend_config={"known_trip_count":{"n":"4"}}', "}"])
+>>> for c in read_compiled(gpu, 8).collectives:
+...     print(c.kind, c.spelling, c.shape, c.bytes, "x", c.trips, "overlapped" if c.overlapped else "exposed")
+all-gather start/done (128, 128) 32768 x 4 overlapped
+all-gather start/done (128,) 256 x 4 overlapped
+reduce-scatter start/done (16, 128) 32768 x 4 exposed
 """
 
 from __future__ import annotations

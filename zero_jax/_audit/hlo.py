@@ -37,6 +37,8 @@ _INSTR = re.compile(
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\((?P<args>.*)$"
 )
 _ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
+#: XLA's own trip count of a compiled while loop (XLA:GPU writes it into the loop's backend_config).
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->.*)?\{\s*$")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
@@ -183,8 +185,11 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[st
 
     Right after SPMD partitioning (and in libtpu's compiled programs) the
     while loops carry no trip-count annotation, so it is read off the loop's
-    induction variable (:func:`loop_trips`); XLA:CPU's compiled loops carry
-    ``known_trip_count``.
+    induction variable (:func:`loop_trips`; its bound in the condition or in
+    the fusion the condition calls: XLA:GPU's ``fused_compare``). A compiled
+    loop that carries XLA's own count (``backend_config={"known_trip_count":
+    {"n":"K"}}``: XLA:CPU's, and XLA:GPU's after its collective pipeliner
+    peeled iterations out of the loop) is taken at its word.
     """
     comps: dict[str, list[str]] = {}
     current = None
@@ -200,14 +205,23 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[st
         for line in lines:
             m = re.search(r"while\((.*?)\),\s*condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)", line)
             if m:
-                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trips = int(known.group(1)) if known else loop_trips(
-                    lines, m.group(1).strip().lstrip("%"), comps.get(m.group(2), []), comps.get(m.group(3), []))
+                known, bound = _KNOWN_TRIPS.search(line), _condition_bound(m.group(2), comps)
+                init, cond, body = m.group(1).strip().lstrip("%"), comps.get(m.group(2), []), comps.get(m.group(3), [])
+                trips = int(known.group(1)) if known else loop_trips(lines, init, cond, body, bound)
                 callers.setdefault(m.group(3), []).append((name, trips))
             for called in _CALLED.findall(line):
                 for callee in re.findall(r"%?([\w.\-]+)", called):
                     callers.setdefault(callee, []).append((name, None))
     return comps, callers
+
+
+def _condition_bound(condition: str, comps: Mapping[str, list[str]]) -> int:
+    """The constant a loop condition compares its counter with: in the condition itself, or in a fusion it
+    calls (1 when there is none)."""
+    lines = comps.get(condition, [])
+    fused = [c for line in lines for called in _CALLED.findall(line) for c in re.findall(r"%?([\w.\-]+)", called)]
+    c = re.search(r"constant\((\d+)\)", "\n".join(lines + [x for f in fused for x in comps.get(f, [])]))
+    return int(c.group(1)) if c else 1
 
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+([\w\-]+)\((.*)$")
@@ -245,12 +259,13 @@ def _tuple_index(defs: Mapping[str, tuple[str, list[str], str]], name: str) -> i
     return int(m.group(1))
 
 
-def loop_trips(caller: list[str], init: str, condition: list[str], body: list[str]) -> int:
+def loop_trips(caller: list[str], init: str, condition: list[str], body: list[str], fallback: int | None = None) -> int:
     """How many times a while loop runs, from its induction variable: the
     condition's ``compare(i, K)`` (``i`` a tuple element of the loop state),
     the body's ``i + step`` and the initial value of that element in the
     tuple the caller passes (0 when not a constant). A loop whose induction is
-    not spelled so is read as before: the condition's first constant. The
+    not spelled so is read as before: ``fallback``, else the condition's first
+    constant. The
     SPMD partitioner's windowed einsum steps its loops by 2, which the limit
     alone would count twice.
 
@@ -265,8 +280,9 @@ def loop_trips(caller: list[str], init: str, condition: list[str], body: list[st
     >>> loop_trips(caller, "init", cond, body), loop_trips(caller, "init", cond, by_one)
     (4, 8)
     """
-    first = re.search(r"constant\((\d+)\)", "\n".join(condition))
-    fallback = int(first.group(1)) if first else 1
+    if fallback is None:
+        first = re.search(r"constant\((\d+)\)", "\n".join(condition))
+        fallback = int(first.group(1)) if first else 1
     cdefs, bdefs, kdefs = _defs(condition), _defs(body), _defs(caller)
     root = next((m.group(1) for line in condition if (m := _DEF.match(line)) and "ROOT" in line.split("=")[0]), None)
     op, args, rest = cdefs.get(root or "", ("", [], ""))

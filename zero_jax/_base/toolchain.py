@@ -62,6 +62,30 @@ def libtpu_install(jax_version: str | None = None) -> str:
     return f'pip install "libtpu=={pinned}"' if pinned else f'pip install "jax[tpu]=={version}"'
 
 
+#: The CUDA major each jax minor's GPU plugin is served for, as the ``gpu`` extra installs it: the registries
+#: serve jax-cuda12-plugin up to 0.12.0.1 and jax-cuda13-plugin from 0.12 on (2026-12-07), so jax 0.12.1 compiles
+#: for GPUs with the CUDA 13 plugin.
+CUDA_FOR_JAX: dict[tuple[int, int], int] = {(0, 10): 12, (0, 11): 12, (0, 12): 13}
+
+
+def cuda_plugin_install(jaxlib_version: str | None = None) -> str:
+    """The pip line that installs what compiles for NVIDIA GPUs here, without a
+    GPU, matching ``jaxlib_version`` (the running jaxlib by default): the CUDA
+    plugin and its PJRT library pinned to it (none of the CUDA runtime wheels
+    ``jax[cuda12]`` adds), and ptxas (the CUDA compiler's wheel).
+
+    >>> cuda_plugin_install("0.10.2")
+    'pip install "jax-cuda12-plugin==0.10.2" "jax-cuda12-pjrt==0.10.2" nvidia-cuda-nvcc-cu12'
+    >>> cuda_plugin_install("0.12.1")
+    'pip install "jax-cuda13-plugin==0.12.1" "jax-cuda13-pjrt==0.12.1" "nvidia-cuda-nvcc>=13"'
+    """
+    version = jaxlib_version or importlib.metadata.version("jaxlib")
+    v = parse_version(version)
+    cuda = CUDA_FOR_JAX.get((v[0], v[1]) if len(v) > 1 else (0, 0), 13)
+    nvcc = "nvidia-cuda-nvcc-cu12" if cuda == 12 else f'"nvidia-cuda-nvcc>={cuda}"'
+    return f'pip install "jax-cuda{cuda}-plugin=={version}" "jax-cuda{cuda}-pjrt=={version}" {nvcc}'
+
+
 def parse_version(text: str) -> tuple[int, ...]:
     """The leading dotted integers of a version string (``()`` when there are none)."""
     m = re.match(r"\d+(?:\.\d+)*", text.strip())

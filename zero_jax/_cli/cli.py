@@ -32,7 +32,7 @@ from zero_jax._base.units import fmt_bytes, parse_bandwidth, parse_count, parse_
 from zero_jax._cli import demo as _demo
 from zero_jax._plan.budget import choose_keep_gathered
 from zero_jax._plan.plan import Plan, plan, sized_config
-from zero_jax._plan.topology import TpuSlice, deviceless_environment, tpu_slice
+from zero_jax._plan.topology import DeviceSlice, device_slice, deviceless_environment
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import Precision
 from zero_jax._step.optimizer import shard_optimizer
@@ -89,7 +89,10 @@ TOPOLOGY_DEVICES = (
     "--topology {topology} has {n} devices{per}, but --devices {devices} disagrees: leave out --devices (N is then "
     "the slice's) or pass --devices {want}."
 )
-NO_DEVICE_MEMORY = "pass --device-memory (e.g. 80GB or 16GiB), or --topology NAME to judge against a TPU chip's HBM."
+NO_DEVICE_MEMORY = (
+    "pass --device-memory (e.g. 80GB or 16GiB), or --topology NAME to judge against a TPU chip's HBM or a GPU's "
+    "memory."
+)
 NO_HBM = "--topology {topology}: the HBM of a {kind} chip is not in zero_jax's table; pass --device-memory."
 REPLICAS_SPLIT = (
     "--replicas {r} x --tensor-parallel {m} must divide the {n} devices of --topology {topology} (N = devices / "
@@ -100,9 +103,11 @@ TOPOLOGY_REPLICAS = (
     "is formulas only), or build the (replica, data) step on zj.topology_mesh(...) and pass it to zj.plan."
 )
 TPU_CAPTION = (
-    "; compiled by the TPU compiler (libtpu) for {tpu}; HBM = the TPU buffer assignment's total of device memory "
+    "; compiled by the {compiler} for {tpu}; HBM = the {kind} buffer assignment's total of device memory "
     "(the compile's memory-usage report): the peak above overestimates it on TPU, and fit is judged on HBM"
 )
+#: The compiler that compiles for each platform of a ``--topology``, as the messages name it.
+COMPILERS = {"tpu": "TPU compiler (libtpu)", "gpu": "GPU compiler (the CUDA plugin)"}
 TP_CAPTION = (
     "; tensor-parallel over M = {m}: every model-state term and ZeRO's data-axis communication / M (the model's own "
     "traffic over the model axis, its activation all-reduces, is not counted: zj.audit measures it)"
@@ -162,8 +167,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", help="number of parameters, e.g. 7e9 or 7B (default: the --compile model's)")
     p.add_argument(
         "--topology",
-        help="a TPU slice, e.g. v5p:4x4x8, v5p-128, v5e:4x4, v6e:16x16 (N and --device-memory are then the "
-        "slice's; --compile uses the TPU compiler, here, without a TPU: needs libtpu)",
+        help="a TPU slice, e.g. v5p:4x4x8, v5p-128, v5e:4x4, v6e:16x16, or GPU hosts, HOSTSxGPUS per host: h100:2x8, "
+        "h200:1x8, b200:1x8, a100:4x8 (N and --device-memory are then theirs; --compile uses the TPU or GPU "
+        "compiler, here, without the hardware: needs libtpu or the CUDA plugin)",
     )
     p.add_argument(
         "--devices", type=positive_int, default=None, help="data-parallel devices N (default 8, or the --topology's)"
@@ -223,16 +229,16 @@ def run_plan_command(args: argparse.Namespace) -> int:
     communication and efficiency; optionally the chart and the compiled check."""
     try:
         return _plan_command(args)
-    except (ValueError, TypeError, OSError, ImportError) as e:  # ImportError: --topology without libtpu
+    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:  # ImportError: no libtpu / CUDA plugin
         print(f"python -m zero_jax plan: error: {e}", file=sys.stderr)
         return 2
 
 
-def plan_target(args: argparse.Namespace) -> tuple[int, float, TpuSlice | None]:
-    """N, the memory per device and the TPU slice (``None`` without
+def plan_target(args: argparse.Namespace) -> tuple[int, float, DeviceSlice | None]:
+    """N, the memory per device and the TPU slice or GPU hosts (``None`` without
     ``--topology``) that ``plan`` plans for, with ``--topology``,
     ``--devices``, ``--replicas`` and ``--device-memory`` checked against each other."""
-    tpu = None if args.topology is None else tpu_slice(args.topology)
+    tpu = None if args.topology is None else device_slice(args.topology)
     if tpu is None:
         if args.device_memory is None:
             raise ValueError(NO_DEVICE_MEMORY)
@@ -312,7 +318,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if model is not None and bucket is not None:
         model["bucket_bytes"] = bucket
     if tpu is not None:
-        out.print(f"TPU slice {tpu}")
+        out.print(f"{'TPU slice' if tpu.platform == 'tpu' else 'GPU hosts'} {tpu}")
     out.print(_formula_table(choice, args, bandwidth))
     head = f"stage {choice.stage}" if choice.stage is not None else "no stage fits"
     out.print(f"[bold]Recommendation: {head}.[/bold] {choice.reason}")
@@ -457,14 +463,15 @@ def plot_choice(choice: StageChoice, path: str) -> None:
 
 
 def _compiled_table(
-    out: Console, n: int, mem: float, model: dict[str, Any], stages: Sequence[int], tpu: TpuSlice | None = None,
+    out: Console, n: int, mem: float, model: dict[str, Any], stages: Sequence[int], tpu: DeviceSlice | None = None,
     timeout: float = 600.0,
 ) -> int:  # fmt: skip
     """Compile and print the per-stage table; exit status 1 when no stage fits (the reason on stderr)."""
     if tpu is None:
         out.print(f"Compiling for {n} simulated devices (nothing is allocated)...")
     else:
-        out.print(f"Compiling for {tpu.topology} with the TPU compiler, on this machine (nothing is allocated)...")
+        compiler = COMPILERS[tpu.platform].split(" (")[0]
+        out.print(f"Compiling for {tpu.topology} with the {compiler}, on this machine (nothing is allocated)...")
     topology = None if tpu is None else tpu.name
     result = plan(
         num_devices=n, device_bytes=mem, stages=stages, factory_kwargs=model, topology=topology, timeout=timeout
@@ -482,6 +489,10 @@ def _compiled_table(
     return 0
 
 
+def _topology_caption(target: DeviceSlice) -> str:
+    return TPU_CAPTION.format(compiler=COMPILERS[target.platform], tpu=target, kind=target.platform.upper())
+
+
 def _result_table(result: Plan, model: dict[str, Any]) -> Table:
     """The compiled plan per stage: state bytes, temp, peak (and TPU HBM), fit, communication, the audit."""
     phi = f"{result.reports[0].num_params:,}" if result.reports else "?"
@@ -491,7 +502,7 @@ def _result_table(result: Plan, model: dict[str, Any]) -> Table:
         f"{'bf16 compute / fp32 master' if model['compute_dtype'] else FP32_NOTE})",
         caption=f"compiled in {result.seconds:.1f} s; peak resident memory of the compiling process "
         f"{fmt_bytes(result.max_rss_bytes)}; peak = argument + output + temp - alias (memory_analysis)"
-        + (TPU_CAPTION.format(tpu=result.topology) if result.topology is not None else "")
+        + (_topology_caption(result.topology) if result.topology is not None else "")
         + (COMPILED_WIRE.format(**model) if "quant_block" in model else ""),
     )
     cols = ("stage", "params", "grads", "optimizer", "temp", "peak", *(("HBM",) if hbm else ()), "fits")

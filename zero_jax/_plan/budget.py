@@ -25,7 +25,7 @@ import jax
 from zero_jax._audit.audit import audit
 from zero_jax._base.units import fmt_bytes, is_whole_number, parse_bytes
 from zero_jax._plan.plan import REFERENCE_STEP, TOPOLOGY_DEVICES, factory_path
-from zero_jax._plan.topology import topology_mesh, tpu_slice
+from zero_jax._plan.topology import device_slice, topology_mesh
 from zero_jax._processes.child import resolve, run_child
 from zero_jax._theory.checks import check_devices
 
@@ -194,9 +194,10 @@ def choose_keep_gathered(
       device_bytes: the budget per device (``"16GiB"`` or a number; with a
         ``topology``, by default its chip's HBM).
       num_devices: the data-parallel size, simulated in a child process.
-      topology: a TPU slice (``"v5p:2x2x2"``, :func:`zero_jax.topology_mesh`'s
-        names): compile each candidate for its devices with the TPU compiler,
-        here (libtpu installed), judged on the HBM it allocates.
+      topology: a TPU slice or GPU hosts (``"v5p:2x2x2"``, ``"h100:1x8"``,
+        :func:`zero_jax.topology_mesh`'s names): compile each candidate for
+        its devices with the TPU or GPU compiler, here (libtpu or the CUDA
+        plugin installed), judged on the device memory it allocates.
       factory: ``factory(stage, mesh, **factory_kwargs, keep_gathered=k,
         prefetch=p) -> (step, abstract_state, abstract_batch)`` (or its
         ``"module:function"`` path); ``None``: the reference transformer
@@ -216,7 +217,7 @@ def choose_keep_gathered(
     (4, 1, True)
     """
     started = time.perf_counter()
-    tpu = None if topology is None else tpu_slice(topology)  # no libtpu, a bad name: fail here, before any process
+    tpu = None if topology is None else device_slice(topology)  # no compiler, a bad name: fail here, not in a child
     if device_bytes is None and tpu is None:
         raise TypeError("choose_keep_gathered: pass device_bytes=... (e.g. '16GiB'), or a topology= whose HBM it is.")
     budget = tpu.hbm_per_device if device_bytes is None else parse_bytes(device_bytes, "choose_keep_gathered")  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
@@ -236,7 +237,7 @@ def choose_keep_gathered(
     prefetches = list(prefetch)
     if not prefetches or not all(is_whole_number(p) and 0 <= p <= depth for p in prefetches):
         raise ValueError(BAD_PREFETCHES.format(depth=depth, got=prefetch))
-    on = f"{tpu.topology} ({n} TPU devices)" if tpu is not None else f"N = {n} simulated devices"
+    on = f"{tpu.topology} ({n} {tpu.platform.upper()} devices)" if tpu is not None else f"N = {n} simulated devices"
     rows = run_child(search_candidates, path, kwargs, stage, budget, depth, prefetches,
                      None if tpu is None else tpu.topology, devices=1 if tpu is not None else n, timeout=timeout,
                      where=f"choose_keep_gathered ({on}, {path})")  # fmt: skip

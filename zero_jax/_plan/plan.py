@@ -4,11 +4,12 @@ size and read the compiled program.
 :func:`plan` lowers and compiles a step on abstract inputs
 (``jax.ShapeDtypeStruct``; nothing is allocated) in a child process
 (:func:`zero_jax._processes.child.run_child`), for a mesh of ``num_devices``
-simulated CPU devices or, with ``topology=``, of a TPU slice's devices compiled
-by the real TPU compiler (:mod:`zero_jax._plan.topology`; no TPU needed), and
-audits it (:func:`zero_jax.audit`). On TPU each stage's peak is also read from
-the buffer assignment of the same compile (HBM; argument + output + temp −
-alias overestimates it there), and fit is judged on it. The formulas it is
+simulated CPU devices or, with ``topology=``, of a TPU slice's or GPU hosts'
+devices compiled by the real TPU or GPU compiler (:mod:`zero_jax._plan.topology`;
+no TPU or GPU needed), and audits it (:func:`zero_jax.audit`). On TPU and GPU
+each stage's peak is also read from the buffer assignment of the same compile
+(the device memory it allocates; argument + output + temp − alias overestimates
+it on TPU), and fit is judged on it. The formulas it is
 checked against live in :mod:`zero_jax._theory.formulas`.
 """
 
@@ -32,7 +33,7 @@ from zero_jax._audit.audit import audit
 from zero_jax._audit.report import AuditReport
 from zero_jax._base.problems import raise_problems
 from zero_jax._base.units import fmt_bytes, parse_bytes
-from zero_jax._plan.topology import TpuSlice, topology_mesh, tpu_slice
+from zero_jax._plan.topology import DeviceSlice, device_slice, topology_mesh
 from zero_jax._policy.arguments import bucket_problems, bucket_size
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import Precision
@@ -115,10 +116,11 @@ class Plan:
       seconds: wall time of planning.
       model_parallel: the tensor-parallel size M of the compiled step (1: a
         data-only mesh).
-      topology: the TPU slice compiled for (``None``: simulated CPU devices).
-      hbm: stage -> the device memory the TPU buffer assignment gives the
-        step (the dump's memory-usage report; empty on CPU, where it equals
-        the peak).
+      topology: the TPU slice or GPU hosts compiled for (``None``: simulated
+        CPU devices).
+      hbm: stage -> the device memory the TPU or GPU buffer assignment gives
+        the step (the dump's memory-usage report; empty on CPU, where it
+        equals the peak).
       out_of_memory: stage -> the TPU compiler's refusal, for a stage whose
         step does not fit HBM at all (libtpu fails the compile: no report).
       bucket_bytes: the bound on any communication buffer the steps were
@@ -133,7 +135,7 @@ class Plan:
     max_rss_bytes: int
     seconds: float
     model_parallel: int = 1
-    topology: TpuSlice | None = None
+    topology: DeviceSlice | None = None
     hbm: dict[int, float] = dataclasses.field(default_factory=dict)
     out_of_memory: dict[int, str] = dataclasses.field(default_factory=dict)
     bucket_bytes: int | None = None
@@ -186,8 +188,8 @@ class Plan:
 
     @property
     def needs(self) -> dict[int, float]:
-        """stage -> the bytes per device fit is judged on: the TPU HBM total
-        where measured (:attr:`hbm`), else the peak; for a stage the TPU
+        """stage -> the bytes per device fit is judged on: the TPU or GPU
+        buffer assignment's total where measured (:attr:`hbm`), else the peak; for a stage the TPU
         compiler refused, what it said the program needs (infinite if unsaid)."""
         needs: dict[int, float] = {s: self.hbm.get(s, p) for s, p in self.peaks.items()}
         for s, said in self.out_of_memory.items():
@@ -476,7 +478,8 @@ def compile_stages(
 ) -> dict[str, Any]:
     """The planning child's job (JAX already sized to N CPU devices): audit
     ``factory``'s step for each stage on a mesh of those devices, or of the
-    TPU slice ``topology``'s; the reports, the TPU HBM totals and the peak RSS."""
+    TPU slice's or GPU hosts' ``topology``; the reports, the buffer assignments'
+    device-memory totals (TPU, GPU) and the peak RSS."""
     build = resolve(factory)
     mesh = jax.make_mesh((jax.device_count(),), ("data",)) if topology is None else topology_mesh(topology)
     reports, hbm, refused = [], {}, {}
@@ -493,9 +496,9 @@ def compile_stages(
 
 
 def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditReport | None, float | None, str]:
-    """:func:`zero_jax.audit` of one step and, for a step on TPU devices, the
-    HBM its buffer assignment gives it, read from the dump of the same
-    compile; or, when the TPU compiler refuses a step that cannot fit HBM,
+    """:func:`zero_jax.audit` of one step and, for a step on TPU or GPU
+    devices, the device memory its buffer assignment gives it, read from the
+    dump of the same compile; or, when the TPU compiler refuses a step that cannot fit HBM,
     no report and its words."""
     try:
         report = audit(step, state, batch, grads=None if grads else False)
@@ -505,8 +508,8 @@ def audit_stage(step: Any, state: Any, batch: Any, grads: bool) -> tuple[AuditRe
             raise
         return None, None, said["what"].rstrip(".")
     mesh = getattr(getattr(step, "policy", None), "mesh", None)
-    on_tpu = mesh is not None and mesh.devices.flat[0].platform == "tpu"
-    return report, (report.memory.get("allocated") if on_tpu else None), ""
+    assigned = mesh is not None and mesh.devices.flat[0].platform in ("tpu", "gpu")  # XLA:CPU's equals the peak
+    return report, (report.memory.get("allocated") if assigned else None), ""
 
 
 def plan(  # house: one public entry, its argument checks in order beside what they guard
@@ -551,7 +554,8 @@ def plan(  # house: one public entry, its argument checks in order beside what t
         policy's, by default).
       device_bytes: memory per device (``"80GB"``) to check the compiled peak
         against; ``None`` reports without judging (with a ``topology``: the
-        chip's HBM per device, :data:`zero_jax._plan.topology.HBM_GIB_PER_CHIP`).
+        chip's HBM per device, :data:`zero_jax._plan.topology.HBM_GIB_PER_CHIP`,
+        or the GPU's memory in XLA's spec of it).
       stages: the stages to compile (factories only).
       factory_kwargs: keyword arguments for the factory (picklable).
       grads: also compile the gradient function to measure gradient bytes.
@@ -560,13 +564,15 @@ def plan(  # house: one public entry, its argument checks in order beside what t
         policy's, by default). A factory compiles on a data-only mesh, so it
         takes only 1; for M > 1 see :func:`zero_jax.choose_stage`'s
         ``model_parallel``, or pass a step built on a (data, model) mesh.
-      topology: a TPU slice (``"v5p:4x4x8"``, ``"v5p-128"``, ``"v5e:4x4"``:
-        :func:`zero_jax.topology_mesh`'s names) to compile for with the TPU
-        compiler, on this machine (libtpu: ``pip install -e ".[tpu]"``).
-        A factory then runs on a 1-D mesh of the slice's devices (N = its
-        device count); a built step must be built on
-        ``zj.topology_mesh(topology, ...)``. Fit is judged on the HBM of each
-        stage's buffer assignment (``Plan.hbm``).
+      topology: a TPU slice (``"v5p:4x4x8"``, ``"v5p-128"``, ``"v5e:4x4"``)
+        or GPU hosts (``"h100:2x8"``: HOSTS x GPUS per host), any of
+        :func:`zero_jax.topology_mesh`'s names, to compile for with the TPU
+        or GPU compiler, on this machine (libtpu: ``pip install -e
+        ".[tpu]"``; the CUDA plugin: ``pip install -e ".[gpu]"``). A factory
+        then runs on a 1-D mesh of the target's devices (N = its device
+        count); a built step must be built on ``zj.topology_mesh(topology,
+        ...)``. Fit is judged on the device memory of each stage's buffer
+        assignment (``Plan.hbm``).
       secondary: ZeRO++'s hpZ: compile the reference step's stage 3 with
         this many chips per node as ``secondary_axis`` (the N devices as N/S
         nodes x S chips; factories only: passed as ``secondary=``).
@@ -585,15 +591,15 @@ def plan(  # house: one public entry, its argument checks in order beside what t
     >>> p.recommended, p.reports[0].num_devices
     (3, 64)
 
-    The same for a TPU slice, compiled by the TPU compiler (see
-    :func:`zero_jax.topology_mesh`): ``zj.plan(topology="v5p:4x4x8",
-    stages=[3])``.
+    The same for a TPU slice or GPU hosts, compiled by the TPU or GPU
+    compiler (see :func:`zero_jax.topology_mesh`): ``zj.plan(topology="v5p:4x4x8",
+    stages=[3])``, ``zj.plan(topology="h100:2x8", stages=[3])``.
     """
     started = time.perf_counter()
     mem = None if device_bytes is None else parse_bytes(device_bytes, "plan: device_bytes")
     if mem is not None and mem <= 0:
         raise ValueError(f"plan: device_bytes must be positive, got {device_bytes!r}.")
-    tpu = None if topology is None else tpu_slice(topology)  # no libtpu, a bad name: fail here, before any process
+    tpu = None if topology is None else device_slice(topology)  # no compiler, a bad name: fail here, not in a child
     if mem is None and tpu is not None:
         mem = tpu.hbm_per_device
     raise_problems(bucket_problems(bucket_bytes), "plan")
@@ -632,7 +638,7 @@ def plan(  # house: one public entry, its argument checks in order beside what t
     path = factory_path(target)
     if path == REFERENCE_STEP and kwargs.get("global_batch") is not None:  # fail fast, without a process
         check_global_batch(kwargs["global_batch"], n, kwargs.get("accum_steps", 1))
-    where = f"{tpu.topology} ({n} TPU devices)" if tpu is not None else f"N = {n} simulated devices"
+    where = f"{tpu.topology} ({n} {tpu.platform.upper()} devices)" if tpu is not None else f"N = {n} simulated devices"
     try:
         out = run_child(
             compile_stages, path, kwargs, stages, grads, None if tpu is None else tpu.topology,
@@ -656,8 +662,8 @@ def plan(  # house: one public entry, its argument checks in order beside what t
     )
 
 
-def _check_step_on(step: Any, tpu: TpuSlice | None) -> None:
-    """A built step planned for a ``topology`` must span that slice's devices."""
+def _check_step_on(step: Any, tpu: DeviceSlice | None) -> None:
+    """A built step planned for a ``topology`` must span its devices."""
     if tpu is None:
         return
     mesh = getattr(getattr(step, "policy", None), "mesh", None)

@@ -1,7 +1,8 @@
-"""TPU slices on any machine: the devices of a slice, by name, for compiling
-with the real TPU compiler without a TPU (deviceless, "ahead of time").
+"""Compile targets on any machine: the devices of a TPU slice or of NVIDIA
+GPU hosts, by name, for compiling with the real TPU or GPU compiler without
+the hardware (deviceless, "ahead of time").
 
-``jax.experimental.topologies.get_topology_desc(topology_name=..., platform="tpu")``
+TPU: ``jax.experimental.topologies.get_topology_desc(topology_name=..., platform="tpu")``
 gives the compile-only devices of a slice once libtpu is installed
 (``pip install -e ".[tpu]"``: the libtpu matching the running jax); a step
 lowered on a ``Mesh`` of those devices compiles with the TPU backend: ``memory_analysis()`` is TPU HBM buffer
@@ -14,8 +15,19 @@ Names are libtpu's (``v5p:2x2x2``, ``v5e:4x4``, ``"TPU v5 lite:4x4"``,
 (``v5p-128``, ``v4-8``, ``v5litepod-16``, ``v6e-256``), mapped to the shapes the
 Cloud TPU documentation gives them (:func:`topology_name`).
 
+GPU: ``get_topology_desc(platform="cuda", topology="1xHOSTSxGPUS",
+target_config=...)`` gives the compile-only devices of HOSTS hosts of GPUS
+NVIDIA GPUs each once the CUDA plugin is installed (``pip install -e
+".[gpu]"``: the plugin at jaxlib's version and ptxas; no GPU and no CUDA
+driver needed); ``target_config`` is XLA's own description of the GPU (a
+``GpuTargetConfigProto``), shipped with the package (:data:`GPU_SPECS`, the
+files in ``gpu_specs/``). Names are ``KIND:HOSTSxGPUS``: ``h100:1x8``,
+``h200:2x8``, ``b200:1x8``, ``a100:4x8`` (:func:`gpu_name`).
+
 >>> topology_name("v5p-128"), topology_name("v5litepod-16"), topology_name("v5p:2x2x2")
 ('v5p:4x4x4', 'v5e:4x4', 'v5p:2x2x2')
+>>> gpu_name("H100:2x8"), is_gpu_name("h100:1x8"), is_gpu_name("v5p:2x2x2")
+('h100:2x8', True, False)
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import importlib.resources
 import importlib.util
 import math
 import os
@@ -33,7 +46,7 @@ from typing import Any
 import jax
 from jax.experimental import topologies
 
-from zero_jax._base.toolchain import libtpu_install
+from zero_jax._base.toolchain import compiler_version, cuda_plugin_install, libtpu_install
 from zero_jax._base.units import fmt_bytes
 
 #: The pip line that installs the TPU compiler matching the running jax.
@@ -59,6 +72,71 @@ MESH_SHAPE = (
     "e.g. {example}."
 )
 MESH_AXES = "topology_mesh: {k} axes {axes} need a shape of {k} sizes (product {n}), got shape={shape!r}."
+
+NOT_A_TPU = (
+    "{fn}: {name!r} names GPU hosts, not a TPU slice; pass a TPU slice ('v5p:2x2x2', 'v5p-128', 'v5e:4x4'), "
+    "or describe GPU hosts with zj.gpu_slice({name!r}) (zj.topology_mesh and zj.plan(topology=...) take either)."
+)
+NOT_A_GPU = (
+    "{fn}: {name!r} is not a GPU host name; write KIND:HOSTSxGPUS with KIND one of {kinds} (e.g. 'h100:1x8'), "
+    "or describe a TPU slice with zj.tpu_slice({name!r}) (zj.topology_mesh and zj.plan(topology=...) take either)."
+)
+
+#: The CUDA plugins' PJRT modules (``jax_plugins.<name>``), as JAX discovers them.
+CUDA_PLUGINS = ("xla_cuda12", "xla_cuda13")
+#: The pip line that installs the GPU compiler matching the running jaxlib (the CUDA plugin and ptxas).
+INSTALL_CUDA_PLUGIN = cuda_plugin_install()
+NO_CUDA_PLUGIN = (
+    "compiling for GPU hosts needs the CUDA plugin, the GPU compiler, which is not installed: {install} "
+    "(about 200 MB; no GPU or CUDA driver needed, it compiles on any machine), or pip install -e \".[gpu]\"."
+)
+GPU_FORMS = "Write KIND:HOSTSxGPUS (GPUS per host), KIND one of {kinds}: e.g. 'h100:1x8', 'h200:2x8', 'a100:4x8'"
+UNKNOWN_GPU = "topology {name!r}: no GPU named {kind!r} is known. " + GPU_FORMS + " (XLA's spec files: gpu_specs/)."
+BAD_GPU_SHAPE = "topology {name!r}: {shape!r} is not HOSTSxGPUS (two positive sizes). " + GPU_FORMS + "."
+GPU_REJECTED = "topology {name!r}: the CUDA plugin rejects it: {reason}. " + GPU_FORMS + "."
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """One of XLA's GPU target descriptions shipped in ``gpu_specs/``.
+
+    Attributes:
+      file: the file in ``zero_jax/_plan/gpu_specs/``.
+      commit: the openxla/xla commit it was copied from, unchanged, at
+        ``xla/backends/gpu/target_config/specs/<file>`` (Apache-2.0, the
+        OpenXLA Authors; ``gpu_specs/README.md``).
+    """
+
+    file: str
+    commit: str
+
+    @property
+    def source(self) -> str:
+        return f"https://github.com/openxla/xla/blob/{self.commit}/xla/backends/gpu/target_config/specs/{self.file}"
+
+    def text(self) -> str:
+        return importlib.resources.files("zero_jax._plan").joinpath("gpu_specs", self.file).read_text()
+
+    @property
+    def memory_bytes(self) -> int:
+        """The device memory the spec gives one GPU (``device_memory_size``)."""
+        return int(re.search(r"device_memory_size:\s*(\d+)", self.text()).group(1))  # pyright: ignore[reportOptionalMemberAccess] - every shipped spec has it
+
+
+#: The GPUs a name may start with, each from XLA's own GpuTargetConfigProto file (SXM parts where XLA has
+#: several).
+GPU_SPECS = {
+    "h100": GpuSpec("h100_sxm.txtpb", "0774019d97e77dc433ce97604295f6fc0f5b3b65"),
+    "h200": GpuSpec("h200.txtpb", "4336d12e0706168f6a382ddb231f3a83853b0657"),
+    "b200": GpuSpec("b200.txtpb", "300ec95ab85fa9f40af388054f7d43707407cb52"),
+    "a100": GpuSpec("a100_sxm_80.txtpb", "4336d12e0706168f6a382ddb231f3a83853b0657"),
+}
+#: Fields of XLA's newer spec files an older CUDA plugin's parser does not know -> the first plugin version
+#: measured to read them (jax-cuda12-plugin 0.10.2 refuses ``collective_memory_granularity``, jax-cuda13-plugin
+#: 0.12.1 reads it): dropped for an older plugin, and whenever the file as written is refused.
+NEWER_SPEC_FIELDS = {"collective_memory_granularity": (0, 12)}
+_GPU_NAME = re.compile(r"^\s*(?P<kind>[A-Za-z][A-Za-z0-9]*)\s*:\s*(?P<shape>[^\s]+)\s*$")
+_TPU_KIND = re.compile(r"^(v\d|tpu)", re.IGNORECASE)
 
 # Cloud TPU accelerator types -> libtpu's shapes, from the Cloud TPU documentation's tables of slice shapes
 # (cloud.google.com/tpu/docs/v4, /v5p, /v5e, /v6e, read 2026-12). v4 and v5p count TensorCores (2 per chip:
@@ -91,6 +169,16 @@ DEVICELESS_ENV = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
 _GOOGLE_PCI_VENDOR = "0x1ae0"
+# The CUDA plugin checks the CUDA runtime's version when JAX starts its backends, unless JAX_PLATFORMS leaves
+# CUDA out; without CUDA that check fails and the plugin is not registered: no GPU topology can be made
+# (jax-cuda12-plugin 0.10.2). On a machine without an NVIDIA GPU the check is skipped instead.
+DEVICELESS_GPU_ENV = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+_NVIDIA_PCI_VENDOR = "0x10de"
+CUDA_NOT_STARTED = (
+    "the CUDA plugin is installed but JAX did not start it in this process (no CUDA here, and JAX's backends "
+    "started before zero_jax could skip its CUDA version check): set JAX_PLATFORMS=cpu (or "
+    "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in the environment before JAX starts, then compile for GPU hosts."
+)
 
 
 def topology_name(name: str) -> str:
@@ -122,20 +210,46 @@ def _sizes(table: dict[int, str]) -> str:
     return ", ".join(str(n) for n in table)
 
 
+def is_gpu_name(name: Any) -> bool:
+    """Whether ``name`` names GPU hosts (``KIND:SHAPE`` whose kind is not a
+    TPU's, known GPU or not: :func:`gpu_name` judges it)."""
+    m = _GPU_NAME.match(name) if isinstance(name, str) else None
+    return m is not None and (m["kind"].lower() in GPU_SPECS or not _TPU_KIND.match(m["kind"]))
+
+
+def gpu_name(name: str) -> str:
+    """The canonical name of GPU hosts, ``kind:HOSTSxGPUS`` (kind in lower case)."""
+    m = _GPU_NAME.match(name) if isinstance(name, str) else None
+    kinds = ", ".join(GPU_SPECS)
+    if m is None or not is_gpu_name(name):
+        raise ValueError(NOT_A_GPU.format(fn="gpu_slice", name=name, kinds=kinds))
+    kind = m["kind"].lower()
+    if kind not in GPU_SPECS:
+        raise ValueError(UNKNOWN_GPU.format(name=name, kind=m["kind"], kinds=kinds))
+    sizes = m["shape"].lower().split("x")
+    if len(sizes) != 2 or not all(p.isdigit() and int(p) > 0 for p in sizes):
+        raise ValueError(BAD_GPU_SHAPE.format(name=name, shape=m["shape"], kinds=kinds))
+    return f"{kind}:{int(sizes[0])}x{int(sizes[1])}"
+
+
 @dataclasses.dataclass(frozen=True)
-class TpuSlice:
-    """A TPU slice as libtpu describes it (picklable; the devices themselves
-    come from :func:`topology_devices`).
+class DeviceSlice:
+    """A compile target as its compiler describes it: a TPU slice, or GPU hosts
+    (picklable; the devices themselves come from :func:`topology_devices`).
 
     Attributes:
-      name: the name as given (``"v5p-128"``).
-      topology: libtpu's name (``"v5p:4x4x4"``).
-      device_kind: ``"TPU v5"``, ``"TPU v5 lite"``, ``"TPU v4"``, ...
+      name: the name as given (``"v5p-128"``, ``"H100:2x8"``).
+      topology: the canonical name (libtpu's ``"v5p:4x4x4"``; ``"h100:2x8"``).
+      device_kind: ``"TPU v5"``, ``"TPU v4"``, ``"NVIDIA H100 80GB HBM3"``, ...
       num_devices: the devices a mesh spans (JAX devices, one per chip on
-        v5p / v5e / v6e, one per TensorCore on v4).
-      num_chips: the chips (distinct chip coordinates).
-      hbm_per_chip: HBM bytes per chip (:data:`HBM_GIB_PER_CHIP`; ``None``
-        for a kind the table does not know).
+        v5p / v5e / v6e, one per TensorCore on v4, one per GPU).
+      num_chips: the chips (distinct chip coordinates; the GPUs).
+      hbm_per_chip: memory bytes per chip (TPU: :data:`HBM_GIB_PER_CHIP`;
+        GPU: the spec's ``device_memory_size``; ``None`` for a kind no table
+        knows).
+      platform: ``"tpu"`` or ``"gpu"``.
+      num_hosts: the hosts (GPU: HOSTS of ``KIND:HOSTSxGPUS``; TPU: the
+        processes libtpu gives the slice's devices).
     """
 
     name: str
@@ -144,6 +258,8 @@ class TpuSlice:
     num_devices: int
     num_chips: int
     hbm_per_chip: int | None
+    platform: str = "tpu"
+    num_hosts: int = 1
 
     @property
     def devices_per_chip(self) -> int:
@@ -151,18 +267,27 @@ class TpuSlice:
 
     @property
     def hbm_per_device(self) -> int | None:
-        """HBM bytes each device of a mesh may use: the chip's, split among its devices."""
+        """Memory bytes each device of a mesh may use: the chip's, split among its devices."""
         return None if self.hbm_per_chip is None else self.hbm_per_chip // self.devices_per_chip
 
     def __str__(self) -> str:
         alias = f"{self.name} = " if self.name != self.topology else ""
-        per_chip = f", {self.devices_per_chip} per chip" if self.devices_per_chip > 1 else ""
         b = self.hbm_per_device
+        if self.platform == "gpu":
+            mem = "memory unknown" if b is None else f"{fmt_bytes(b)} ({fmt_bytes(b, decimal=True)}) memory per GPU"
+            per_host = self.num_devices // self.num_hosts
+            hosts = f"{self.num_hosts} host{'s' if self.num_hosts > 1 else ''} x {per_host} GPUs"
+            return f"{alias}{self.topology}: {hosts} = {self.num_devices} devices ({self.device_kind}), {mem}"
+        per_chip = f", {self.devices_per_chip} per chip" if self.devices_per_chip > 1 else ""
         hbm = "HBM unknown" if b is None else f"{fmt_bytes(b)} ({fmt_bytes(b, decimal=True)}) HBM per device"
         return (
             f"{alias}{self.topology}: {self.num_chips} chips, {self.num_devices} devices "
             f"({self.device_kind}{per_chip}), {hbm}"
         )
+
+
+#: The name a TPU slice's description had before GPU hosts got one too (:class:`DeviceSlice`).
+TpuSlice = DeviceSlice
 
 
 def check_libtpu() -> None:
@@ -175,13 +300,14 @@ def check_libtpu() -> None:
         raise ImportError(NO_LIBTPU.format(install=INSTALL_LIBTPU))
 
 
-def tpu_attached() -> bool:
+def tpu_attached(vendor_id: str = _GOOGLE_PCI_VENDOR) -> bool:
     """Whether this machine has a TPU chip on its PCI bus (Google's vendor id),
-    as JAX itself decides whether to start a TPU runtime."""
+    as JAX itself decides whether to start a TPU runtime (``vendor_id``
+    ``0x10de``: an NVIDIA GPU)."""
     for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             with open(vendor) as f:
-                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                if f.read().strip() == vendor_id:
                     return True
         except OSError:
             continue
@@ -189,13 +315,55 @@ def tpu_attached() -> bool:
 
 
 def deviceless_environment() -> None:
-    """Before libtpu starts on a machine without a TPU: :data:`DEVICELESS_ENV`
-    where the environment does not say otherwise. On a TPU host, nothing (the
-    runtime there needs the real values)."""
-    if tpu_attached():
-        return
-    for key, value in DEVICELESS_ENV.items():
-        os.environ.setdefault(key, value)
+    """Before libtpu or the CUDA plugin starts on a machine without a TPU or
+    an NVIDIA GPU: :data:`DEVICELESS_ENV` (TPU) and :data:`DEVICELESS_GPU_ENV`
+    where the environment does not say otherwise. On a host with the chip,
+    nothing (the runtime there needs the real values)."""
+    for env, vendor in ((DEVICELESS_ENV, _GOOGLE_PCI_VENDOR), (DEVICELESS_GPU_ENV, _NVIDIA_PCI_VENDOR)):
+        if not tpu_attached(vendor):
+            for key, value in env.items():
+                os.environ.setdefault(key, value)
+
+
+def check_cuda_plugin() -> None:
+    """Raise ``ImportError`` naming the pip line unless the CUDA plugin is installed."""
+    if not any(_installed(f"jax_plugins.{m}") for m in CUDA_PLUGINS):
+        raise ImportError(NO_CUDA_PLUGIN.format(install=INSTALL_CUDA_PLUGIN))
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found, not imported: JAX loads a plugin itself)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package (``jax_plugins``) is not there either
+        return False
+
+
+def gpu_target_config(kind: str, drop: Sequence[str] = ()) -> str:
+    """XLA's GpuTargetConfigProto text for ``kind`` (a key of :data:`GPU_SPECS`), the fields ``drop`` left out."""
+    text = GPU_SPECS[kind].text()
+    for field in drop:
+        text = re.sub(rf"^\s*{field}:.*\n", "", text, flags=re.M)
+    return text
+
+
+@functools.cache
+def _load_gpu(topology: str) -> tuple[Any, ...]:
+    """The compile-only devices of GPU hosts ``kind:HOSTSxGPUS`` (loaded once per process): XLA's spec as
+    written, or without :data:`NEWER_SPEC_FIELDS` when this plugin's parser refuses them."""
+    kind, shape = topology.split(":")
+    shape = f"1x{shape}"  # slices x hosts x GPUs per host
+    plugin = compiler_version("gpu")[1]
+    unknown = [field for field, since in NEWER_SPEC_FIELDS.items() if plugin < since]
+    try:
+        config = gpu_target_config(kind, unknown)
+        desc = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=config)
+    except jax.errors.JaxRuntimeError as e:
+        if "GpuTargetConfigProto" not in str(e):
+            raise
+        config = gpu_target_config(kind, list(NEWER_SPEC_FIELDS))
+        desc = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=config)
+    return tuple(desc.devices)
 
 
 @functools.cache
@@ -206,7 +374,10 @@ def _load(topology: str) -> tuple[Any, ...]:
 
 
 def topology_devices(name: str) -> tuple[Any, ...]:
-    """The compile-only devices of the slice ``name`` (any form :func:`topology_name` takes)."""
+    """The compile-only devices of the slice ``name`` (any form :func:`topology_name`
+    or :func:`gpu_name` takes)."""
+    if is_gpu_name(name):
+        return _gpu_devices(name)
     topology = topology_name(name)
     check_libtpu()
     try:
@@ -221,19 +392,63 @@ def topology_devices(name: str) -> tuple[Any, ...]:
         ) from None
 
 
-def tpu_slice(name: str) -> TpuSlice:
-    """What the slice ``name`` is: devices, chips, kind and HBM per device.
+def _gpu_devices(name: str) -> tuple[Any, ...]:
+    topology = gpu_name(name)
+    check_cuda_plugin()
+    deviceless_environment()
+    try:
+        return _load_gpu(topology)
+    except NotImplementedError:  # "topology not implemented for cuda": the plugin did not register
+        raise RuntimeError(CUDA_NOT_STARTED) from None
+    except jax.errors.JaxRuntimeError as e:
+        reason = str(e).splitlines()[0].rstrip(".")
+        raise ValueError(GPU_REJECTED.format(name=name, reason=reason, kinds=", ".join(GPU_SPECS))) from None
+
+
+def tpu_slice(name: str) -> DeviceSlice:
+    """What the TPU slice ``name`` is: devices, chips, kind and HBM per device.
 
     Example (loads libtpu; no TPU needed):
 
     >>> print(tpu_slice("v5p-8"))
     v5p-8 = v5p:2x2x1: 4 chips, 4 devices (TPU v5), 95.00 GiB (102.0 GB) HBM per device
     """
+    if is_gpu_name(name):
+        raise ValueError(NOT_A_TPU.format(fn="tpu_slice", name=name))
     devices = topology_devices(name)
     kind = devices[0].device_kind
     chips = len({(d.process_index, tuple(d.coords)) for d in devices})
+    hosts = len({d.process_index for d in devices})
     gib = HBM_GIB_PER_CHIP.get(kind)
-    return TpuSlice(name, topology_name(name), kind, len(devices), chips, None if gib is None else gib * 2**30)
+    hbm = None if gib is None else gib * 2**30
+    return DeviceSlice(name, topology_name(name), kind, len(devices), chips, hbm, "tpu", hosts)
+
+
+def gpu_slice(name: str) -> DeviceSlice:
+    """What the GPU hosts ``name`` (``KIND:HOSTSxGPUS``) are: devices, hosts,
+    kind and memory per GPU (XLA's spec of the GPU, :data:`GPU_SPECS`).
+
+    Example (loads the CUDA plugin, ``pip install -e ".[gpu]"``; no GPU needed):
+
+    >>> try:
+    ...     hosts = gpu_slice("h100:2x8")
+    ... except ImportError:  # no CUDA plugin here (the error names the pip line): the same description, written out
+    ...     hosts = DeviceSlice("h100:2x8", "h100:2x8", "NVIDIA H100 80GB HBM3", 16, 16, 84942979072, "gpu", 2)
+    >>> print(hosts)
+    h100:2x8: 2 hosts x 8 GPUs = 16 devices (NVIDIA H100 80GB HBM3), 79.11 GiB (84.9 GB) memory per GPU
+    """
+    if not is_gpu_name(name):
+        raise ValueError(NOT_A_GPU.format(fn="gpu_slice", name=name, kinds=", ".join(GPU_SPECS)))
+    devices = _gpu_devices(name)
+    topology = gpu_name(name)
+    hosts = len({d.process_index for d in devices})
+    memory = GPU_SPECS[topology.split(":")[0]].memory_bytes
+    return DeviceSlice(name, topology, devices[0].device_kind, len(devices), len(devices), memory, "gpu", hosts)
+
+
+def device_slice(name: str) -> DeviceSlice:
+    """The compile target ``name``: a TPU slice (:func:`tpu_slice`) or GPU hosts (:func:`gpu_slice`)."""
+    return gpu_slice(name) if is_gpu_name(name) else tpu_slice(name)
 
 
 def topology_mesh(
@@ -243,20 +458,21 @@ def topology_mesh(
     *,
     axis_types: Any = None,
 ) -> jax.sharding.Mesh:
-    """A ``jax.sharding.Mesh`` of a TPU slice's devices, to build and compile a
-    step for that slice on this machine (``step.lower(...).compile()``,
+    """A ``jax.sharding.Mesh`` of a TPU slice's or GPU hosts' devices, to build
+    and compile a step for them on this machine (``step.lower(...).compile()``,
     :func:`zero_jax.plan`, :func:`zero_jax.audit`); nothing can run on it.
 
     Args:
       topology: the slice (:func:`topology_name`'s forms: ``"v5p:4x4x8"``,
-        ``"v5p-128"``, ``"v5e:4x4"``, ...).
+        ``"v5p-128"``, ``"v5e:4x4"``, ...) or GPU hosts (``"h100:1x8"``,
+        ``"h200:2x8"``: :func:`gpu_name`'s form, the CUDA plugin installed).
       axes: the mesh axis names (one name: a 1-D mesh of every device).
       shape: the mesh shape, one size per axis, product = the slice's device
         count (default: all devices on the one axis).
       axis_types: as ``jax.make_mesh`` (default: its default).
 
     The device order is ``jax.make_mesh``'s for that physical topology (rings
-    along the torus). A mesh over several axes:
+    along the torus; GPU: host by host). A mesh over several axes:
 
     >>> mesh = topology_mesh("v5p:2x2x2", ("replica", "data"), (2, 4))
     >>> dict(mesh.shape), mesh.devices.flat[0].platform
