@@ -320,3 +320,12 @@ def t5(depth: int = 4, seed: int = 0, **kw: Any) -> tuple[T5, dict]:
     model = T5(depth, **kw)
     ids = jnp.zeros((2, 8), jnp.int32)
     return model, model.init(jax.random.key(seed), ids, ids)
+
+
+def one_line(text: str, *words: str) -> str:
+    """An error's text: one line, no traceback, holding each of ``words``."""
+    line = text.strip()
+    assert "Traceback" not in line and len(line.splitlines()) == 1, line
+    for w in words:
+        assert w in line, (w, line)
+    return line

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from _models import one_line
 
 import zero_jax as zj
 from zero_jax._base.units import fmt_bytes
@@ -40,14 +41,6 @@ H100_BYTES = 84942979072
 #: (jax-cuda12-plugin) runs every one async: each version's facts are asserted on its own toolchain.
 NEW_PLUGIN = zj.measure.compiler_version("gpu")[1] >= (0, 12)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _one_line(text: str, *words: str) -> str:
-    line = text.strip()
-    assert "Traceback" not in line and len(line.splitlines()) == 1, line
-    for w in words:
-        assert w in line, (w, line)
-    return line
 
 
 # -- names and bad input --------------------------------------------------------------------------------------
@@ -74,16 +67,16 @@ def test_a_bad_gpu_name_is_one_error_naming_the_form(name: str, words: tuple) ->
     for fn in (zj.gpu_slice, zj.topology_mesh, zj.device_slice):
         with pytest.raises(ValueError) as e:
             fn(name)
-        _one_line(str(e.value), f"topology {name!r}", *words)
+        one_line(str(e.value), f"topology {name!r}", *words)
 
 
 def test_a_gpu_name_where_a_tpu_one_is_required_and_the_reverse_are_one_error_each() -> None:
     with pytest.raises(ValueError) as e:
         zj.tpu_slice("h100:1x8")
-    _one_line(str(e.value), "tpu_slice: 'h100:1x8' names GPU hosts, not a TPU slice", "zj.gpu_slice('h100:1x8')")
+    one_line(str(e.value), "tpu_slice: 'h100:1x8' names GPU hosts, not a TPU slice", "zj.gpu_slice('h100:1x8')")
     with pytest.raises(ValueError) as e:
         zj.gpu_slice("v5p:2x2x2")
-    _one_line(str(e.value), "gpu_slice: 'v5p:2x2x2' is not a GPU host name", "'h100:1x8'", "zj.tpu_slice('v5p:2x2x2')")
+    one_line(str(e.value), "gpu_slice: 'v5p:2x2x2' is not a GPU host name", "'h100:1x8'", "zj.tpu_slice('v5p:2x2x2')")
 
 
 def test_without_the_cuda_plugin_the_error_names_the_pip_line(monkeypatch, capsys) -> None:
@@ -95,9 +88,9 @@ def test_without_the_cuda_plugin_the_error_names_the_pip_line(monkeypatch, capsy
     for fn in (zj.gpu_slice, zj.topology_mesh, lambda name: zj.plan(topology=name)):
         with pytest.raises(ImportError) as e:
             fn("h100:1x8")
-        _one_line(str(e.value), "needs the CUDA plugin", INSTALL_CUDA_PLUGIN, '".[gpu]"')
+        one_line(str(e.value), "needs the CUDA plugin", INSTALL_CUDA_PLUGIN, '".[gpu]"')
     assert cli.main(["plan", "--topology", "h100:1x8", "--params", "1B"]) == 2
-    _one_line(capsys.readouterr().err, "python -m zero_jax plan: error:", INSTALL_CUDA_PLUGIN)
+    one_line(capsys.readouterr().err, "python -m zero_jax plan: error:", INSTALL_CUDA_PLUGIN)
 
 
 @pytest.mark.slow
@@ -158,7 +151,7 @@ def test_topology_mesh_spans_the_gpus_host_by_host_and_leaves_jax_devices_on_the
     assert jax.devices()[0].platform == "cpu" and jax.device_count() == 8
     with pytest.raises(ValueError) as e:  # a mesh shape that does not match the hosts' devices
         zj.topology_mesh("h100:2x8", ("node", "gpu"), (2, 4))
-    _one_line(str(e.value), "shape (2, 4) holds 8 devices, but h100:2x8 has 16", "e.g. (2, 8)")
+    one_line(str(e.value), "shape (2, 4) holds 8 devices, but h100:2x8 has 16", "e.g. (2, 8)")
 
 
 # -- compiled for 1 x 8 H100 ----------------------------------------------------------------------------------
@@ -193,7 +186,7 @@ def test_plan_for_gpu_hosts_that_do_not_fit_says_by_how_much(gpu_plan: zj.Plan) 
     with pytest.raises(ValueError) as e:
         tight.check()
     over = gpu_plan.hbm[3] - 2 * 2**20
-    _one_line(str(e.value), "no planned stage fits 2.00 MiB per device on h100:1x8", "the smallest, stage 3",
+    one_line(str(e.value), "no planned stage fits 2.00 MiB per device on h100:1x8", "the smallest, stage 3",
               f"({fmt_bytes(over)} over)")  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _models import one_line
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,14 +41,6 @@ GiB = 2**30
 TINY = dict(vocab=256, dim=128, depth=2, heads=4, seq=64)  # the reference transformer, Φ = 469,504
 TINY_ARGS = ["--vocab", "256", "--dim", "128", "--depth", "2", "--heads", "4", "--seq", "64"]
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _one_line(text: str, *words: str) -> str:
-    line = text.strip()
-    assert "Traceback" not in line and len(line.splitlines()) == 1, line
-    for w in words:
-        assert w in line, (w, line)
-    return line
 
 
 # -- names ----------------------------------------------------------------------------------------------------
@@ -85,7 +78,7 @@ def test_topology_names_map_cloud_accelerator_types_to_their_documented_shapes(n
 def test_a_topology_name_that_does_not_parse_is_one_error_listing_the_forms(name: str, words: tuple) -> None:
     with pytest.raises(ValueError) as e:
         zj.tpu_slice(name)
-    _one_line(str(e.value), *words)
+    one_line(str(e.value), *words)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +91,7 @@ def test_a_topology_name_that_does_not_parse_is_one_error_listing_the_forms(name
 def test_a_name_libtpu_rejects_is_one_error_with_its_reason_and_the_forms(name: str, reason: str) -> None:
     with pytest.raises(ValueError) as e:
         zj.topology_mesh(name)
-    _one_line(str(e.value), f"topology {name!r}: libtpu rejects it", reason, "'v5p:2x2x2'")
+    one_line(str(e.value), f"topology {name!r}: libtpu rejects it", reason, "'v5p:2x2x2'")
 
 
 def test_tpu_slice_counts_devices_chips_and_hbm_per_device() -> None:
@@ -138,7 +131,7 @@ def test_topology_mesh_spans_the_slice_and_leaves_jax_devices_on_the_cpu() -> No
 def test_a_mesh_shape_that_does_not_match_the_slice_is_one_error(axes: tuple, shape, words: tuple) -> None:
     with pytest.raises(ValueError) as e:
         zj.topology_mesh("v5p:2x2x2", axes, shape)
-    _one_line(str(e.value), *words)
+    one_line(str(e.value), *words)
 
 
 def test_without_libtpu_the_error_names_the_pip_line(monkeypatch, capsys) -> None:
@@ -148,9 +141,9 @@ def test_without_libtpu_the_error_names_the_pip_line(monkeypatch, capsys) -> Non
                  lambda: zj.plan(topology="v5p:2x2x2", stages=[3])):  # fmt: skip
         with pytest.raises(ImportError) as e:
             call()
-        _one_line(str(e.value), "needs libtpu", INSTALL_LIBTPU)
+        one_line(str(e.value), "needs libtpu", INSTALL_LIBTPU)
     assert cli.main(["plan", "--params", "7e9", "--topology", "v5p:2x2x2"]) == 2
-    _one_line(capsys.readouterr().err, "python -m zero_jax plan: error:", INSTALL_LIBTPU)
+    one_line(capsys.readouterr().err, "python -m zero_jax plan: error:", INSTALL_LIBTPU)
 
 
 def test_importing_zero_jax_loads_no_tpu_plugin_and_loading_one_prints_nothing() -> None:
@@ -184,14 +177,14 @@ def test_importing_zero_jax_loads_no_tpu_plugin_and_loading_one_prints_nothing()
 def test_plan_topology_with_another_num_devices_is_one_error() -> None:
     with pytest.raises(ValueError) as e:
         zj.plan(topology="v5p:2x2x2", num_devices=16, stages=[3])
-    _one_line(str(e.value), "topology v5p:2x2x2 has 8 devices, but num_devices=16", "leave num_devices out")
+    one_line(str(e.value), "topology v5p:2x2x2 has 8 devices, but num_devices=16", "leave num_devices out")
 
 
 def test_plan_of_a_cpu_step_for_a_topology_of_another_size_is_one_error() -> None:
     step, state, batch = reference_step(3, jax.make_mesh((8,), ("data",)), dim=32, depth=1, vocab=64, seq=16)
     with pytest.raises(ValueError) as e:
         zj.plan(step, state, batch, topology="v5p-8")
-    _one_line(str(e.value), "spans 8 devices, but topology v5p:2x2x1 has 4", "zj.topology_mesh('v5p-8')")
+    one_line(str(e.value), "spans 8 devices, but topology v5p:2x2x1 has 4", "zj.topology_mesh('v5p-8')")
 
 
 @pytest.mark.parametrize(
@@ -211,7 +204,7 @@ def test_plan_of_a_cpu_step_for_a_topology_of_another_size_is_one_error() -> Non
 )  # fmt: skip
 def test_plan_cli_topology_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: tuple) -> None:
     assert cli.main(["plan", "--params", "7e9", *argv]) == 2
-    _one_line(capsys.readouterr().err, "python -m zero_jax plan: error:", *words)
+    one_line(capsys.readouterr().err, "python -m zero_jax plan: error:", *words)
 
 
 def test_plan_cli_topology_sets_n_and_the_memory_per_device(capsys) -> None:
@@ -274,7 +267,7 @@ def test_a_plan_that_does_not_fit_says_by_how_much_and_what_would(tpu_plan: zj.P
     tight = dataclasses.replace(tpu_plan, device_bytes=hbm - short)
     with pytest.raises(ValueError) as e:
         tight.check()
-    line = _one_line(str(e.value), "plan: no planned stage fits", "on v5p:2x2x2: the smallest, stage 3, needs",
+    line = one_line(str(e.value), "plan: no planned stage fits", "on v5p:2x2x2: the smallest, stage 3, needs",
                      f"({fmt_bytes(short)} over). Try ")  # fmt: skip
     assert "offload_optimizer=True" in line  # short of less than its optimizer state: offloading it would fit
     assert "stage 3 on about" in line and "devices instead of 8" in line  # and so would more devices
@@ -292,7 +285,7 @@ def test_plan_cli_compiles_for_a_topology_and_says_when_nothing_fits(capsys) -> 
     out = " ".join(captured.out.split())
     assert "Compiling for v5p:2x2x2 with the TPU compiler" in out and "HBM" in out and "compiled by the TPU" in out
     assert "Compiled: no stage fits." in out
-    _one_line(captured.err, "python -m zero_jax plan: error: no planned stage fits 976.56 KiB per device", "over")
+    one_line(captured.err, "python -m zero_jax plan: error: no planned stage fits 976.56 KiB per device", "over")
 
 
 def test_a_step_built_on_topology_mesh_plans_here_with_its_hbm() -> None:
@@ -323,5 +316,5 @@ def test_a_step_the_tpu_compiler_refuses_for_want_of_hbm_is_a_plan_that_does_not
     assert p.fit_note(0) == "no (the TPU compiler: out of HBM)"
     with pytest.raises(ValueError) as e:
         p.check()
-    _one_line(str(e.value), "no planned stage fits 16.00 GiB per device on v5e:2x4", "the TPU compiler refused",
+    one_line(str(e.value), "no planned stage fits 16.00 GiB per device on v5e:2x4", "the TPU compiler refused",
               "stage 0: Ran out of memory", "offload_optimizer=True")  # fmt: skip
