@@ -350,13 +350,17 @@ def _feeds(hlo: str) -> dict[str, tuple[str, ...]]:
     """Each collective's :attr:`Collective.feeds`, read off the operands of
     every instruction (names are unique across an HLO module, so one map)."""
     users: dict[str, list[tuple[str, str]]] = {}
+    collectives = []
+    kinds = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
     for line in hlo.splitlines():
         m = _ANY_INSTR.match(line)
         if m:
+            op = m.group("op").removesuffix("-start")
             args = m.group("args").split("), ", 1)[0]
             for operand in re.findall(r"%([\w.\-]+)", args):
-                users.setdefault(operand, []).append((m.group("name"), m.group("op").removesuffix("-start")))
-    kinds = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+                users.setdefault(operand, []).append((m.group("name"), op))
+            if op in kinds:
+                collectives.append(m.group("name"))
 
     def reached(name: str, seen: set[str]) -> list[str]:
         out = []
@@ -367,7 +371,7 @@ def _feeds(hlo: str) -> dict[str, tuple[str, ...]]:
             out += [user] if op in kinds else reached(user, seen) if op in PASS_THROUGH else []
         return out
 
-    return {name: tuple(reached(name, {name})) for name in users}
+    return {name: tuple(reached(name, {name})) for name in collectives}
 
 
 def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
