@@ -41,10 +41,16 @@ asynchronously (the call returns once the arrays are copied off the devices;
 training goes on while they are written). Directories and files may
 be given relative to the current directory; orbax's own log output is kept
 off the terminal (its errors reach you once, as zero_jax's exception).
+``CheckpointManager(..., save_on_preemption=True)`` saves at the step
+boundary after a SIGTERM, the same step on every process
+(:meth:`CheckpointManager.save_if_preempted`). A corrupt step is a
+:class:`CorruptCheckpointError`; ``restore(..., fallback=True)`` restores the
+newest step before it that reads and verifies.
 
 Modules: ``_record`` (leaf names, step directories, the JSON record and the
 checksums), ``_orbax`` (orbax underneath: writer, reader, quiet logs, failed-save
-cleanup), ``_restore``, ``_manager`` (``CheckpointManager`` and ``save``),
+cleanup), ``_restore``, ``_preemption`` (the SIGTERM notice, and the step every
+process saves at), ``_manager`` (``CheckpointManager`` and ``save``),
 ``_safetensors`` (``export_params`` and ``load_params``).
 
 Example:
@@ -63,7 +69,7 @@ Example:
 """
 
 from zero_jax.checkpoint._manager import CheckpointManager, save
-from zero_jax.checkpoint._record import FORMAT, FORMAT_VERSION, partial_saves, steps
+from zero_jax.checkpoint._record import FORMAT, FORMAT_VERSION, CorruptCheckpointError, partial_saves, steps
 from zero_jax.checkpoint._restore import restore
 from zero_jax.checkpoint._safetensors import EXPORT_BLOCK_BYTES, export_params, load_params
 
@@ -72,6 +78,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "CheckpointManager",
+    "CorruptCheckpointError",
     "export_params",
     "load_params",
     "partial_saves",

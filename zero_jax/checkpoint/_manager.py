@@ -1,5 +1,6 @@
 """Saving: :class:`CheckpointManager` (keep the last K steps, save in the
-background) and :func:`save` (one step, committed before it returns).
+background, and, when asked, save at the step boundary after a SIGTERM) and
+:func:`save` (one step, committed before it returns).
 
 Saves are atomic: orbax writes a step into a temporary sibling directory and
 renames it when every item is complete, so a process killed mid-save leaves
@@ -35,6 +36,7 @@ from zero_jax.checkpoint._orbax import (
     settle,
     write,
 )
+from zero_jax.checkpoint._preemption import PreemptionNotice
 from zero_jax.checkpoint._record import build_metadata, checksums, committed_steps, resolve, state_entries
 from zero_jax.checkpoint._restore import restore
 
@@ -53,6 +55,10 @@ BAD_STEP = (
     "step=int(state.step), or leave step out to use state.step."
 )
 STEP_EXISTS = "{where}: step {step} already exists in {directory}. Save under another step, or delete {path} first."
+NOT_OPTED_IN = (
+    "CheckpointManager.save_if_preempted: this manager does not watch for preemption. Open it with "
+    "zj.CheckpointManager(directory, save_on_preemption=True)."
+)
 SAVE_FAILED = (
     "{where}: checkpoint step {step} could not be written to {directory} ({error}). Nothing of it was kept: the "
     "directory holds the steps it held before ({present}). Check the disk (space, permissions) and save again."
@@ -184,6 +190,15 @@ class CheckpointManager:
         raised there, or by the next ``save``). The state may be donated to
         the next train step as soon as ``save`` returns.
 
+      save_on_preemption: watch for the scheduler's SIGTERM while the
+        manager is open: :meth:`save_if_preempted`, called once per step,
+        saves at the step boundary after it (the same step on every
+        process) and returns ``True``, the loop's cue to stop. Opt-in: it
+        installs a SIGTERM handler (one process; the previous one is put
+        back on :meth:`close`), process-wide state a library should not
+        take unasked; under ``jax.distributed`` it uses JAX's own notifier
+        instead (see ``zero_jax/checkpoint/_preemption.py``).
+
     Use it as a context manager (``with zj.CheckpointManager(d) as mgr:``) or
     call :meth:`close`. Partial saves left by a killed process are removed
     when the manager opens the directory.
@@ -198,10 +213,29 @@ class CheckpointManager:
     ...     mgr.wait()
     ...     mgr.all_steps()
     [1, 2]
+
+    Saving on preemption: a SIGTERM (here sent to itself) is acted on at the
+    next step boundary, and the step is committed before the loop stops.
+
+    >>> import os, signal
+    >>> with zj.CheckpointManager(tempfile.mkdtemp(), save_on_preemption=True) as mgr:
+    ...     for step in range(100):
+    ...         state = state.replace(step=state.step + 1)  # a train step
+    ...         if step == 4:
+    ...             os.kill(os.getpid(), signal.SIGTERM)  # what the scheduler sends
+    ...         if mgr.save_if_preempted(state):
+    ...             break
+    ...     mgr.all_steps()
+    [5]
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 3, async_save: bool = True
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        save_on_preemption: bool = False,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, numbers.Integral) or max_to_keep < 1):
             raise ValueError(BAD_MAX_TO_KEEP.format(got=max_to_keep))
@@ -209,6 +243,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self._writer = _Writer(self.directory, max_to_keep=max_to_keep, async_save=async_save)
+        self._notice = PreemptionNotice() if save_on_preemption else None
 
     def save(self, state: TrainState, *, step: int | None = None) -> None:
         """Save ``state`` as ``step`` (default: ``state.step``).
@@ -220,6 +255,31 @@ class CheckpointManager:
         """
         where = "CheckpointManager.save"
         self._writer.commit(*_prepare(state, step, where), where=where)
+
+    def save_if_preempted(self, state: TrainState, *, step: int | None = None) -> bool:
+        """Call once per training step, on every process: ``True`` once ``state`` is
+        saved (and committed) because the run is being preempted; ``False`` otherwise.
+
+        After a SIGTERM (on any process) the step boundary where every
+        process stands at the same step saves ``state`` as ``step``
+        (default ``state.step``), waits for it, including any asynchronous
+        save still in flight, and returns ``True``: leave the loop and
+        exit before the scheduler's SIGKILL. A step already saved is not
+        saved again. Otherwise it costs a flag check (one process) or a
+        local query of JAX's preemption service (several), no device
+        sync.
+        """
+        where = "CheckpointManager.save_if_preempted"
+        if self._notice is None:
+            raise ValueError(NOT_OPTED_IN)
+        if not self._notice.reached():
+            return False
+        prepared = _prepare(state, step, where)
+        self._writer.finish(where)
+        if prepared[0] not in committed_steps(self.directory):
+            self._writer.commit(*prepared, where=where)
+        self._writer.finish(where)
+        return True
 
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed (raises if one failed)."""
@@ -244,6 +304,7 @@ class CheckpointManager:
         verify: bool = True,
         model_state: PyTree = None,
         optimizer_state: str = "restore",
+        fallback: bool = False,
     ) -> TrainState:
         """:func:`~zero_jax.restore` from this manager's directory (waits for pending saves)."""
         self.wait()
@@ -256,11 +317,17 @@ class CheckpointManager:
             verify=verify,
             model_state=model_state,
             optimizer_state=optimizer_state,
+            fallback=fallback,
         )
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager's threads (raises if a save failed)."""
-        self._writer.close("CheckpointManager.close")
+        """Wait for pending saves and release the manager's threads (raises if a save failed);
+        put back the SIGTERM handler that was there before ``save_on_preemption``."""
+        try:
+            self._writer.close("CheckpointManager.close")
+        finally:
+            if self._notice is not None:
+                self._notice.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

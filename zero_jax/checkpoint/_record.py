@@ -254,18 +254,34 @@ def build_metadata(state: TrainState, entries: list[Entry], step: int, sums: lis
     }
 
 
+class CorruptCheckpointError(ValueError):
+    """A committed checkpoint step whose files cannot be read or do not match the
+    checksums recorded when it was saved (truncated, damaged or changed since).
+
+    A ``ValueError``, so code that caught those keeps working;
+    ``zj.restore(..., fallback=True)`` catches it to restore the step before.
+
+    >>> import zero_jax as zj
+    >>> issubclass(zj.checkpoint.CorruptCheckpointError, ValueError)
+    True
+    """
+
+
+#: How a corruption message names the way out.
+RESTORE_ANOTHER = (
+    "Steps present: {present}; restore another with step=, or pass fallback=True to restore the newest one before "
+    "it that reads and verifies."
+)
+
 NOT_ZERO_JAX = (
     "{where}: {path} is not a zero_jax checkpoint (it has no '{item}' item). "
     "Restore checkpoints written by zj.save / zj.CheckpointManager."
 )
 UNREADABLE_METADATA = (
     "{where}: the metadata of checkpoint step {step} in {directory} is unreadable ({file}: {error}); the file is "
-    "truncated or corrupted. Steps present: {present}; restore another with step=."
+    "truncated or corrupted. " + RESTORE_ANOTHER
 )
-NOT_METADATA = (
-    "{where}: {file} is not zero_jax checkpoint metadata (corrupted?). Steps present: {present}; restore another "
-    "with step=."
-)
+NOT_METADATA = "{where}: {file} is not zero_jax checkpoint metadata (corrupted?). " + RESTORE_ANOTHER
 
 
 def read_metadata(directory: epath.Path, step: int, where: str) -> dict[str, Any]:
@@ -279,13 +295,13 @@ def read_metadata(directory: epath.Path, step: int, where: str) -> dict[str, Any
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
-        raise ValueError(
+        raise CorruptCheckpointError(
             UNREADABLE_METADATA.format(
                 where=where, step=step, directory=directory, file=meta_file, error=error, present=present
             )
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "leaves" not in meta:
-        raise ValueError(NOT_METADATA.format(where=where, file=meta_file, present=present))
+        raise CorruptCheckpointError(NOT_METADATA.format(where=where, file=meta_file, present=present))
     return meta
 
 

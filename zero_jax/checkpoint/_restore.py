@@ -11,6 +11,7 @@ save time are compared on what was read.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -26,6 +27,8 @@ from zero_jax._step.optimizer import ShardedTransformation
 from zero_jax._step.state import TrainState, init_state
 from zero_jax.checkpoint._orbax import error_text, quiet, read
 from zero_jax.checkpoint._record import (
+    RESTORE_ANOTHER,
+    CorruptCheckpointError,
     Entry,
     checksums,
     committed_steps,
@@ -59,6 +62,7 @@ def restore(
     verify: bool = True,
     model_state: PyTree = None,
     optimizer_state: str = "restore",
+    fallback: bool = False,
 ) -> TrainState:
     """Restore checkpoint ``step`` (default: the latest) of ``directory`` laid out for ``policy``.
 
@@ -92,32 +96,82 @@ def restore(
     ``verify`` (default) checks every leaf read in its saved dtype against
     checksums recorded at save time (one pass over the restored state).
 
+    ``fallback``: when the step (default: the latest) is corrupt (a file
+    unreadable, truncated, or not matching its checksums), restore the
+    newest step before it that reads and verifies instead, with a
+    ``UserWarning`` naming each step skipped and why. A step of another
+    model or optimizer is not corruption: that error is raised as always.
+
     Raises ``FileNotFoundError`` for a missing or empty directory or a step
     that does not exist (listing the steps that do), ``ValueError`` for a
-    checkpoint of another model or optimizer, or an unreadable
-    (truncated, corrupted) file.
+    checkpoint of another model or optimizer, and
+    :class:`~zero_jax.checkpoint.CorruptCheckpointError` (a ``ValueError``)
+    for an unreadable (truncated, corrupted) file.
     """
     where = "zj.restore"
     _check_arguments(policy, tx, optimizer_state, where)
     path = resolve(directory)
     reinit = optimizer_state == "reinit"
     with quiet():
-        step = pick_step(path, step, where)
-        meta = read_metadata(path, step, where)
-        abstract = _target_state(meta, policy, tx, like, model_state, where)
-        target = state_entries(abstract)
-        sources = _sources(target, meta, reinit, where)
-        restored = _read_leaves(path, step, target, sources, where)
-        restored = _fill_loss_scale(restored, target, policy)
-        restored = _zero_overlapping_padding(restored, target, sources, meta)
-        if verify:
-            _verify(
-                restored, target, sources, meta, f"{where}: checkpoint step {step} in {path}", committed_steps(path)
-            )
-        leaves = [a if r is None else r for r, a in zip(restored, jax.tree.leaves(abstract), strict=True)]
-        state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
-        if reinit:
-            state = state.replace(opt_state=_fresh_opt_state(state, abstract, tx))
+        picked = pick_step(path, step, where)
+        if not fallback:
+            return _restore_step(path, picked, policy, tx, like, model_state, verify, reinit, where)
+        skipped: list[tuple[int, str]] = []
+        for candidate in reversed([s for s in committed_steps(path) if s <= picked]):
+            try:
+                state = _restore_step(path, candidate, policy, tx, like, model_state, verify, reinit, where)
+            except CorruptCheckpointError as e:
+                skipped.append((candidate, str(e).splitlines()[0]))
+                continue
+            if skipped:
+                warnings.warn(_fell_back(where, path, skipped, candidate), UserWarning, stacklevel=2)
+            return state
+    raise CorruptCheckpointError(ALL_CORRUPT.format(where=where, path=path, steps=_skipped_text(skipped)))
+
+
+FELL_BACK = (
+    "{where}: restored checkpoint step {step} of {path} because the newer step(s) are corrupt: {skipped}. "
+    "Training resumes from step {step}; delete the corrupt step directories once you have looked at them."
+)
+ALL_CORRUPT = (
+    "{where}: every checkpoint step of {path} up to the one asked for is corrupt: {steps}. Nothing restorable is "
+    "left there; restore from another copy, or start afresh."
+)
+
+
+def _skipped_text(skipped: list[tuple[int, str]]) -> str:
+    return "; ".join(f"step {s} ({text})" for s, text in skipped)
+
+
+def _fell_back(where: str, path: Any, skipped: list[tuple[int, str]], step: int) -> str:
+    return FELL_BACK.format(where=where, path=path, skipped=_skipped_text(skipped), step=step)
+
+
+def _restore_step(
+    path: Any,
+    step: int,
+    policy: ZeroPolicy,
+    tx: ShardedTransformation,
+    like: Any,
+    model_state: Any,
+    verify: bool,
+    reinit: bool,
+    where: str,
+) -> TrainState:
+    """:func:`restore` of one committed step (inside ``quiet``)."""
+    meta = read_metadata(path, step, where)
+    abstract = _target_state(meta, policy, tx, like, model_state, where)
+    target = state_entries(abstract)
+    sources = _sources(target, meta, reinit, where)
+    restored = _read_leaves(path, step, target, sources, where)
+    restored = _fill_loss_scale(restored, target, policy)
+    restored = _zero_overlapping_padding(restored, target, sources, meta)
+    if verify:
+        _verify(restored, target, sources, meta, f"{where}: checkpoint step {step} in {path}", committed_steps(path))
+    leaves = [a if r is None else r for r, a in zip(restored, jax.tree.leaves(abstract), strict=True)]
+    state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+    if reinit:
+        state = state.replace(opt_state=_fresh_opt_state(state, abstract, tx))
     return state
 
 
@@ -325,7 +379,7 @@ def _check_shapes(target: list[Entry], sources: list[str | None], leaves: dict[s
 
 UNREADABLE_STEP = (
     "{where}: checkpoint step {step} in {path} could not be read: a file is missing, truncated or corrupted "
-    "({error}). Steps present: {present}; restore another with step=."
+    "({error}). " + RESTORE_ANOTHER
 )
 
 
@@ -355,7 +409,9 @@ def _read_leaves(path: Any, step: int, target: list[Entry], sources: list[str | 
     except Exception as e:  # orbax / tensorstore raise many kinds
         error = error_text(e)
         present = committed_steps(path)
-        raise ValueError(UNREADABLE_STEP.format(where=where, step=step, path=path, error=error, present=present)) from e
+        raise CorruptCheckpointError(
+            UNREADABLE_STEP.format(where=where, step=step, path=path, error=error, present=present)
+        ) from e
     restored: list[Any] = [None] * len(target)
     for p, values in zip(passes, got, strict=True):
         for src, i in p.items():
@@ -415,7 +471,7 @@ def _zero_overlapping_padding(
 
 CORRUPTED = (
     "{what} is corrupted: leaf '{first}' does not match the checksum recorded when it was saved (a data file was "
-    "changed or damaged). Mismatching leaves ({count}): {names}. Steps present: {present}; restore another with step=."
+    "changed or damaged). Mismatching leaves ({count}): {names}. " + RESTORE_ANOTHER
 )
 
 
@@ -434,7 +490,7 @@ def _verify(
     got = checksums([restored[i] for i in idx], [target[i].shape for i in idx])
     bad = [sources[i] for i, sums in zip(idx, got, strict=True) if sums != leaves[sources[i]]["checksum"]]
     if bad:
-        raise ValueError(
+        raise CorruptCheckpointError(
             CORRUPTED.format(what=what, first=bad[0], count=len(bad), names=", ".join(bad), present=present)  # pyright: ignore[reportArgumentType, reportCallIssue] - the source names of restored leaves are set
         )
 
