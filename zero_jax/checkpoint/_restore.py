@@ -20,6 +20,7 @@ import numpy as np
 
 from zero_jax._base.tree import PyTree
 from zero_jax._layout.leaf import is_layout
+from zero_jax._policy.memory import to_device
 from zero_jax._policy.placement import to_logical
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import LossScaleState
@@ -455,6 +456,7 @@ def _zero_overlapping_padding(
     def mask(xs: list[jax.Array]) -> list[jax.Array]:
         out = []
         for x, i in zip(xs, todo, strict=True):
+            x = to_device(x)  # an offloaded leaf is masked in device memory, and put back by out_shardings
             keep = jnp.ones(x.shape, bool)
             for d, n in enumerate(target[i].shape):
                 keep &= jax.lax.broadcasted_iota(jnp.int32, x.shape, d) < n

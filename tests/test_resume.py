@@ -1,0 +1,127 @@
+"""Bitwise resume, a tested promise (issue 43 item 5): for every stage, both gather modes, with gradient
+accumulation, mixed precision (bfloat16; float16 with a loss scale), int8 wires and offload, training 2k steps
+straight gives bitwise the parameters and optimizer state of k steps + save + restore in a NEW process + k steps.
+
+Two fresh processes run the whole matrix (zj.launch, one process with 8 simulated devices each): the first
+trains every case 2k steps straight and, afresh, k steps and saves; the second restores each case and trains
+k more. Same program, same compile flags (conftest.py's), so any difference is the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import mlp_batch, mlp_loss, mlp_params
+
+import zero_jax as zj
+
+K, BATCH = 2, 16
+BF16 = {"param_dtype": "bfloat16"}
+FP16 = {"compute_dtype": "float16", "loss_scale": True}
+# (name, stage, gather, policy options, step options, precision): each stage in both gather modes; accumulation,
+# bfloat16 parameters (float32 master) and float16 compute (loss scale), int8 weights / gradients and offload
+# spread over them.
+CASES = [
+    ("s0-all", 0, "all", {}, {}, None),
+    ("s0-manual-accum-bf16", 0, "manual", {}, {"accum_steps": 2}, BF16),
+    ("s1-all-int8grads-accum", 1, "all", {"quantize_grads": "int8", "quant_block": 32}, {"accum_steps": 2}, None),
+    ("s1-manual-fp16", 1, "manual", {}, {}, FP16),
+    ("s2-all-offload-bf16", 2, "all", {"offload_optimizer": True}, {}, BF16),
+    ("s2-manual-int8grads-accum", 2, "manual", {"quantize_grads": "int8", "quant_block": 32}, {"accum_steps": 2, "accum_mode": "partitioned"}, None),  # fmt: skip
+    ("s3-all-int8-offload-accum", 3, "all", {"quantize_weights": "int8", "offload_params": True, "quant_block": 32}, {"accum_steps": 2}, None),  # fmt: skip
+    ("s3-manual-int8-bf16-offload-accum", 3, "manual", {"quantize_weights": "int8", "quantize_grads": "int8", "offload_optimizer": True, "quant_block": 32}, {"accum_steps": 2}, BF16),  # fmt: skip
+]
+
+
+def _case(name: str):
+    """(policy, tx, train step) of one case, on this process's 8 devices."""
+    _, stage, gather, options, step_options, precision = next(c for c in CASES if c[0] == name)
+    prec = None
+    if precision is not None:
+        scale = zj.DynamicLossScale(initial=2.0**10, growth_interval=2) if precision.get("loss_scale") else None
+        dtypes = {k: jnp.dtype(v) for k, v in precision.items() if k != "loss_scale"}
+        prec = zj.Precision(loss_scale=scale, **dtypes)
+    policy = zj.ZeroPolicy(stage, jax.make_mesh((8,), ("data",)), min_shard_size=0, precision=prec, **options)
+    tx = zj.shard_optimizer(optax.adamw(3e-2), policy)
+    if gather == "manual":  # the loss gathers what it uses itself (the identity below stage 3)
+        loss = lambda params, batch: mlp_loss(zj.gather(params, policy), batch)  # noqa: E731
+    else:
+        loss = mlp_loss
+    return policy, tx, zj.make_train_step(loss, tx, policy, gather=gather, **step_options)
+
+
+def _batch(i: int) -> dict:
+    return mlp_batch(BATCH, seed=100 + i)
+
+
+def _host(state: zj.TrainState) -> dict[str, np.ndarray]:
+    """Every array of the state (parameters, optimizer state, master copy, loss scale, step) on the host."""
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def straight_and_first_half(directory: str) -> dict[str, dict[str, np.ndarray]]:
+    """First process: every case 2k steps straight (returned), and afresh k steps, saved (runs in zj.launch)."""
+    out = {}
+    for name, *_ in CASES:
+        policy, tx, step = _case(name)
+        fresh = lambda: zj.init_state(mlp_params(), tx, policy)  # noqa: E731
+        state = fresh()
+        for i in range(2 * K):
+            state, _ = step(state, _batch(i))
+        out[name] = _host(state)
+        state = fresh()
+        for i in range(K):
+            state, _ = step(state, _batch(i))
+        zj.save(os.path.join(directory, name), state)
+        out[name + "@k"] = _host(state)
+    return out
+
+
+def second_half(directory: str) -> dict[str, dict[str, np.ndarray]]:
+    """Second process: every case restored and trained k more steps (runs in zj.launch)."""
+    out = {}
+    for name, *_ in CASES:
+        policy, tx, step = _case(name)
+        state = zj.restore(os.path.join(directory, name), policy=policy, tx=tx)
+        for i in range(K, 2 * K):
+            state, _ = step(state, _batch(i))
+        out[name] = _host(state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    directory = str(tmp_path_factory.mktemp("resume"))
+    # conftest.py's compile flags, and one compilation cache: the second process loads the programs the first
+    # compiled (the same executables, and half the test's time); a state restored in another layout would miss it.
+    cache = str(tmp_path_factory.mktemp("compiled"))
+    fast = {
+        "XLA_FLAGS": os.environ["ZERO_JAX_TEST_XLA_FLAGS"],
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    (straight,) = zj.launch(straight_and_first_half, directory, processes=1, local_devices=8, env=fast, timeout_s=300)
+    (resumed,) = zj.launch(second_half, directory, processes=1, local_devices=8, env=fast, timeout_s=300)
+    assert os.listdir(cache), "the first process cached no program"
+    return straight, resumed
+
+
+@pytest.mark.slow  # two fresh processes train 8 cases (about 20 s on 2 cores)
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_resume_in_a_new_process_is_bitwise(runs, name: str) -> None:
+    straight, resumed = runs
+    want, got = straight[name], resumed[name]
+    assert sorted(got) == sorted(want)
+    assert any("opt_state" in k for k in want) and any(".params" in k for k in want)
+    assert int(got[".step"]) == 2 * K
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}", strict=True)  # bitwise
+    halfway = straight[name + "@k"]  # the first process's state after k steps, as saved
+    moved = [k for k in want if "params" in k and not np.array_equal(halfway[k], want[k])]
+    assert moved, "the last k steps changed no parameter"  # so the comparison is of trained values
