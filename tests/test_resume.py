@@ -26,15 +26,18 @@ FP16 = {"compute_dtype": "float16", "loss_scale": True}
 # (name, stage, gather, policy options, step options, precision): each stage in both gather modes; accumulation,
 # bfloat16 parameters (float32 master) and float16 compute (loss scale), int8 weights / gradients and offload
 # spread over them.
+INT8_GRADS = {"quantize_grads": "int8", "quant_block": 32}
+INT8_BOTH = {"quantize_weights": "int8", **INT8_GRADS}
+ACCUM = {"accum_steps": 2}
 CASES = [
     ("s0-all", 0, "all", {}, {}, None),
-    ("s0-manual-accum-bf16", 0, "manual", {}, {"accum_steps": 2}, BF16),
-    ("s1-all-int8grads-accum", 1, "all", {"quantize_grads": "int8", "quant_block": 32}, {"accum_steps": 2}, None),
+    ("s0-manual-accum-bf16", 0, "manual", {}, ACCUM, BF16),
+    ("s1-all-int8grads-accum", 1, "all", INT8_GRADS, ACCUM, None),
     ("s1-manual-fp16", 1, "manual", {}, {}, FP16),
     ("s2-all-offload-bf16", 2, "all", {"offload_optimizer": True}, {}, BF16),
-    ("s2-manual-int8grads-accum", 2, "manual", {"quantize_grads": "int8", "quant_block": 32}, {"accum_steps": 2, "accum_mode": "partitioned"}, None),  # fmt: skip
-    ("s3-all-int8-offload-accum", 3, "all", {"quantize_weights": "int8", "offload_params": True, "quant_block": 32}, {"accum_steps": 2}, None),  # fmt: skip
-    ("s3-manual-int8-bf16-offload-accum", 3, "manual", {"quantize_weights": "int8", "quantize_grads": "int8", "offload_optimizer": True, "quant_block": 32}, {"accum_steps": 2}, BF16),  # fmt: skip
+    ("s2-manual-int8grads-accum", 2, "manual", INT8_GRADS, {**ACCUM, "accum_mode": "partitioned"}, None),
+    ("s3-all-int8-offload-accum", 3, "all", {**INT8_BOTH, "offload_params": True}, ACCUM, None),
+    ("s3-manual-int8-bf16-offload-accum", 3, "manual", {**INT8_BOTH, "offload_optimizer": True}, ACCUM, BF16),
 ]
 
 
@@ -69,12 +72,11 @@ def straight_and_first_half(directory: str) -> dict[str, dict[str, np.ndarray]]:
     out = {}
     for name, *_ in CASES:
         policy, tx, step = _case(name)
-        fresh = lambda: zj.init_state(mlp_params(), tx, policy)  # noqa: E731
-        state = fresh()
+        state = zj.init_state(mlp_params(), tx, policy)
         for i in range(2 * K):
             state, _ = step(state, _batch(i))
         out[name] = _host(state)
-        state = fresh()
+        state = zj.init_state(mlp_params(), tx, policy)
         for i in range(K):
             state, _ = step(state, _batch(i))
         zj.save(os.path.join(directory, name), state)
