@@ -659,3 +659,55 @@ def test_bad_input_prints_nothing(tmp_path, saved, capfd, caplog):
             case()
     gc.collect()
     _printed_nothing(capfd, caplog)
+
+
+# -- issue 43: a corrupt latest step, and a mesh with other axis names and types ----------------------------------
+
+
+@pytest.mark.slow  # eight restores, five of them of corrupt steps (about 5 s on 2 cores)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's failed-read noise
+def test_a_corrupt_latest_step_says_so_and_falls_back_when_asked(tmp_path):
+    # Base commit: restore had no fallback (TypeError); a corrupt step was a plain ValueError.
+    policy, tx = _setup(3, 8, optax.adam(1e-2))
+    step = zj.make_train_step(mlp_loss, tx, policy)
+    state, want = zj.init_state(mlp_params(), tx, policy), {}
+    for s in (1, 2, 3):
+        state, _ = step(state, mlp_batch(16, seed=s))
+        zj.save(tmp_path, state, step=s)
+        want[s] = _logical(state)
+    for f in (tmp_path / "3" / "state").rglob("*"):  # step 3's array files, truncated
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(zj.checkpoint.CorruptCheckpointError, match=r"step 3 .* could not be read.*fallback=True"):
+        zj.restore(tmp_path, policy=policy, tx=tx)
+    with pytest.warns(UserWarning, match=r"restored checkpoint step 2 .* corrupt: step 3 \(zj.restore: checkpoint"):
+        back = zj.restore(tmp_path, policy=policy, tx=tx, fallback=True)
+    _assert_bitwise(_logical(back), want[2])
+
+    (tmp_path / "2" / "zero_jax" / "metadata").write_text('{"format": "zero_')  # step 2's record, cut short
+    with zj.CheckpointManager(tmp_path) as mgr, pytest.warns(UserWarning, match=r"step 1 .* step 3 \(.*; step 2 \("):
+        back = mgr.restore(policy=policy, tx=tx, fallback=True)
+    _assert_bitwise(_logical(back), want[1])
+    with pytest.raises(ValueError, match="another model: parameter 'w2'"):  # not corruption: no fallback
+        zj.restore(tmp_path, policy=policy, tx=tx, fallback=True, like=dict(mlp_params(), w2=jnp.zeros((100, 7))))
+
+    meta_file = tmp_path / "1" / "zero_jax" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["leaves"]["params/w1"]["checksum"][0] ^= 1  # step 1 no longer matches what was saved
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(zj.checkpoint.CorruptCheckpointError, match=r"every checkpoint step .* is corrupt: step 3 "):
+        zj.restore(tmp_path, policy=policy, tx=tx, fallback=True)
+    _settle()  # let orbax's failed reads finish inside this test
+
+
+def test_restore_onto_a_mesh_with_other_axis_names_and_types(tmp_path):
+    policy, tx = _setup(3, 8)
+    state, _ = zj.make_train_step(mlp_loss, tx, policy)(zj.init_state(mlp_params(), tx, policy), mlp_batch(16))
+    zj.save(tmp_path, state, step=1)  # an Auto mesh, axis "data"
+    devices = np.asarray(jax.devices()[:4]).reshape(2, 2)
+    explicit = jax.sharding.AxisType.Explicit
+    other = jax.sharding.Mesh(devices, ("rows", "cols"), axis_types=(explicit, explicit))
+    target = zj.ZeroPolicy(2, other, ("rows", "cols"), min_shard_size=0)  # other names, types, N and stage
+    back = zj.restore(tmp_path, policy=target, tx=zj.shard_optimizer(optax.adamw(3e-2), target))
+    assert back.params["w1"].sharding.mesh.axis_names == ("rows", "cols")
+    _assert_bitwise(_logical(back), _logical(state))
