@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +65,34 @@ def test_sigterm_during_an_async_save_saves_the_next_step_and_keeps_both(tmp_pat
         back = zj.restore(tmp_path / "ckpt", policy=policy, tx=tx, step=s)
         for got, want in zip(_host(back), seen[s], strict=True):
             np.testing.assert_array_equal(got, want, strict=True)  # bitwise what was trained
+
+
+def test_a_second_sigterm_goes_to_the_handler_before_and_threads_are_refused(tmp_path) -> None:
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with zj.CheckpointManager(tmp_path, save_on_preemption=True):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert got == []  # the manager recorded it
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert got == [signal.SIGTERM]  # the scheduler insists: the handler that was there before gets it
+        errors: list[str] = []
+        thread = threading.Thread(target=lambda: _open_in_thread(tmp_path, errors), name="loader")
+        thread.start()
+        thread.join()
+        assert errors == [
+            "CheckpointManager(save_on_preemption=True): Python installs signal handlers only from the main thread, "
+            "and this is thread 'loader'. Open the manager in the main thread (the loop may run anywhere)."
+        ]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _open_in_thread(directory: Path, errors: list[str]) -> None:
+    try:
+        zj.CheckpointManager(directory, save_on_preemption=True)
+    except ValueError as e:
+        errors.append(str(e))
 
 
 # -- several processes: SIGKILL mid-save, then SIGTERM to one of two ---------------------------------------------
