@@ -38,6 +38,7 @@ def _host(state: zj.TrainState) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
+@pytest.mark.slow  # five steps, three saves, two restores (about 3 s on 2 busy cores)
 def test_sigterm_during_an_async_save_saves_the_next_step_and_keeps_both(tmp_path) -> None:
     # Base commit: CheckpointManager had no save_on_preemption (TypeError), and SIGTERM ended the process.
     policy = zj.ZeroPolicy(2, make_mesh(8), min_shard_size=0)

@@ -36,6 +36,7 @@ XFAIL: dict[str, str] = {}  # blocks that cannot run yet, with the reason; none 
 # (tests/slow.txt, chosen by measurement, names the others).
 SLOW = {
     "docs/howto/bring_your_model.md:python:bring-your-model-flax-nnx-flax-linen-equinox:1",
+    "docs/howto/checkpoints.md:python:preemption-save-on-sigterm:1",
     "demo",
     "audit --devices 8",
     "plan --devices 64 --device-memory 80GB --compile --stages 3",
