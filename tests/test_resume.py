@@ -1,6 +1,7 @@
 """Bitwise resume, a tested promise (issue 43 item 5): for every stage, both gather modes, with gradient
-accumulation, mixed precision (bfloat16; float16 with a loss scale), int8 wires and offload, training 2k steps
-straight gives bitwise the parameters and optimizer state of k steps + save + restore in a NEW process + k steps.
+accumulation, mixed precision (bfloat16 and float16 compute over a float32 master, float16 with a loss scale;
+pure bfloat16), int8 wires and offload, training 2k steps straight gives bitwise the parameters and optimizer
+state of k steps + save + restore in a NEW process + k steps.
 
 Two fresh processes run the whole matrix (zj.launch, one process with 8 simulated devices each): the first
 trains every case 2k steps straight and, afresh, k steps and saves; the second restores each case and trains
@@ -21,11 +22,12 @@ from _models import mlp_batch, mlp_loss, mlp_params
 import zero_jax as zj
 
 K, BATCH = 2, 16
-BF16 = {"param_dtype": "bfloat16"}
-FP16 = {"compute_dtype": "float16", "loss_scale": True}
+BF16 = {"compute_dtype": "bfloat16"}  # ZeRO's mixed precision: bf16 compute copy, float32 master copy
+PURE_BF16 = {"param_dtype": "bfloat16"}  # no master copy: parameters and optimizer state in bf16
+FP16 = {"compute_dtype": "float16", "loss_scale": True}  # a float32 master and a dynamic loss scale
 # (name, stage, gather, policy options, step options, precision): each stage in both gather modes; accumulation,
-# bfloat16 parameters (float32 master) and float16 compute (loss scale), int8 weights / gradients and offload
-# spread over them.
+# bfloat16 and float16 compute over a float32 master (with a loss scale for float16), pure bfloat16, int8 weights /
+# gradients and offload (optimizer state and master, stage-3 parameters) spread over them.
 INT8_GRADS = {"quantize_grads": "int8", "quant_block": 32}
 INT8_BOTH = {"quantize_weights": "int8", **INT8_GRADS}
 ACCUM = {"accum_steps": 2}
@@ -37,7 +39,7 @@ CASES = [
     ("s2-all-offload-bf16", 2, "all", {"offload_optimizer": True}, {}, BF16),
     ("s2-manual-int8grads-accum", 2, "manual", INT8_GRADS, {**ACCUM, "accum_mode": "partitioned"}, None),
     ("s3-all-int8-offload-accum", 3, "all", {**INT8_BOTH, "offload_params": True}, ACCUM, None),
-    ("s3-manual-int8-bf16-offload-accum", 3, "manual", {**INT8_BOTH, "offload_optimizer": True}, ACCUM, BF16),
+    ("s3-manual-int8-purebf16-offload-accum", 3, "manual", {**INT8_BOTH, "offload_optimizer": True}, ACCUM, PURE_BF16),
 ]
 
 
@@ -121,6 +123,9 @@ def test_resume_in_a_new_process_is_bitwise(runs, name: str) -> None:
     want, got = straight[name], resumed[name]
     assert sorted(got) == sorted(want)
     assert any("opt_state" in k for k in want) and any(".params" in k for k in want)
+    precision = next(c[5] for c in CASES if c[0] == name) or {}
+    assert any(k.startswith(".master") for k in want) == ("compute_dtype" in precision)  # the master copy too
+    assert any(k.startswith(".loss_scale") for k in want) == bool(precision.get("loss_scale"))
     assert int(got[".step"]) == 2 * K
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}", strict=True)  # bitwise
