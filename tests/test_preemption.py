@@ -108,10 +108,21 @@ _MEMBER = textwrap.dedent(
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid, heartbeat_timeout_seconds=HB
     )
-    import numpy as np, optax, jax.numpy as jnp
+    import numpy as np, jax.numpy as jnp
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    if phase == "dies":  # JAX's behaviour, whatever the program: a sum over both processes' devices, step by step
+        pieces = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        x = jax.make_array_from_callback((8,), pieces, lambda i: np.ones(8, np.float32)[i])
+        step = jax.jit(lambda x: x + jnp.sum(x) * 1e-6, out_shardings=pieces)
+        for i in range(10**6):
+            x = jax.block_until_ready(step(x))
+            if pid == 1 and i == 3:  # process 1 ends after 3 steps; process 0 steps on
+                print("DYING", flush=True)
+                os._exit(3)
+    import optax
     import zero_jax as zj
 
-    policy = zj.ZeroPolicy(3, jax.sharding.Mesh(np.array(jax.devices()), ("data",)), min_shard_size=0)
+    policy = zj.ZeroPolicy(3, mesh, min_shard_size=0)
     tx = zj.shard_optimizer(optax.adam(1e-2), policy)
     rng = np.random.default_rng(0)
     host = {"x": rng.normal(size=(8, 16)).astype(np.float32), "y": rng.normal(size=(8, 5)).astype(np.float32)}
@@ -124,7 +135,6 @@ _MEMBER = textwrap.dedent(
         state, _ = step(zj.init_state({"w": np.full((16, 5), 0.1, np.float32)}, tx, policy), batch)
         zj.save(directory, state, step=1)
         state, _ = step(state, batch)
-        original = serialization.async_serialize_from_host
         async def partway(*args, **kwargs):
             print("STALLED", flush=True)
             await asyncio.sleep(3600)
@@ -140,14 +150,6 @@ _MEMBER = textwrap.dedent(
                     print("SAVED", int(state.step), flush=True)
                     break
                 time.sleep(0.01)
-    else:  # "dies": process 1 ends after 3 steps; process 0 trains on
-        state = zj.init_state({"w": np.full((16, 5), 0.1, np.float32)}, tx, policy)
-        for i in range(100000):
-            state, _ = step(state, batch)
-            jax.block_until_ready(state)
-            if pid == 1 and i == 3:
-                print("DYING", flush=True)
-                os._exit(3)
     """
 )
 
