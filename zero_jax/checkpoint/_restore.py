@@ -132,7 +132,8 @@ def restore(
 
 FELL_BACK = (
     "{where}: restored checkpoint step {step} of {path} because the newer step(s) are corrupt: {skipped}. "
-    "Training resumes from step {step}; delete the corrupt step directories once you have looked at them."
+    "Training resumes from step {step}; move the corrupt step directories aside before the run saves those step "
+    "numbers again (a save refuses a step that exists)."
 )
 ALL_CORRUPT = (
     "{where}: every checkpoint step of {path} up to the one asked for is corrupt: {steps}. Nothing restorable is "
