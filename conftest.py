@@ -66,7 +66,23 @@ def pytest_configure(config: pytest.Config) -> None:
 SLOW_LIST = Path(__file__).parent / "tests" / "slow.txt"
 
 
+# The files longest first (tests/file_seconds.txt, measured by tools/pick_slow.py): --dist loadfile hands the two
+# workers whole files in collection order, so the longest start first and the short ones fill the gaps at the end
+# (longest-processing-time first), not one worker running a long file alone while the other idles.
+FILE_SECONDS = Path(__file__).parent / "tests" / "file_seconds.txt"
+
+
+def file_seconds() -> dict[str, float]:
+    """Measured seconds per test file (``path seconds`` lines; ``#`` comments)."""
+    if not FILE_SECONDS.exists():
+        return {}
+    rows = (line.split() for line in FILE_SECONDS.read_text().splitlines() if line.strip() and line[0] != "#")
+    return {path: float(seconds) for path, seconds in rows}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seconds = file_seconds()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: a file keeps its order
     if os.environ.get("ZERO_JAX_IGNORE_SLOW_LIST") or not SLOW_LIST.exists():
         return
     listed = {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip() and line[0] != "#"}

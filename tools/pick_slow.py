@@ -5,6 +5,8 @@ the whole suite and write ``tests/slow.txt``, the tests the fast tier
     python -m pytest -q --durations=0 > /tmp/durations.txt
     python tools/pick_slow.py /tmp/durations.txt --budget 110
 
+It also writes ``tests/file_seconds.txt``, the seconds per file, by which
+``conftest.py`` orders the files (longest first, for ``-n 2``'s workers).
 Tests already marked ``@pytest.mark.slow`` in their files stay slow. Of the
 rest, the quickest are kept until their summed time (call + setup +
 teardown, as measured) reaches ``--budget`` seconds; every other test is
@@ -23,6 +25,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "slow.txt"
+FILES = ROOT / "tests" / "file_seconds.txt"
+FILES_HEADER = (
+    "# Measured seconds per test file (call + setup + teardown), longest first: conftest.py collects the files in\n"
+    "# this order so that -n 2's workers start on the longest. Written by tools/pick_slow.py with tests/slow.txt.\n"
+)
 HEADER = (
     "# Tests the fast tier (pytest -m 'not slow') leaves out, chosen by measurement:\n"
     "# written by tools/pick_slow.py from a --durations=0 run ({total:.0f} s in all on {machine});\n"
@@ -88,6 +95,11 @@ def main() -> None:
     header = HEADER.format(total=sum(seconds.values()), count=len(seconds), machine=args.machine, kept=kept,
                            kept_s=kept_s)  # fmt: skip
     OUT.write_text(header + "".join(f"{node}\n" for node in slow))
+    per_file: dict[str, float] = collections.defaultdict(float)
+    for node, s in seconds.items():
+        per_file[node.split("::")[0]] += s
+    ranked = sorted(per_file.items(), key=lambda kv: (-kv[1], kv[0]))
+    FILES.write_text(FILES_HEADER + "".join(f"{path} {s:.1f}\n" for path, s in ranked))
     print(f"{OUT.relative_to(ROOT)}: {len(slow)} tests listed slow; fast tier {kept} tests, {kept_s:.0f} s measured")
 
 

@@ -583,13 +583,13 @@ def plan(  # house: one public entry, its argument checks in order beside what t
         (:attr:`Plan.largest_buffers`), and each audit judges the buffers by
         it.
 
-    Example (compiles the 865k-parameter reference model's stage-3 step for 64
-    simulated devices in a child process):
+    Example (compiles the 865k-parameter reference model's stage-3 step for 8
+    simulated devices in a child process; any count, ``num_devices=64`` as well):
 
     >>> import zero_jax as zj
-    >>> p = zj.plan(num_devices=64, device_bytes="80GB", stages=[3], grads=False)
+    >>> p = zj.plan(num_devices=8, device_bytes="80GB", stages=[3], grads=False)
     >>> p.recommended, p.reports[0].num_devices
-    (3, 64)
+    (3, 8)
 
     The same for a TPU slice or GPU hosts, compiled by the TPU or GPU
     compiler (see :func:`zero_jax.topology_mesh`): ``zj.plan(topology="v5p:4x4x8",
