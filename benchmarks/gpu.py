@@ -97,6 +97,7 @@ import optax  # noqa: E402
 import zero_jax as zj  # noqa: E402
 from zero_jax import measure  # noqa: E402
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch, unstack_params  # noqa: E402
+from zero_jax.models import model_flops as zero_jax_model_flops  # noqa: E402
 
 BF16 = jnp.bfloat16
 LR = 1e-4
@@ -428,10 +429,9 @@ def is_oom(e: BaseException) -> bool:
 
 
 def model_flops(cfg: TransformerConfig, tokens: int) -> tuple[int, int]:
-    """(6 * Phi * tokens + 12 * L * T * D * tokens, Phi) for the reference transformer."""
+    """(``zero_jax.models.model_flops``, Phi) for the reference transformer."""
     d, f, depth = cfg.dim, cfg.mlp_dim, cfg.depth
-    phi = depth * (4 * d * d + 2 * d * f) + d * cfg.vocab
-    return 6 * phi * tokens + 12 * depth * cfg.seq * d * tokens, phi
+    return zero_jax_model_flops(cfg, tokens), depth * (4 * d * d + 2 * d * f) + d * cfg.vocab
 
 
 def section_overhead(run: Run) -> None:
