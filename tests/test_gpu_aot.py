@@ -254,8 +254,8 @@ def test_the_audit_estimates_the_step_from_the_gpu_schedule_loops_times_their_ru
     assert not one.complete and len(one.untimed) == 2 and one.seconds == pytest.approx(one.entry_seconds)
     assert "lower bound: 2 loop bodies untimed" in str(one)
     # MFU: model FLOPs over the estimate at the H100's dense bf16 peak.
-    flops = zj.models.model_flops(zj.models.TransformerConfig(**{k: v for k, v in TINY.items() if k != "compute_dtype"}),
-                                  8 * TINY["seq"])  # fmt: skip
+    shape = {k: v for k, v in TINY.items() if k != "compute_dtype"}
+    flops = zj.models.model_flops(zj.models.TransformerConfig(**shape), 8 * TINY["seq"])
     m = three.with_flops(flops)
     assert m.peak_flops == 989e12 and m.mfu == pytest.approx(flops / (three.seconds * 989e12))
     text = "\n".join(m.lines())
