@@ -67,7 +67,7 @@ def config(quick: bool, **over: Any) -> TransformerConfig:
 
 
 def _row_of_estimate(est: Any, cfg: TransformerConfig, n: int) -> dict[str, Any]:
-    est = est.with_flops(model_flops(cfg, n * cfg.seq))
+    est = est.with_flops(model_flops(cfg, n * cfg.seq), devices=n)
     return {
         "step_ms": est.seconds * 1e3, "complete": est.complete, "exposed_ms": est.exposed_seconds * 1e3,
         "exposed_by_kind_ms": {k: v * 1e3 for k, v in est.exposed_by_kind.items()}, "mfu": est.mfu,
@@ -226,6 +226,8 @@ def table(rows: dict[str, dict[str, Any]], quick: bool) -> list[str]:
                 continue
             ratio = r.get("comm_over_theory") or (r["comm_MiB"] / theory[layout] if theory.get(layout) else None)
             lb = "" if r.get("complete", True) else ">="
+            if r.get("step_ms"):  # MFU per GPU: one sequence each
+                r["mfu"] = model_flops(config(quick), config(quick).seq) / (r["step_ms"] / 1e3 * 989e12)
             out.append(
                 f"{layout:<7}{v:<9}{r['allocated_GiB']:>9.2f}{r['comm_MiB']:>10.0f}{fmt(ratio, '.3f'):>8}"
                 f"{lb + fmt(r.get('step_ms'), '.2f'):>10}{fmt(r.get('exposed_ms'), '.2f'):>9}"

@@ -256,8 +256,8 @@ def test_the_audit_estimates_the_step_from_the_gpu_schedule_loops_times_their_ru
     # MFU: model FLOPs over the estimate at the H100's dense bf16 peak.
     shape = {k: v for k, v in TINY.items() if k != "compute_dtype"}
     flops = zj.models.model_flops(zj.models.TransformerConfig(**shape), 8 * TINY["seq"])
-    m = three.with_flops(flops)
-    assert m.peak_flops == 989e12 and m.mfu == pytest.approx(flops / (three.seconds * 989e12))
+    m = three.with_flops(flops, devices=8)
+    assert m.peak_flops == 989e12 and m.mfu == pytest.approx(flops / (three.seconds * 989e12 * 8))
     text = "\n".join(m.lines())
     assert "step time (estimate, XLA:GPU latency-hiding schedule)" in text and "MFU (estimate)" in text
     assert zj.measure.ESTIMATE_LEAVES_OUT in text

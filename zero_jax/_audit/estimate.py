@@ -110,7 +110,8 @@ class StepEstimate:
       untimed: loop bodies without a schedule (``complete`` is False).
       entry_seconds: the entry computation's makespan alone (its loops cost
         nothing there).
-      device_kind: the GPU compiled for; ``model_flops``, ``peak_flops``: for MFU.
+      device_kind: the GPU compiled for; ``model_flops`` (the whole step's),
+        ``peak_flops`` (one GPU's), ``devices``: for MFU.
     """
 
     seconds: float
@@ -122,6 +123,7 @@ class StepEstimate:
     device_kind: str = ""
     model_flops: float | None = None
     peak_flops: float | None = None
+    devices: int = 1
 
     @property
     def complete(self) -> bool:
@@ -129,15 +131,16 @@ class StepEstimate:
 
     @property
     def mfu(self) -> float | None:
-        """Model FLOPs / (estimated seconds x peak), when both are known."""
+        """Model FLOPs / (estimated seconds x peak x devices), when both are known."""
         if not self.model_flops or not self.peak_flops or not self.seconds:
             return None
-        return self.model_flops / (self.seconds * self.peak_flops)
+        return self.model_flops / (self.seconds * self.peak_flops * self.devices)
 
-    def with_flops(self, model_flops: float, peak_flops: float | None = None) -> StepEstimate:
-        """The same estimate with the model FLOPs per step (and a peak other than :data:`PEAK_BF16`'s)."""
+    def with_flops(self, model_flops: float, devices: int = 1, peak_flops: float | None = None) -> StepEstimate:
+        """The same estimate with the model FLOPs of the whole step over ``devices`` GPUs (each runs the
+        program whose time this is), and a peak per GPU other than :data:`PEAK_BF16`'s."""
         peak = peak_flops if peak_flops is not None else PEAK_BF16.get(self.device_kind, self.peak_flops)
-        return dataclasses.replace(self, model_flops=model_flops, peak_flops=peak)
+        return dataclasses.replace(self, model_flops=model_flops, peak_flops=peak, devices=devices)
 
     def lines(self) -> list[str]:
         bound = "" if self.complete else f" (lower bound: {len(self.untimed)} loop bodies untimed)"
@@ -151,8 +154,8 @@ class StepEstimate:
                 f"{lp.body} {lp.runs} x " + ("untimed" if lp.micros is None else f"{lp.micros / 1e3:.3f} ms")
                 for lp in self.loops))  # fmt: skip
         if self.mfu is not None:
-            out.append(f"  model FLOPs/step {self.model_flops:.4g}, MFU (estimate) {self.mfu:.1%} of "
-                       f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense")  # fmt: skip
+            out.append(f"  model FLOPs/step {self.model_flops:.4g} over {self.devices} GPU(s), MFU (estimate) "
+                       f"{self.mfu:.1%} of {self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense each")  # fmt: skip
         out.append(f"  ({LEAVES_OUT})")
         return out
 
@@ -249,13 +252,19 @@ def _platform(args: Any) -> tuple[str, str]:
     return "", ""
 
 
+def _device_count(args: Any) -> int:
+    """How many devices the arguments span (1 when none is placed)."""
+    return max((len(leaf.sharding.device_set) for leaf in jax.tree.leaves(args)
+                if getattr(leaf, "sharding", None) is not None), default=1)  # fmt: skip
+
+
 def step_estimate(jitted: Any, *args: Any, model_flops: float | None = None, peak_flops: float | None = None,
                   compiler_options: Mapping[str, Any] | None = None) -> StepEstimate:  # fmt: skip
     """Compile ``jitted(*args)`` for GPU hosts (arguments placed on a
     ``zj.topology_mesh("h100:1x8")``; ``jax.ShapeDtypeStruct`` s do) and
     estimate its step time from XLA:GPU's latency-hiding schedule
     (:func:`estimate_from_schedule`); ``model_flops``: the model FLOPs per
-    step, for MFU. ``zj.audit`` gives the same estimate as ``report.estimate``.
+    step over all the devices, for MFU. ``zj.audit`` gives the same estimate as ``report.estimate``.
     Any other platform raises ``ValueError`` (:data:`NOT_GPU`)."""
     platform, kind = _platform(args)
     if platform != "gpu":
@@ -263,5 +272,5 @@ def step_estimate(jitted: Any, *args: Any, model_flops: float | None = None, pea
     compiled = compile_with_dump(jitted.lower(*args), dict(compiler_options or {}), schedule=True)
     if compiled.schedule is None:
         raise ValueError(NO_SCHEDULE)
-    return estimate_from_schedule(compiled.schedule, device_kind=kind, model_flops=model_flops,
-                                  peak_flops=peak_flops)  # fmt: skip
+    est = estimate_from_schedule(compiled.schedule, device_kind=kind, model_flops=model_flops, peak_flops=peak_flops)
+    return dataclasses.replace(est, devices=_device_count(args))
