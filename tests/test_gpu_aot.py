@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import optax
 import pytest
 from _models import one_line
 
@@ -261,3 +262,19 @@ def test_the_audit_estimates_the_step_from_the_gpu_schedule_loops_times_their_ru
     text = "\n".join(m.lines())
     assert "step time (estimate, XLA:GPU latency-hiding schedule)" in text and "MFU (estimate)" in text
     assert zj.measure.ESTIMATE_LEAVES_OUT in text
+
+
+def test_stage_3_gather_all_keeps_the_forwards_gathered_parameters_on_gpu_only() -> None:
+    """The schedule seam's gpu entry (keep_gathered_all): re-gathering in the backward pass peaks above stage 1
+    on XLA:GPU (benchmarks/results/gpu_aot.txt), so make_train_step's default keeps them there, and only there."""
+    loss = zj.models.make_loss_fn(zj.models.TransformerConfig())
+
+    def kept(mesh: jax.sharding.Mesh, stage: int = 3, **kw: object) -> bool:
+        policy = zj.ZeroPolicy(stage, mesh)
+        return zj.make_train_step(loss, zj.shard_optimizer(optax.adamw(1e-3), policy), policy, **kw).keep_gathered
+
+    gpus, cpus = zj.topology_mesh("h100:1x8"), jax.make_mesh((8,), ("data",))
+    assert kept(gpus) and not kept(cpus) and not kept(gpus, keep_gathered=False)
+    assert not kept(gpus, stage=1) and not kept(gpus, gather="manual")
+    assert zj.measure.schedule_for(zj.ZeroPolicy(3, gpus)).describe().startswith(
+        "schedule seam: the gpu entry measured on jax-cuda12-plugin 0.10.2")
