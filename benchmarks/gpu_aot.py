@@ -58,8 +58,16 @@ GiB, MiB = 2**30, 2**20
 TOPOLOGY = "h100:1x8"
 MODEL = dict(vocab=32000, dim=2048, depth=16, heads=16, seq=2048)
 QUICK = dict(vocab=512, dim=256, depth=4, heads=4, seq=128)
-VARIANTS = ["1", "3/lw", "3/all", "0", "2"]
+#: gather="all" at stage 3 keeps the forward's gathered parameters on XLA:GPU (the schedule seam's
+#: ``keep_gathered_all``); "3/all-regather" is the step without it (``keep_gathered=False``).
+VARIANTS = ["1", "3/lw", "3/all", "0", "2", "3/all-regather"]
 DEPTHS = {"scan": [4, 8, 16], "apply": [4, 16]}
+#: Beyond the 1B class on one host: the rows compiled where time allows (scanned only), keyed by a prefix.
+MORE = {
+    "1B h100:2x8": ("h100:2x8", MODEL, ["1", "3/lw", "3/all", "gspmd"]),
+    "8B h100:1x8": ("h100:1x8", dict(vocab=32000, dim=4096, depth=32, heads=32, seq=2048),
+                    ["1", "3/lw", "3/all", "gspmd"]),
+}  # fmt: skip
 
 
 def config(quick: bool, **over: Any) -> TransformerConfig:
@@ -78,10 +86,10 @@ def _row_of_estimate(est: Any, cfg: TransformerConfig, n: int) -> dict[str, Any]
 def zero_row(layout: str, variant: str, cfg: TransformerConfig, mesh: Any) -> dict[str, Any]:
     """One zero_jax step compiled for the GPUs and audited (the estimate is the audit's)."""
     if variant == "3/lw":
-        name = "3/scan" if layout == "scan" else "3/apply"
+        step, state, batch = build(mesh, "3/scan" if layout == "scan" else "3/apply", cfg)
     else:
-        name = variant if layout == "scan" else f"{variant[0]}:all-apply"  # gather="all" over unscanned blocks
-    step, state, batch = build_step(mesh, name, cfg)
+        step, state, batch = all_step(mesh, int(variant[0]), cfg, layout, None if variant[1:] != "/all-regather" else
+                                      False)  # fmt: skip
     t = time.perf_counter()
     r = zj.audit(step, state, batch, grads=False, fast_compile=False)
     row = {
@@ -101,16 +109,18 @@ def zero_row(layout: str, variant: str, cfg: TransformerConfig, mesh: Any) -> di
     return row
 
 
-def build_step(mesh: Any, name: str, cfg: TransformerConfig) -> tuple[Any, Any, Any]:
-    """tpu_aot's ``build`` (stages 0-3 gather="all" and "3/scan" / "3/apply"), plus gather="all" over the
-    unscanned blocks ("<stage>:all-apply")."""
-    if not name.endswith(":all-apply"):
-        return build(mesh, name, cfg)
-    stage = int(name[0])
-    params = jax.eval_shape(lambda: unstack_params(init_params(cfg, jax.random.key(0))))
-    policy = zj.ZeroPolicy(stage, mesh, stacked=(), precision=zj.Precision(compute_dtype=jnp.bfloat16))
+def all_step(mesh: Any, stage: int, cfg: TransformerConfig, layout: str, keep_gathered: bool | None = None
+             ) -> tuple[Any, Any, Any]:  # fmt: skip
+    """A gather="all" step over the stacked layers ("scan") or a list of blocks ("apply"); ``keep_gathered``:
+    ``make_train_step``'s (None: the schedule seam's choice)."""
+    make = (lambda: init_params(cfg, jax.random.key(0))) if layout == "scan" else (
+        lambda: unstack_params(init_params(cfg, jax.random.key(0))))  # fmt: skip
+    params = jax.eval_shape(make)
+    policy = zj.ZeroPolicy(stage, mesh, stacked="layers" if layout == "scan" else (),
+                           precision=zj.Precision(compute_dtype=jnp.bfloat16))  # fmt: skip
     tx = zj.shard_optimizer(optax.adamw(1e-4), policy)
-    step = zj.make_train_step(make_loss_fn(cfg), tx, policy, gather="all")
+    keep = {} if keep_gathered is None or stage != 3 else {"keep_gathered": keep_gathered}
+    step = zj.make_train_step(make_loss_fn(cfg), tx, policy, gather="all", **keep)
     tokens = jax.ShapeDtypeStruct((mesh.size, cfg.seq + 1), jnp.int32, sharding=policy.batch_sharding())
     return step, zj.init_state(params, tx, policy), {"tokens": tokens}
 
@@ -192,48 +202,68 @@ def gspmd_row(cfg: TransformerConfig, mesh: Any) -> dict[str, Any]:
 # -- the run --------------------------------------------------------------------------------------------------
 
 
-def plan(quick: bool) -> list[tuple[str, str, str, int]]:
-    """(section, layout, variant, depth) in the order they are compiled: the most telling first."""
+def plan(quick: bool) -> list[tuple[str, str, str, int, str]]:
+    """(section, layout, variant, depth, target) in the order they are compiled: the most telling first
+    (target "": the 1B class on h100:1x8; else a key of :data:`MORE`)."""
     deep = config(quick).depth
-    out = [("stages", "scan", v, deep) for v in VARIANTS] + [("gspmd", "scan", "gspmd", deep)]
-    out += [("stages", "apply", v, deep) for v in VARIANTS]
-    out += [("depth", layout, "3/lw", d) for layout, ds in DEPTHS.items() for d in ds if d != 16]
+    out = [("stages", "scan", v, deep, "") for v in VARIANTS] + [("gspmd", "scan", "gspmd", deep, "")]
+    out += [("stages", "apply", v, deep, "") for v in VARIANTS]
+    out += [("depth", layout, "3/lw", d, "") for layout, ds in DEPTHS.items() for d in ds if d != deep]
+    if not quick:
+        out += [("gspmd" if v == "gspmd" else "stages", "scan", v, model["depth"], target)
+                for target, (_, model, vs) in MORE.items() for v in vs]  # fmt: skip
     return out
 
 
-def key(section: str, layout: str, variant: str, depth: int) -> str:
-    return f"{layout} {variant} depth {depth}" if section != "gspmd" else f"gspmd {layout} depth {depth}"
+def key(section: str, layout: str, variant: str, depth: int, target: str = "") -> str:
+    prefix = f"{target} " if target else ""
+    return prefix + (f"{layout} {variant} depth {depth}" if section != "gspmd" else f"gspmd {layout} depth {depth}")
 
 
 def fmt(value: Any, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def table(rows: dict[str, dict[str, Any]], quick: bool) -> list[str]:
-    deep = config(quick).depth
-    out = [f"{'layout':<7}{'variant':<9}{'GiB/GPU':>9}{'comm MiB':>10}{'/theory':>8}{'est. ms':>10}{'exposed':>9}"
+def table(rows: dict[str, dict[str, Any]], cfg: TransformerConfig, target: str = "",
+          layouts: tuple[str, ...] = ("scan", "apply"), variants: tuple[str, ...] = (*VARIANTS, "gspmd")
+          ) -> list[str]:  # fmt: skip
+    deep = cfg.depth
+    out = [f"{'layout':<7}{'variant':<15}{'GiB/GPU':>9}{'comm MiB':>10}{'/theory':>8}{'est. ms':>10}{'exposed':>9}"
            f"{'MFU':>7}{'AG overlap':>11}{'compile s':>10}"]  # fmt: skip
-    theory = {layout: (rows.get(key("stages", layout, "3/lw", deep)) or {}).get("theory_MiB") for layout in DEPTHS}
-    for layout in ("scan", "apply"):
-        for v in [*VARIANTS, "gspmd"]:
-            k = key("gspmd" if v == "gspmd" else "stages", layout, v, deep)
+    theory = {layout: (rows.get(key("stages", layout, "3/lw", deep, target)) or {}).get("theory_MiB")
+              for layout in layouts}  # fmt: skip
+    for layout in layouts:
+        for v in variants:
+            k = key("gspmd" if v == "gspmd" else "stages", layout, v, deep, target)
             r = rows.get(k)
             if r is None:
-                out.append(f"{layout:<7}{v:<9}  (not measured)")
+                out.append(f"{layout:<7}{v:<15}  (not measured)")
                 continue
             if "error" in r:
-                out.append(f"{layout:<7}{v:<9}  error: {r['error'][:90]}")
+                out.append(f"{layout:<7}{v:<15}  error: {r['error'][:90]}")
                 continue
             ratio = r.get("comm_over_theory") or (r["comm_MiB"] / theory[layout] if theory.get(layout) else None)
             lb = "" if r.get("complete", True) else ">="
             if r.get("step_ms"):  # MFU per GPU: one sequence each
-                r["mfu"] = model_flops(config(quick), config(quick).seq) / (r["step_ms"] / 1e3 * 989e12)
+                r["mfu"] = model_flops(cfg, cfg.seq) / (r["step_ms"] / 1e3 * 989e12)
             out.append(
-                f"{layout:<7}{v:<9}{r['allocated_GiB']:>9.2f}{r['comm_MiB']:>10.0f}{fmt(ratio, '.3f'):>8}"
+                f"{layout:<7}{v:<15}{r['allocated_GiB']:>9.2f}{r['comm_MiB']:>10.0f}{fmt(ratio, '.3f'):>8}"
                 f"{lb + fmt(r.get('step_ms'), '.2f'):>10}{fmt(r.get('exposed_ms'), '.2f'):>9}"
                 f"{(lb + fmt(r.get('mfu'), '.1%')) if r.get('complete', True) else '-':>7}"
                 f"{fmt(r.get('gather_overlap_bytes'), '.0%'):>11}{r['compile_s']:>10.0f}"
             )  # fmt: skip
+    return out
+
+
+def more_tables(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The tables of :data:`MORE`'s targets measured so far."""
+    out = []
+    for target, (topology, model, variants) in MORE.items():
+        cfg = TransformerConfig(**model)
+        if any(k.startswith(target + " ") for k in rows):
+            out += ["", f"{target}: {zj.gpu_slice(topology)}; vocab {cfg.vocab}, dim {cfg.dim}, depth {cfg.depth}, "
+                    f"heads {cfg.heads}, seq {cfg.seq}, {cfg.num_params() / 1e9:.2f}B parameters (scanned only)",
+                    *table(rows, cfg, target, ("scan",), tuple(variants))]  # fmt: skip
     return out
 
 
@@ -292,7 +322,8 @@ def render(rows: dict[str, Any], record: common.Record, quick: bool, out: str) -
         "lower bound); AG overlap: layer all-gather bytes with a matmul between start and done",
         "ESTIMATES: " + zj.measure.ESTIMATE_LEAVES_OUT,
         "",
-        *table(rows, quick),
+        *table(rows, cfg),
+        *more_tables(rows),
         "",
         "depth (layer-wise stage 3):",
         *depth_lines(rows, quick),
@@ -331,13 +362,14 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(out) / "gpu_aot.json"
     rows: dict[str, Any] = {} if args.fresh or not cache.exists() else json.loads(cache.read_text())["rows"]
     record = common.Record()
-    mesh = zj.topology_mesh(TOPOLOGY)
-    for section, layout, variant, depth in plan(args.quick):
-        k = key(section, layout, variant, depth)
+    for section, layout, variant, depth, target in plan(args.quick):
+        k = key(section, layout, variant, depth, target)
         if k in rows and "error" not in rows[k]:
             continue
         print(f"-- {k}", flush=True)
-        cfg = config(args.quick, depth=depth)
+        topology, model, _ = MORE.get(target, (TOPOLOGY, None, None))
+        mesh = zj.topology_mesh(topology)
+        cfg = config(args.quick, depth=depth) if model is None else TransformerConfig(**model)
         try:
             rows[k] = gspmd_row(cfg, mesh) if section == "gspmd" else zero_row(layout, variant, cfg, mesh)
         except Exception as e:  # noqa: BLE001 - a row that fails is recorded and the run goes on
