@@ -36,6 +36,8 @@ from zero_jax.models import TransformerConfig  # noqa: E402
 GiB, MiB = 2**30, 2**20
 TOPOLOGY = "h100:1x8"
 MODEL = dict(vocab=32000, dim=1024, depth=8, heads=16, seq=2048)
+#: ``--model 1B``: the 1B class of benchmarks/gpu_aot.py, for the trials that moved at dim 1024 (``--only``).
+MODEL_1B = dict(vocab=32000, dim=2048, depth=16, heads=16, seq=2048)
 QUICK = dict(vocab=512, dim=256, depth=4, heads=4, seq=128)
 #: (label, switches, layouts it applies to): each trick turned the other way from the schedule the step gets.
 TRIALS: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
@@ -99,16 +101,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", choices=["1B"], default=None, help="the 1B class (results: gpu_schedule_1b.*)")
+    ap.add_argument("--only", nargs="*", default=None, help="these trials (labels) and layouts (scan, apply)")
     args = ap.parse_args(argv)
     out = args.out or (tempfile.mkdtemp(prefix="gpu_schedule_") if args.quick else common.RESULTS)
-    cache = Path(out) / "gpu_schedule.json"
+    name = "gpu_schedule" + ("_1b" if args.model else "")
+    cache = Path(out) / f"{name}.json"
     rows: dict[str, Any] = {} if args.fresh or not cache.exists() else json.loads(cache.read_text())["rows"]
-    cfg = TransformerConfig(**(QUICK if args.quick else MODEL))
+    cfg = TransformerConfig(**(QUICK if args.quick else MODEL_1B if args.model else MODEL))
     mesh, record = zj.topology_mesh(TOPOLOGY), common.Record()
     for layout in ("scan", "apply"):
         for label, switches, layouts in TRIALS:
             k = f"{layout} {label}"
             if layout not in layouts or (k in rows and "error" not in rows[k]):
+                continue
+            if args.only is not None and not (label in args.only and layout in args.only):
                 continue
             print(f"-- {k}", flush=True)
             try:
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                 *table(rows),
                 versions=versions(),
             )  # fmt: skip
-            common.write_results("gpu_schedule", text, {"meta": record.meta(), "rows": rows}, out=out)
+            common.write_results(name, text, {"meta": record.meta(), "rows": rows}, out=out)
             print(text.split("\n\n")[-1], flush=True)
 
 
