@@ -179,6 +179,22 @@ on v5p:2x2x2 the layer gathers overlap over ``jax.make_mesh``'s ring order and
 stay synchronous over the topology's own order; on v5p:4x4x4 the other way
 round. jaxlib 0.12.1's XLA:CPU entry differs from 0.10.2's only in its
 read-only options.
+
+The GPU entry (jax-cuda12-plugin 0.10.2; XLA:GPU compiled here without a
+GPU for 1 x 8 H100, ``zj.topology_mesh``) was measured trick by trick, each
+switched alone on layer-wise stage 3 of the reference transformer, scanned
+and unscanned, for the buffer assignment, XLA's live peak, the layer
+gathers overlapped and the step time XLA:GPU's own schedule estimates
+(``benchmarks/gpu_schedule.py``: ``results/gpu_schedule.txt`` at dim 1024,
+``gpu_schedule_1b.txt`` at the 1B class). Every XLA:CPU trick is kept:
+scanned, none moves memory by more than a few percent and switching off the
+carried prefetch or the gather ties loses overlap; unscanned, the ties, the
+leaf-by-leaf prefetch and the block prefetch each keep the 1B step's
+allocation lowest (each one off allocates more, though the estimated step
+is a few percent shorter: a memory-for-time trade the entry does not take).
+``unroll_layers`` and ``together_bytes`` stay as XLA:CPU's (no gain measured).
+Its one switch of its own is ``keep_gathered_all`` (``benchmarks/gpu_aot.py``).
+jax-cuda13-plugin 0.12.1 takes this entry as the nearest, unmeasured.
 """
 
 from __future__ import annotations
