@@ -265,7 +265,16 @@ def step_estimate(jitted: Any, *args: Any, model_flops: float | None = None, pea
     estimate its step time from XLA:GPU's latency-hiding schedule
     (:func:`estimate_from_schedule`); ``model_flops``: the model FLOPs per
     step over all the devices, for MFU. ``zj.audit`` gives the same estimate as ``report.estimate``.
-    Any other platform raises ``ValueError`` (:data:`NOT_GPU`)."""
+    Any other platform raises ``ValueError`` (:data:`NOT_GPU`); the module's
+    example reads a schedule without compiling.
+
+    >>> import jax, jax.numpy as jnp
+    >>> try:
+    ...     step_estimate(jax.jit(jnp.sum), jnp.ones(8))
+    ... except ValueError as e:
+    ...     print(str(e)[:48])
+    step_estimate: cpu programs get no estimate here
+    """
     platform, kind = _platform(args)
     if platform != "gpu":
         raise ValueError(NOT_GPU.format(platform=platform or "unplaced"))
