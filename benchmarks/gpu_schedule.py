@@ -49,6 +49,7 @@ TRIALS: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("prefetch_across_trips off", {"prefetch_across_trips": False}, ("scan",)),
     ("prefetch_blocks off", {"prefetch_blocks": False}, ("apply",)),
     ("unroll_layers 2", {"unroll_layers": 2}, ("scan",)),
+    ("in place, unroll_layers 2", {"prefetch_across_trips": False, "unroll_layers": 2}, ("scan",)),
     ("together_bytes 64 KiB", {"together_bytes": 2**16}, ("scan", "apply")),
 ]
 

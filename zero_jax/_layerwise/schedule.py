@@ -192,7 +192,12 @@ carried prefetch or the gather ties loses overlap; unscanned, the ties, the
 leaf-by-leaf prefetch and the block prefetch each keep the 1B step's
 allocation lowest (each one off allocates more, though the estimated step
 is a few percent shorter: a memory-for-time trade the entry does not take).
-``unroll_layers`` and ``together_bytes`` stay as XLA:CPU's (no gain measured).
+``unroll_layers`` and ``together_bytes`` stay as XLA:CPU's: at the 1B class,
+gathering each layer in place two layers a trip overlaps every layer gather
+(carried, one gather of the MLP per trip has no matmul under it) and shortens
+the estimated step by a fifth, but allocates a sixth more, past half of
+stage 1: a trial (``zj.measure.trying_schedule(prefetch_across_trips=False,
+unroll_layers=2)``), not the entry.
 Its one switch of its own is ``keep_gathered_all`` (``benchmarks/gpu_aot.py``).
 jax-cuda13-plugin 0.12.1 takes this entry as the nearest, unmeasured.
 """
