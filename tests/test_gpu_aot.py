@@ -251,9 +251,14 @@ def test_the_audit_estimates_the_step_from_the_gpu_schedule_loops_times_their_ru
     # What is exposed is a part of the step, split by kind (measured: all-gather, reduce-scatter, all-reduce).
     assert 0 < three.exposed_seconds < three.seconds
     assert three.exposed_seconds == pytest.approx(sum(three.exposed_by_kind.values()))
-    # Scanned stage 1 has no collective in its loops: the scheduler leaves them out, the estimate says so.
-    assert not one.complete and len(one.untimed) == 2 and one.seconds == pytest.approx(one.entry_seconds)
-    assert "lower bound: 2 loop bodies untimed" in str(one)
+    # Scanned stage 1 has no collective in its loops: jax-cuda12-plugin 0.10.2's scheduler leaves them out, and the
+    # estimate says so; 0.12.1's schedules them, each with an async fusion it times by a fixed default latency,
+    # which the estimate leaves out and names (measured: 2 loops, 15 ms of such waits).
+    if NEW_PLUGIN:
+        assert one.complete and one.unmodelled_seconds > 0 and "left out:" in str(one)
+    else:
+        assert not one.complete and len(one.untimed) == 2 and one.seconds == pytest.approx(one.entry_seconds)
+        assert "lower bound: 2 loop bodies untimed" in str(one) and one.unmodelled_seconds == 0
     # MFU: model FLOPs over the estimate at the H100's dense bf16 peak.
     shape = {k: v for k, v in TINY.items() if k != "compute_dtype"}
     flops = zj.models.model_flops(zj.models.TransformerConfig(**shape), 8 * TINY["seq"])
