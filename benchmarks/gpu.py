@@ -97,6 +97,7 @@ import optax  # noqa: E402
 import zero_jax as zj  # noqa: E402
 from zero_jax import measure  # noqa: E402
 from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch, unstack_params  # noqa: E402
+from zero_jax.models import model_flops as zero_jax_model_flops  # noqa: E402
 
 BF16 = jnp.bfloat16
 LR = 1e-4
@@ -125,6 +126,8 @@ FLAG_VARIANTS = (
 #: memory_analysis remain.
 SIMULATED_OPTIONS: dict[str, Any] = zj.measure.read_only_options(jax.devices("cpu")) if SIMULATED else {}
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 FLOP/s per chip (vendor figures, an assumption)
+#: What the est. columns are: the estimate beside the measured step calibrates it on the first lent GPU.
+ESTIMATE_LABEL = "XLA:GPU's latency-hiding schedule's step time (zj.measure): " + measure.ESTIMATE_LEAVES_OUT
 OOM = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
 
 
@@ -222,6 +225,21 @@ class Run:
         left = deadline - self.elapsed()
         self.skipped.append({"section": section, "what": what, "reason": f"needs ~{seconds:.0f} s, {left:.0f} s left"})
         return False
+
+    def estimate(self, make: Callable[[], Any], flops: float | None = None, peak: float | None = None
+                 ) -> dict[str, Any]:  # fmt: skip
+        """The step time XLA:GPU's latency-hiding schedule estimates for this program (``zj.measure``'s
+        estimate: compiled once more with the schedule dumped), to print beside the measured one: the first
+        lent GPU calibrates the estimator. None, with the reason, where there is none."""
+        if SIMULATED or jax.devices()[0].platform != "gpu":
+            return {"estimate_s": None, "estimate_note": "not a GPU: no estimate"}
+        done = measure.compile_with_dump(make(), dict(self.options), schedule=True)
+        if done.schedule is None:
+            return {"estimate_s": None, "estimate_note": "no async op: XLA:GPU's scheduler wrote no schedule"}
+        kind = getattr(jax.devices()[0], "device_kind", "")
+        est = measure.estimate_from_schedule(done.schedule, device_kind=kind, model_flops=flops, peak_flops=peak)
+        return {"estimate_s": est.seconds, "estimate_complete": est.complete, "estimate_exposed_s": est.exposed_seconds,
+                "estimate_mfu": est.mfu, "estimate_note": "" if est.complete else "lower bound: loop bodies untimed"}
 
     def compile(self, lowered: Any, extra: dict[str, Any] | None = None) -> tuple[Any, float]:
         """Compile with the run's options (an option this XLA refuses is dropped and recorded)."""
@@ -428,10 +446,9 @@ def is_oom(e: BaseException) -> bool:
 
 
 def model_flops(cfg: TransformerConfig, tokens: int) -> tuple[int, int]:
-    """(6 * Phi * tokens + 12 * L * T * D * tokens, Phi) for the reference transformer."""
+    """(``zero_jax.models.model_flops``, Phi) for the reference transformer."""
     d, f, depth = cfg.dim, cfg.mlp_dim, cfg.depth
-    phi = depth * (4 * d * d + 2 * d * f) + d * cfg.vocab
-    return 6 * phi * tokens + 12 * depth * cfg.seq * d * tokens, phi
+    return zero_jax_model_flops(cfg, tokens), depth * (4 * d * d + 2 * d * f) + d * cfg.vocab
 
 
 def section_overhead(run: Run) -> None:
@@ -481,6 +498,7 @@ def section_overhead(run: Run) -> None:
                 "compile_s": compile_s,
                 "loss": loss,
             }
+            | run.estimate(variants[name][0], flops, None if DRY_RUN else peak)
         )
     base = next((r["step_s"] for r in out["rows"] if r["variant"] == "jax.jit + optax"), None)
     for r in out["rows"]:
@@ -651,6 +669,7 @@ def section_overlap(run: Run, variants: dict[tuple[str, int], Variant]) -> dict[
             "peak_bytes": common.memory(exe)["peak"],
         }
         row.update(schedule(exe.as_text(), cfg.depth, scanned=path == "scan"))
+        row.update(run.estimate(v.lower))
         out["rows"].append(row)
     return {"states": states, "batch": batch, "used": compiled.get("blockwise 1")}
 
@@ -979,14 +998,18 @@ def text_overhead(r: dict[str, Any]) -> list[str]:
         "bf16 compute, fp32 master, Adam",
         f"   model FLOPs/step = {r['formula']} = {r['model_flops_per_step']:.4g}; peak: {r['peak_assumption']}",
         f"   {'variant':<20} {'step ms':>9} {'vs plain':>8} {'tokens/s':>12} {'MFU':>6} "
-        f"{'peak GiB':>8} {'temp GiB':>8}",
+        f"{'peak GiB':>8} {'temp GiB':>8} {'est. ms':>9} {'est. MFU':>8}",
     ]
     for row in r["rows"]:
         mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:5.1f}%"
+        est_mfu = "-" if row.get("estimate_mfu") is None else f"{100 * row['estimate_mfu']:5.1f}%"
         lines.append(
             f"   {row['variant']:<20} {fmt_ms(row['step_s'])} {row['vs_plain'] or 0:8.3f} "
-            f"{row['tokens_per_s']:12.0f} {mfu:>6} {gib(row['peak_bytes'])} {gib(row['temp_bytes'])}"
+            f"{row['tokens_per_s']:12.0f} {mfu:>6} {gib(row['peak_bytes'])} {gib(row['temp_bytes'])} "
+            f"{fmt_ms(row.get('estimate_s'))} {est_mfu:>8}" + (f"  ({row['estimate_note']})" if row.get(
+                "estimate_note") else "")  # fmt: skip
         )
+    lines.append(f"   est.: {ESTIMATE_LABEL}")
     return lines
 
 
@@ -1024,13 +1047,15 @@ def text_overlap(r: dict[str, Any]) -> list[str]:
         f"3. Overlap: stage 3, offload_params=True, {cfg['devices']} device(s), depth {cfg['depth']}, dim "
         f"{cfg['dim']}, seq {cfg['seq']}, batch {cfg['batch']}",
         f"   {'path':<10} {'prefetch':>8} {'step ms':>9} {'gather early':>12} {'async pairs':>11} "
-        f"{'w/ matmul':>9} {'host copies':>11}",
+        f"{'w/ matmul':>9} {'host copies':>11} {'est. ms':>9}",
     ]
     for row in r["rows"]:
         lines.append(
             f"   {row['path']:<10} {row['prefetch']:8d} {fmt_ms(row['step_s'])} {str(row['gather_issued_early']):>12} "
-            f"{row['async_pairs']:11d} {row['async_pairs_overlapping_matmul']:9d} {row['host_copies']:11d}"
+            f"{row['async_pairs']:11d} {row['async_pairs_overlapping_matmul']:9d} {row['host_copies']:11d} "
+            f"{fmt_ms(row.get('estimate_s'))}" + (f"  ({row['estimate_note']})" if row.get("estimate_note") else "")
         )
+    lines.append(f"   est.: {ESTIMATE_LABEL}")
     return lines
 
 

@@ -331,7 +331,7 @@ def gspmd(quick: bool, log: Any) -> list[dict[str, Any]]:
             def recipe(one_hot: bool = one_hot, mesh: Any = mesh, cfg: TransformerConfig = cfg) -> dict[str, Any]:
                 jitted, (p, o), batch = gspmd_step(mesh, cfg, one_hot)
                 t = time.perf_counter()
-                compiled, text, allocated, peak = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
+                compiled, text, allocated, peak, _ = zj.measure.compile_with_dump(jitted.lower(p, o, batch))
                 colls = zj.measure.parse_collectives(text, mesh.size)
                 state = sum(a.size * a.dtype.itemsize / mesh.size for a in jax.tree.leaves((p, o)))
                 return {"compile_s": round(time.perf_counter() - t, 1), "allocated_GiB": allocated / GiB,

@@ -53,8 +53,8 @@ def test_a_backend_not_measured_gets_the_cpu_schedule() -> None:
     running = compiler_version("cpu")[1]
     entry = entry_for("cpu", running)
     assert schedule_for(policy) == entry._replace(backend="cpu", running=f"jaxlib {version_text(running)}")
-    assert set(MEASURED) >= {"cpu", "tpu"}
-    assert entry_for("gpu", running) == entry  # a backend without entries: XLA:CPU's
+    assert set(MEASURED) >= {"cpu", "tpu", "gpu"}
+    assert entry_for("rocm", running) == entry  # a backend without entries: XLA:CPU's
 
 
 def test_the_entry_of_the_running_compiler_or_the_nearest() -> None:

@@ -31,6 +31,13 @@ data-parallel step).
   schedule's compiler tricks switched (``zero_jax._layerwise.schedule``), to
   measure what each buys; :func:`schedule_for`: the switches a policy's steps
   get on its backend and compiler version.
+* :func:`step_estimate`: a step's time as XLA:GPU's latency-hiding scheduler
+  estimates it, compiled for GPU hosts here without a GPU (:class:`StepEstimate`:
+  makespan with each loop body times its runs per step, exposed communication,
+  MFU from the model FLOPs given); :func:`estimate_from_schedule` reads a dumped
+  ``*.schedule.txt`` (``zero_jax.models.model_flops``: the reference
+  transformer's model FLOPs per step). An *estimate*: see :data:`ESTIMATE_LEAVES_OUT`. TPU programs
+  get none.
 * :func:`compiler_version`: which compiler (package and version) compiles for
   a backend here; :func:`parse_version`: a version string as a tuple;
   :func:`read_only_options`: the options a program compiled only to be read
@@ -45,6 +52,8 @@ data-parallel step).
 """
 
 from zero_jax._audit.compiled import CompiledCollective, read_compiled, scheduled_computations
+from zero_jax._audit.estimate import LEAVES_OUT as ESTIMATE_LEAVES_OUT
+from zero_jax._audit.estimate import PEAK_BF16, LoopTime, StepEstimate, estimate_from_schedule, step_estimate
 from zero_jax._audit.hlo import (
     FAST_COMPILE,
     Collective,
@@ -74,7 +83,13 @@ from zero_jax._layerwise.schedule import read_only_options, schedule_for
 from zero_jax._layerwise.schedule import trying as trying_schedule
 
 __all__ = [
+    "ESTIMATE_LEAVES_OUT",
     "FAST_COMPILE",
+    "PEAK_BF16",
+    "LoopTime",
+    "StepEstimate",
+    "estimate_from_schedule",
+    "step_estimate",
     "LIVE_RANGE_GLOB",
     "Collective",
     "CompiledCollective",

@@ -97,6 +97,7 @@ from zero_jax._audit import hlo
 from zero_jax._audit.buffers import comm_buffers
 from zero_jax._audit.communication import comm_violation, communication, formula_inputs, wire_roles, wire_violations
 from zero_jax._audit.compiled import CompiledProgram, read_compiled
+from zero_jax._audit.estimate import StepEstimate, estimate_from_schedule
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.memory import LivePeak
 from zero_jax._audit.memory import memory as memory_figures
@@ -412,7 +413,7 @@ def audit(
     with policy.program_mesh():  # the step's own mesh context, whatever jax.set_mesh says
         abstract = any(_is_abstract(x) for x in jax.tree.leaves(state))
         options = (dict(hlo.FAST_COMPILE) if fast_compile else {}) | dict(compiler_options or {})
-        memory, colls, loops, scheduled, peak = _program(train_step, state, batch, policy, options)
+        memory, colls, loops, scheduled, peak, estimate = _program(train_step, state, batch, policy, options)
         program = read_compiled(scheduled, policy.mesh.size)
         fragmentation = _fragmentation(memory, peak, program)
         leaves, totals = _state_leaves(train_step, state, batch, grads, abstract, options, policy.model_axes)
@@ -445,6 +446,7 @@ def audit(
             abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
             compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
             fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
+            estimate=estimate,
         )  # fmt: skip
 
 
@@ -519,13 +521,20 @@ def _program_violations(
 
 def _program(
     train_step: Any, state: Any, batch: Any, policy: ZeroPolicy, options: dict[str, Any]
-) -> tuple[dict[str, float], tuple[Collective, ...], dict[str, tuple[int, ...]], str, LivePeak | None]:
+) -> tuple[dict[str, float], tuple[Collective, ...], dict[str, tuple[int, ...]], str, LivePeak | None,
+           StepEstimate | None]:  # fmt: skip
     """Compile once: ``memory_analysis()`` (and, where the compile's dump
     reports them, ``"allocated"``: the device memory the buffer assignment
     allocates, HBM on TPU; ``"live_peak"`` and ``"fragmentation"``, allocated
     / live peak), the post-SPMD collectives and their loop nesting, the
-    compiled (scheduled) program's text and XLA's live peak."""
-    compiled, text, allocated, peak = hlo.compile_with_dump(train_step.lower(state, batch), options)
+    compiled (scheduled) program's text, XLA's live peak and, on GPU, the
+    step-time estimate of XLA:GPU's latency-hiding schedule."""
+    device = policy.mesh.devices.flat[0]
+    on_gpu = device.platform == "gpu"
+    compiled, text, allocated, peak, sched = hlo.compile_with_dump(train_step.lower(state, batch), options,
+                                                                   schedule=on_gpu)  # fmt: skip
+    kind = getattr(device, "device_kind", "")
+    estimate = estimate_from_schedule(sched, device_kind=kind) if sched is not None else None
     memory: dict[str, float] = dict(memory_figures(compiled))
     scheduled = compiled.as_text()
     host_temp = int(getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0) or 0)
@@ -537,7 +546,8 @@ def _program(
         memory["live_peak"] = peak.bytes
         memory["fragmentation"] = memory.get("allocated", memory["peak"]) / peak.bytes
     del compiled
-    return memory, tuple(hlo.parse_collectives(text, policy.mesh.size)), hlo.loop_nesting(text), scheduled, peak
+    colls = tuple(hlo.parse_collectives(text, policy.mesh.size))
+    return memory, colls, hlo.loop_nesting(text), scheduled, peak, estimate
 
 
 def _fragmentation(

@@ -467,16 +467,21 @@ class CompiledWithDump(NamedTuple):
     its buffer assignment allocates (the default memory space of the dump's
     memory-usage report: HBM on TPU; ``None`` without a report), and XLA's
     live peak (:class:`zero_jax._audit.memory.LivePeak`, from the live-range
-    report; ``None`` without one)."""
+    report; ``None`` without one); with ``schedule=True``, the text of
+    XLA:GPU's latency-hiding schedule (``*.schedule.txt``; ``None`` when the
+    backend wrote none)."""
 
     executable: Any
     spmd_hlo: str
     allocated: int | None
     live_peak: LivePeak | None = None
+    schedule: str | None = None
 
 
-def compile_with_dump(lowered: Any, compiler_options: dict[str, Any] | None = None) -> CompiledWithDump:
-    """Compile a ``jax.stages.Lowered`` once, dumping what :class:`CompiledWithDump` reads."""
+def compile_with_dump(lowered: Any, compiler_options: dict[str, Any] | None = None, *,
+                      schedule: bool = False) -> CompiledWithDump:  # fmt: skip
+    """Compile a ``jax.stages.Lowered`` once, dumping what :class:`CompiledWithDump` reads
+    (``schedule``: XLA:GPU's latency-hiding schedule too)."""
     with tempfile.TemporaryDirectory() as d:
         # A hit in jax's persistent compilation cache (jax_compilation_cache_dir) compiles nothing and so
         # dumps nothing; the cache key leaves out xla_dump_to but not xla_dump_emitter_re, so a pattern unique
@@ -486,16 +491,25 @@ def compile_with_dump(lowered: Any, compiler_options: dict[str, Any] | None = No
             xla_dump_to=d,
             xla_dump_hlo_pass_re="spmd-partitioning",
             xla_dump_emitter_re=f"zero-jax-audit-{os.path.basename(d)}",
-        )
+        ) | ({"xla_dump_latency_hiding_schedule": True} if schedule else {})
         compiled = lowered.compile(compiler_options=options)
         allocated, peak = hbm_bytes_from_dump(d), live_peak_from_dump(d)
+        sched = _read_first(glob.glob(os.path.join(d, "*.schedule.txt"))) if schedule else None
         files = sorted(glob.glob(os.path.join(d, "*after_*spmd-partitioning*")))  # TPU: after_tpu-spmd-...
         if files:
             with open(files[-1]) as f:
-                return CompiledWithDump(compiled, f.read(), allocated, peak)
+                return CompiledWithDump(compiled, f.read(), allocated, peak, sched)
         if len(_devices(compiled)) <= 1:  # one device: nothing to partition, no collectives
-            return CompiledWithDump(compiled, compiled.as_text(), allocated, peak)
+            return CompiledWithDump(compiled, compiled.as_text(), allocated, peak, sched)
         raise RuntimeError(NO_SPMD_DUMP)
+
+
+def _read_first(files: list[str]) -> str | None:
+    """The text of the first of ``files`` in name order (None when there is none)."""
+    if not files:
+        return None
+    with open(sorted(files)[0]) as f:
+        return f.read()
 
 
 def compile_with_hlo(lowered: Any, compiler_options: dict[str, Any] | None = None) -> tuple[Any, str]:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from zero_jax._audit.estimate import StepEstimate
 from zero_jax._audit.hlo import Collective
 from zero_jax._base.units import fmt_bytes, is_real_number
 from zero_jax._layout.leaf import LeafLayout
@@ -678,6 +679,9 @@ class AuditReport:
         (:class:`CompiledComm`).
       overlap: layer gathers and reductions overlapped with compute in the
         compiled schedule (:class:`Overlap`).
+      estimate: on GPU, the step time XLA:GPU's latency-hiding schedule
+        estimates (:class:`zero_jax._audit.estimate.StepEstimate`; its
+        ``with_flops(model_flops)`` gives MFU); None on other backends.
       schedule: which entry of the schedule seam the step was built with (the
         running compiler's own or the nearest) and what the compiler refused
         of its options (``Schedule.describe``).
@@ -716,6 +720,7 @@ class AuditReport:
     fragmentation: Fragmentation | None = None
     buffers: Buffers | None = None
     schedule: str = ""
+    estimate: StepEstimate | None = None
 
     @property
     def ok(self) -> bool:
@@ -829,6 +834,7 @@ class AuditReport:
         lines.extend(self.overlap.lines() if self.overlap is not None else [])
         lines.extend(self.buffers.lines() if self.buffers is not None else [])
         lines.extend([self.schedule] if self.schedule else [])
+        lines.extend(self.estimate.lines() if self.estimate is not None else [])
         if self.violations:
             lines.append(f"VIOLATIONS ({len(self.violations)}):")
             lines.extend(f"  - {v}" for v in self.violations)

@@ -124,6 +124,20 @@ from here.
     gathered in place; prefetched, held: 90% and 22%).
     Off on XLA:CPU, whose lowering drops the moves. ``scan_layers`` needs
     nothing: its loop writes each trip's input into a host buffer.
+``keep_gathered_all``
+    Stage 3 with ``gather="all"`` (``make_train_step``): the parameters
+    gathered for the forward pass are kept for the backward pass
+    (``keep_gathered=True``: 2Ψ of traffic) unless the step says otherwise,
+    instead of a ``jax.checkpoint`` over the whole loss that gathers them
+    again in the backward pass (3Ψ). On XLA:GPU (jax-cuda12-plugin 0.10.2,
+    8 H100 compiled deviceless) the re-gathering program peaks *above*
+    stage 1: the rematerialised forward pass of the whole model holds the
+    saved matmul outputs of every layer and the attention scores of the
+    layer it recomputes beside the whole re-gathered parameters; kept, it
+    peaks below stage 1 and sends a third less
+    (``benchmarks/gpu_aot.py``'s ``3/all`` rows, ``benchmarks/results/gpu_aot.txt``).
+    Off on XLA:CPU and TPU, where the re-gather is what keeps stage 3
+    below stage 1.
 ``compiler_options``
     Options the step compiles with: on TPU, libtpu's async all-gather
     (:data:`TPU_ASYNC_ALL_GATHER`); with libtpu's defaults every gather is
@@ -165,6 +179,27 @@ on v5p:2x2x2 the layer gathers overlap over ``jax.make_mesh``'s ring order and
 stay synchronous over the topology's own order; on v5p:4x4x4 the other way
 round. jaxlib 0.12.1's XLA:CPU entry differs from 0.10.2's only in its
 read-only options.
+
+The GPU entry (jax-cuda12-plugin 0.10.2; XLA:GPU compiled here without a
+GPU for 1 x 8 H100, ``zj.topology_mesh``) was measured trick by trick, each
+switched alone on layer-wise stage 3 of the reference transformer, scanned
+and unscanned, for the buffer assignment, XLA's live peak, the layer
+gathers overlapped and the step time XLA:GPU's own schedule estimates
+(``benchmarks/gpu_schedule.py``: ``results/gpu_schedule.txt`` at dim 1024,
+``gpu_schedule_1b.txt`` at the 1B class). Every XLA:CPU trick is kept:
+scanned, none moves memory by more than a few percent and switching off the
+carried prefetch or the gather ties loses overlap; unscanned, the ties, the
+leaf-by-leaf prefetch and the block prefetch each keep the 1B step's
+allocation lowest (each one off allocates more, though the estimated step
+is a few percent shorter: a memory-for-time trade the entry does not take).
+``unroll_layers`` and ``together_bytes`` stay as XLA:CPU's: at the 1B class,
+gathering each layer in place two layers a trip overlaps every layer gather
+(carried, one gather of the MLP per trip has no matmul under it) and shortens
+the estimated step by a fifth, but allocates a sixth more, past half of
+stage 1: a trial (``zj.measure.trying_schedule(prefetch_across_trips=False,
+unroll_layers=2)``), not the entry.
+Its one switch of its own is ``keep_gathered_all`` (``benchmarks/gpu_aot.py``).
+jax-cuda13-plugin 0.12.1 takes this entry as the nearest, unmeasured.
 """
 
 from __future__ import annotations
@@ -201,6 +236,9 @@ class Schedule(NamedTuple):
     prefetch_across_trips: bool = True
     prefetch_blocks: bool = True
     unroll_layers: int = 1
+    #: Stage 3 with gather="all": keep the parameters gathered for the forward pass for the backward (the
+    #: default of ``make_train_step(keep_gathered=...)``).
+    keep_gathered_all: bool = False
     #: P_a+cpu in ``apply_layer(s)``: the output of the block ``hold_host_copies`` calls after block i waits
     #: for block i's saved inputs to reach host memory (0: nothing waits).
     hold_host_copies: int = 0
@@ -396,6 +434,9 @@ MEASURED: dict[str, tuple[Schedule, ...]] = {
         Schedule("cpu", compiler="jaxlib 0.10.2", read_only_options=CPU_READ_ONLY),
         Schedule("cpu", compiler="jaxlib 0.12.1", read_only_options=CPU_READ_ONLY[:1]),
     ),
+    "gpu": (
+        Schedule("gpu", compiler="jax-cuda12-plugin 0.10.2", keep_gathered_all=True, read_only_options=CPU_READ_ONLY),
+    ),
     "tpu": (
         _TPU._replace(compiler="libtpu 0.0.42.1"),
         _TPU._replace(compiler="libtpu 0.0.46.3", fallback_options=(TPU_SPARSECORE_ALL_GATHER,)),
@@ -411,7 +452,9 @@ def entry_for(backend: str, running: tuple[int, ...]) -> Schedule:
     >>> entry_for("tpu", (0, 0, 52)).compiler, entry_for("tpu", (0, 0, 50, 1)).compiler
     ('libtpu 0.0.52', 'libtpu 0.0.46.3')
     >>> entry_for("tpu", (0, 0, 30)).compiler, entry_for("gpu", (0, 12, 1)).compiler
-    ('libtpu 0.0.42.1', 'jaxlib 0.12.1')
+    ('libtpu 0.0.42.1', 'jax-cuda12-plugin 0.10.2')
+    >>> entry_for("rocm", (0, 12, 1)).compiler
+    'jaxlib 0.12.1'
     """
     entries = sorted(MEASURED.get(backend) or MEASURED["cpu"], key=lambda e: e.version)
     older = [e for e in entries if e.version <= running]

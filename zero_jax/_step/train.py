@@ -370,7 +370,7 @@ def make_train_step(
     stateful: bool = False,
     compiler_options: dict[str, Any] | None = None,
     aux_reduce: Any = None,
-    keep_gathered: bool = False,
+    keep_gathered: bool | None = None,
 ) -> TrainStep:
     """Build the jit-compiled train step for ``policy``.
 
@@ -445,6 +445,9 @@ def make_train_step(
         during the step, whole; 2Ψ of traffic instead of 3Ψ). Bitwise the same
         training. With ``gather="manual"`` give ``keep_gathered=k`` to
         ``zj.scan_layers`` / ``zj.apply_layers`` (the last k blocks).
+        ``None`` (the default): the schedule seam's choice for the backend
+        (``keep_gathered_all`` in ``zero_jax._layerwise.schedule``: True on
+        XLA:GPU, where gathering again peaks above stage 1; False elsewhere).
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch)`` with
@@ -474,6 +477,8 @@ def make_train_step(
     """
     tx = check_tx(tx, policy, "make_train_step")
     accum_mode = _check_options(loss_fn, policy, gather, accum_steps, accum_mode, clip_norm, stateful)  # pyright: ignore[reportAssignmentType] - _check_options resolves the accumulation mode
+    if keep_gathered is None:
+        keep_gathered = gather == "all" and policy.partitions_params and schedule_for(policy).keep_gathered_all
     _check_keep_gathered(keep_gathered, policy, gather)
     return TrainStep(
         loss_fn,

@@ -6,6 +6,7 @@ from zero_jax.models.transformer import (
     init_params,
     make_loss_fn,
     megatron_specs,
+    model_flops,
     synthetic_batch,
     unstack_params,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "init_params",
     "make_loss_fn",
     "megatron_specs",
+    "model_flops",
     "synthetic_batch",
     "unstack_params",
 ]

@@ -187,6 +187,21 @@ def apply(
     return jax.checkpoint(lambda h, head: h @ gather(head, policy))(x, params["head"])
 
 
+def model_flops(cfg: TransformerConfig, tokens: int) -> int:
+    """Model FLOPs of one training step over ``tokens`` tokens (MFU's
+    numerator, no recomputation): 6 Φ tokens + 12 L T D tokens, Φ the
+    parameters that enter a matmul (L (4 D² + 2 D F) + D V: the blocks and the
+    head; not the embedding lookups, norms or biases), the second term the
+    attention scores and values (the full T x T, forward and backward).
+
+    >>> model_flops(TransformerConfig(vocab=256, dim=128, depth=2, seq=64), tokens=64)
+    176160768
+    """
+    d, f, depth = cfg.dim, cfg.mlp_dim, cfg.depth
+    phi = depth * (4 * d * d + 2 * d * f) + d * cfg.vocab
+    return 6 * phi * tokens + 12 * depth * cfg.seq * d * tokens
+
+
 def make_loss_fn(
     config: TransformerConfig,
     policy: ZeroPolicy | None = None,
