@@ -123,6 +123,31 @@ def test_bf16_parameters_kept_in_bf16_train_like_plain_optax_in_bf16(stage: int)
     assert max(errors.values()) <= 5e-2, errors
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_parameters_with_a_loss_scale_train_like_plain_optax_in_fp16(stage: int) -> None:
+    """Pure fp16 (param_dtype float16, no master copy) with a dynamic loss scale: the unscaled gradient stays
+    float16, the optimizer state keeps its dtype through the overflow check (base: the unscaling divided by a
+    float32 scale, so the update returned float32 state against float16: "cond branches must have equal output
+    types" in the first step), and training is plain optax on the float16 parameters to float16 rounding (the
+    scale is a power of two: scaling and unscaling are exact; 1e-2 relative update: the gradient sums run in
+    float16, in another order). Adam's eps 1e-4: its default 1e-8 is 0 in float16 (the smallest subnormal is
+    6e-8), and an element whose squared gradient underflows would divide 0 by 0, here and in plain optax."""
+    fp16 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float16), tree)  # noqa: E731
+    precision = zj.Precision(param_dtype=jnp.float16, loss_scale=zj.DynamicLossScale(initial=4.0))
+    policy = zj.ZeroPolicy(stage, make_mesh(N), min_shard_size=64, precision=precision)
+    tx = zj.shard_optimizer(optax.adam(1e-2, eps=1e-4), policy)
+    state = zj.init_state(fp16(mlp_params()), tx, policy)
+    step = zj.make_train_step(mlp_loss, tx, policy)
+    batches = [fp16(mlp_batch(seed=s)) for s in range(3)]
+    for b in batches:
+        state, m = step(state, b)
+        assert int(m["skipped"]) == 0
+    assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state)) if x.ndim} == {jnp.dtype(jnp.float16)}
+    ref, _ = reference_run(optax.adam(1e-2, eps=1e-4), fp16(mlp_params()), batches)
+    errors = relative_update_error(zj.full_params(state), ref, fp16(mlp_params()))
+    assert max(errors.values()) <= 1e-2, errors
+
+
 # -- loss scaling -----------------------------------------------------------------------
 
 FP16 = zj.Precision(compute_dtype=jnp.float16, loss_scale=zj.DynamicLossScale(initial=2.0**10, growth_interval=2))

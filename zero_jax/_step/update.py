@@ -54,8 +54,8 @@ def optimizer_grads(grads: PyTree, state: TrainState, grad_norm: jax.Array, clip
             shape = lay.stored_shape if partitioned else lay.shape
             return jnp.zeros(shape, prec.param_dtype if is_float(lay) else lay.dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
         g = g.astype(prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
-        if scale is not None:
-            g = g / scale
+        if scale is not None:  # in float32 (the scale's dtype), back to param_dtype: float16 stays float16
+            g = (g / scale).astype(prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - as above
         if clip_norm is not None:
             g = jax.lax.select(grad_norm < clip_norm, g, (g / grad_norm.astype(g.dtype)) * clip_norm)
         return g
