@@ -378,6 +378,8 @@ def train(args: argparse.Namespace) -> int:  # house: the example's loop, kept i
         else:
             if mgr.all_steps():
                 raise ValueError(EXISTS.format(out=out))
+            if main:  # a fresh run: no metrics of an earlier attempt that saved nothing
+                (out / "metrics.jsonl").unlink(missing_ok=True)
             state = zj.init_state(b["params"], b["tx"], policy)
         if main:
             write_json(out / "run.json", run)
@@ -475,7 +477,7 @@ def baseline(args: argparse.Namespace, b: dict[str, Any], ds: Any, jax: Any, zer
     import optax  # noqa: PLC0415
 
     P = jax.sharding.PartitionSpec
-    mesh = b["mesh"]
+    mesh = b["policy"].auto_mesh  # plain jit: the mesh's axes Auto (jax.make_mesh makes them Explicit)
     rows = jax.sharding.NamedSharding(mesh, P(mesh.axis_names))
     whole = jax.sharding.NamedSharding(mesh, P())
     optimizer = optax.chain(optax.clip_by_global_norm(args.clip_norm), b["optimizer"]) if args.clip_norm else b[
