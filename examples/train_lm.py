@@ -229,6 +229,20 @@ def resume_step(mgr: Any, out: Path) -> int:
     return steps[-1]
 
 
+def restore(mgr: Any, out: Path, b: dict[str, Any]) -> Any:
+    """The newest checkpoint with its data state, laid out for this run's policy (another stage or
+    device count is restored across); a corrupt step falls back to the one before, with a warning."""
+    zj = b["zj"]
+    try:
+        return mgr.restore(policy=b["policy"], tx=b["tx"], step=resume_step(mgr, out), like=b["params"],
+                           fallback=True)
+    except zj.checkpoint.CorruptCheckpointError:
+        raise
+    except ValueError as e:  # zj.restore lists every differing leaf: its first sentence, and the fix
+        first = str(e).splitlines()[0].split(" All ")[0]
+        raise ValueError(f"--resume: {first} Pass the flags it was trained with, or a new --out.") from None
+
+
 def digest(tree: Any) -> str:
     """A CRC of every leaf's bytes, in tree order (equal only if bitwise equal)."""
     import jax  # noqa: PLC0415
@@ -247,13 +261,13 @@ def digest(tree: Any) -> str:
 def start_jax(args: argparse.Namespace) -> Any:
     import jax  # noqa: PLC0415
 
+    if args.devices:  # before anything starts a backend
+        jax.config.update("jax_num_cpu_devices", args.devices)
+        jax.config.update("jax_platforms", "cpu")
     if args.distributed:
         kw = {"coordinator_address": args.coordinator, "num_processes": args.num_processes,
               "process_id": args.process_id}
         jax.distributed.initialize(**{k: v for k, v in kw.items() if v is not None})
-    if args.devices:
-        jax.config.update("jax_num_cpu_devices", args.devices)
-        jax.config.update("jax_platforms", "cpu")
     return jax
 
 
@@ -372,9 +386,8 @@ def train(args: argparse.Namespace) -> int:  # house: the example's loop, kept i
         data = iter(ds)
         if args.resume:
             check_resumable(out, run)
-            at = resume_step(mgr, out)
-            state = mgr.restore(policy=policy, tx=b["tx"], step=at, like=b["params"])
-            data.set_state(json.loads((out / "data" / f"{at}.json").read_text()))
+            state = restore(mgr, out, b)
+            data.set_state(json.loads((out / "data" / f"{int(state.step)}.json").read_text()))
         else:
             if mgr.all_steps():
                 raise ValueError(EXISTS.format(out=out))
