@@ -124,3 +124,24 @@ def test_resuming_another_model_or_data_order_is_one_line(tmp_path: Path) -> Non
         lm.check_resumable(tmp_path, {**run, "dim": 64})
     with pytest.raises(ValueError, match=r"global_batch 16 there, 32 here.*the saved data order depends on them"):
         lm.check_resumable(tmp_path, {**run, "global_batch": 32})
+
+
+def test_resuming_a_checkpoint_of_another_model_is_one_line(tmp_path: Path) -> None:
+    import zero_jax as zj
+
+    class Manager:  # what zj.restore raises for another model's checkpoint, without training one
+        directory = tmp_path
+
+        def all_steps(self):
+            return [3, 6]
+
+        def restore(self, **kw):
+            assert kw["step"] == 3 and kw["fallback"]  # step 6 has no data state: not resumable
+            raise ValueError("zj.restore: the checkpoint is of another model: parameter 'head' has shape (32, 256) "
+                             "in the checkpoint but (64, 256) in the model being restored. All 9 differing:\n  ...")
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "3.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"^--resume: zj.restore: .* being restored\. Pass the flags it was trained "
+                                         r"with, or a new --out\.$"):
+        _script().restore(Manager(), tmp_path, {"zj": zj, "policy": None, "tx": None, "params": None})
