@@ -167,7 +167,7 @@ class StepEstimate:
             out.append("  loops: " + ", ".join(
                 f"{lp.body} {lp.runs} x " + ("untimed" if lp.micros is None else f"{lp.micros / 1e3:.3f} ms")
                 for lp in self.loops))  # fmt: skip
-        if self.mfu is not None:
+        if self.mfu is not None and self.peak_flops is not None:
             out.append(f"  model FLOPs/step {self.model_flops:.4g} over {self.devices} GPU(s), MFU (estimate) "
                        f"{self.mfu:.1%} of {self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense each")  # fmt: skip
         out.append(f"  ({LEAVES_OUT})")

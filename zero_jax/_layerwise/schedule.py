@@ -490,8 +490,9 @@ def accepted_options(
         why = _refusal(tuple(devices), tuple(options))
         if why is None:
             return options, tuple(refused)
-        more = f" and {len(options) - 1} more" if len(options) > 1 else ""
-        refused.append(f"{options[0][0]}{more}: {why[:160]}")
+        (first, _), *rest = options
+        more = f" and {len(rest)} more" if rest else ""
+        refused.append(f"{first}{more}: {why[:160]}")
     return (), tuple(refused)
 
 
