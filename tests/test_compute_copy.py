@@ -1,7 +1,8 @@
 """Stage 3 without the persistent compute copy (``zj.Precision(compute_copy=False)``, issue 38): the float32
 master's pieces are the parameters and each is cast to bf16 right before its all-gather. The same bits as with
 the copy (the copy is the cast of the master either way), 12 bytes of state per parameter instead of 14, the
-same bf16 bytes on the wire, a lower compiled peak; checkpoints restore across the option both ways."""
+same bf16 bytes on the wire, a compiled peak lower by the copy less one layer's transient cast; checkpoints
+restore across the option both ways."""
 
 from __future__ import annotations
 
@@ -94,10 +95,13 @@ def test_without_the_compute_copy_state_is_12_bytes_a_parameter_the_wire_is_bf16
     # The wire: the same collectives, of the same dtypes, shapes and counts; every parameter gather is bf16.
     assert colls[False] == colls[True]
     assert {d for (kind, d, _, _) in colls[False] if kind == "all-gather"} == {"bf16"}
-    # The compiled program: the copy no longer enters the step (its arguments are the copy's bytes fewer) and
-    # the peak falls by at least as much (the new copy the update writes is gone too).
+    # The compiled program: the copy no longer enters the step (its arguments are the copy's bytes fewer), and
+    # the peak falls by the copy less the transient: the bf16 cast of the pieces being gathered, at most one
+    # layer's (measured: 16288 bytes lower with jax 0.10.2, whose temporaries shrink too; 5952 with 0.12.1,
+    # whose temporaries grow by 1024; the copy is 6880 and a layer's bf16 pieces 2896).
+    layer = per_device(with_copy.params["layers"]) // CFG.depth
     assert mem[True][0] - mem[False][0] == bf16_copy
-    assert mem[True][1] - mem[False][1] >= bf16_copy
+    assert mem[True][1] - mem[False][1] >= bf16_copy - layer
 
 
 @pytest.mark.slow
