@@ -273,6 +273,7 @@ def _param_infos(facts: StepFacts, state: Any) -> list[ParamInfo]:
             fz,
             under_any(p, policy.stacked_prefixes),
             split_of(getattr(leaf, "sharding", None), len(lay.shape), model),
+            policy.comm.cast,
         )  # fmt: skip
         for (p, lay), leaf, fz in zip(layout_pairs, param_leaves, frozen, strict=True)
         if is_float(lay.dtype)

@@ -67,7 +67,7 @@ COMM_MESSAGE = (
 )
 
 
-def _hlo_dtype(dtype: np.dtype) -> str:
+def _hlo_dtype(dtype: np.wire_dtype) -> str:
     return _HLO_DTYPE.get(str(dtype), str(dtype))
 
 
@@ -118,7 +118,7 @@ def wire_stored_by_shape(params: Iterable[Any], policy: ZeroPolicy) -> dict[tupl
         for per_layer in (False, True) if p.stacked and lay.dim else (False,) if lay.partitioned else ():
             piece = piece_elements(lay, n, policy.mesh.shape, stacked=per_layer)
             shape = quantized_shape(piece, n, block)
-            out[shape] = max(out.get(shape, (0, 0)), (piece * n, piece * n * p.dtype.itemsize))
+            out[shape] = max(out.get(shape, (0, 0)), (piece * n, piece * n * p.wire_dtype.itemsize))
     return out
 
 
@@ -206,7 +206,7 @@ def formula_inputs(params: Iterable[Any]) -> tuple[float, float]:
     model-level formula is evaluated at beside the audit's per-leaf theory."""
     params = list(params)
     phi = sum(math.prod(p.layout.shape) / p.model_split for p in params)
-    nbytes = sum(math.prod(p.layout.shape) / p.model_split * p.dtype.itemsize for p in params)
+    nbytes = sum(math.prod(p.layout.shape) / p.model_split * p.wire_dtype.itemsize for p in params)
     return phi, nbytes / phi if phi else 0.0
 
 
@@ -243,7 +243,7 @@ def communication(
     theory = 0.0
     units: dict[tuple[str, tuple[int, ...]], list[tuple[str, int, float]]] = {}
     for p in params:
-        rb = np.dtype(reduce_dtype if reduce_dtype is not None else p.dtype).itemsize
+        rb = np.dtype(reduce_dtype if reduce_dtype is not None else p.wire_dtype).itemsize
         # Stage 1 reduces whole gradients; layer by layer needs the gradient reduced as the backward makes it.
         layered = quantized if policy.partitions_grads else {}
         piece, layers = quantized_piece(p, policy, layered) if p.layout.partitioned else (0, 1)
@@ -253,11 +253,11 @@ def communication(
             # One gather unit per use: the whole leaf (its model shard), or one layer of a
             # stacked leaf when the program gathers layer-sized pieces (``scan_layers``).
             stored = local_shape(p.layout.stored_shape, p.split)
-            unit, m = ((_hlo_dtype(p.dtype), stored[1:]), p.layout.shape[0]) if p.stacked else (None, 1)
+            unit, m = ((_hlo_dtype(p.wire_dtype), stored[1:]), p.layout.shape[0]) if p.stacked else (None, 1)
             if wire.weights is not None:
                 unit, m = ("s8", quantized_shape(piece, n, wire.block)), layers
             elif unit is None or gathered[unit] < m:
-                unit, m = (_hlo_dtype(p.dtype), stored), 1
+                unit, m = (_hlo_dtype(p.wire_dtype), stored), 1
             units.setdefault(unit, []).append((p.path, m, one))
     skipped_bytes, notes = 0.0, []
     for (dt, shape), members in sorted(units.items()):
@@ -278,7 +278,7 @@ def _leaf_theory(p: ParamInfo, policy: ZeroPolicy, rb: int, reduces: int, gather
     per reduced gradient element; ``wire_pass``: one quantized pass of it)."""
     n, r, wire = policy.num_shards, policy.num_replicas, policy.wire
     ring, ring_all, ring_replica = (n - 1) / n, (n * r - 1) / (n * r), (r - 1) / r
-    lay, itemsize = p.layout, p.dtype.itemsize
+    lay, itemsize = p.layout, p.wire_dtype.itemsize
     # Gradients are reduce-scattered exactly when the optimizer state is partitioned (stages 1-3).
     if not policy.partitions_opt_state or not lay.partitioned:
         return 0 if p.frozen else 2 * ring_all * math.prod(lay.shape) * rb * reduces  # all-reduced whole

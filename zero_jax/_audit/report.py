@@ -894,8 +894,15 @@ class ParamInfo(NamedTuple):
     frozen: bool  # the optimizer never changes it: no gradient is reduced
     stacked: bool  # under one of the policy's ``stacked`` prefixes (a leading layer axis)
     split: tuple[int, ...] = ()  # how many ways each dimension is cut over model axes (() or all 1: none)
+    cast: np.dtype | None = None  # the dtype its pieces are cast to before a gather (Precision(compute_copy=False))
 
     @property
     def model_split(self) -> int:
         """How many model shards the leaf is cut into (1: whole on every model shard)."""
         return math.prod(self.split)
+
+    @property
+    def wire_dtype(self) -> np.dtype:
+        """The dtype it moves in: ``cast`` when set (the compute dtype of a
+        stage 3 without compute copy), else the dtype it is stored in."""
+        return self.cast if self.cast is not None else self.dtype

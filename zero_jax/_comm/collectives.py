@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
 from zero_jax._comm.quantized import dequantize_blocks, quantize_blocks
-from zero_jax._layout.leaf import LeafLayout, pad, shard_shape, unpad
+from zero_jax._layout.leaf import LeafLayout, is_real_float, pad, shard_shape, unpad
 from zero_jax._theory.wire import WireFormat
 
 
@@ -48,6 +48,9 @@ class Axes(NamedTuple):
     piece is gathered over the other shard axes (across nodes) into the
     secondary piece, then over ``secondary`` into the whole, and a backward
     re-gather starts from the secondary piece (:func:`secondary_piece`).
+    ``cast``: the float dtype a piece is cast to before its all-gather
+    (``Precision(compute_copy=False)``: float32 pieces, a bf16 wire); ``None``
+    gathers pieces in their own dtype.
     """
 
     shard: tuple[str, ...]
@@ -55,6 +58,7 @@ class Axes(NamedTuple):
     scatter_replicas: bool = False
     wire: WireFormat = WireFormat()
     secondary: str | None = None
+    cast: Any = None
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -238,6 +242,14 @@ def reduce_across_replicas(piece: jax.Array, layout: LeafLayout, axis: AxisName)
     return per_model_shard(lambda g: jax.lax.psum(g, replica), layout, piece)
 
 
+def cast_for_wire(x: jax.Array, axis: AxisName) -> jax.Array:
+    """A float piece in the dtype it travels in (``Axes.cast``, when set):
+    the cast FSDP2 makes right before each gather, so that no compute copy
+    of the parameters outlives the layer that uses it."""
+    cast = _axes(axis).cast
+    return x.astype(cast) if cast is not None and is_real_float(x) and x.dtype != cast else x
+
+
 def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
     """All-gather this device's piece of a parameter into the whole, unpadded
     leaf, as a per-device (varying) value. Its transpose is a reduce-scatter,
@@ -245,6 +257,7 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
     gradient: ZeRO-3's backward communication for free."""
     if layout.dim is None:
         return to_varying(x, axis)
+    x = cast_for_wire(x, axis)
     if _axes(axis).wire.weights is not None:
         return _quantized_gather_for_use(x, layout, _axes(axis))
     if _axes(axis).secondary:
@@ -376,6 +389,7 @@ def gather_together(pieces: list[jax.Array], layouts: list[LeafLayout], axis: Ax
     shard = _name(_axes(axis).shard)
 
     def gather(ps: list[jax.Array]) -> list[jax.Array]:
+        ps = [cast_for_wire(p, axis) for p in ps]
         rows = jax.lax.all_gather(jnp.concatenate([p.ravel() for p in ps])[None], shard, tiled=True)
         wholes, start = [], 0
         for p, lay in zip(ps, layouts, strict=True):

@@ -45,6 +45,9 @@ from zero_jax._theory.checks import check_devices, check_stage, quantization_at
 from zero_jax._theory.wire import DEFAULT_BLOCK
 from zero_jax.models.transformer import TransformerConfig, init_params, make_loss_fn
 
+NO_COPY_WITHOUT_COMPUTE_DTYPE = (
+    "plan: compute_copy=False drops the bf16 compute copy of mixed precision; pass compute_dtype='bfloat16' with it."
+)
 #: The default factory of :func:`plan`.
 REFERENCE_STEP = "zero_jax._plan.plan:reference_step"
 BATCH_NOT_SPLIT = "plan: the global batch of {batch} cannot be split over {n} devices{micro}; use a multiple of {m}."
@@ -365,6 +368,7 @@ def reference_step(
     batch_per_device: int = 1,
     global_batch: int | None = None,
     compute_dtype: str | None = None,
+    compute_copy: bool = True,
     gather: str = "manual",
     min_shard_size: int | None = None,
     accum_steps: int = 1,
@@ -381,7 +385,9 @@ def reference_step(
     """The default :func:`plan` factory: the reference transformer
     (``zero_jax.models``) with AdamW, stacked layers run layer-wise
     (``gather="manual"``), on abstract inputs: ``(step, abstract_state,
-    abstract_batch)``. ``compute_dtype="bfloat16"`` plans mixed precision.
+    abstract_batch)``. ``compute_dtype="bfloat16"`` plans mixed precision;
+    with ``compute_copy=False`` stage 3 keeps no bf16 copy between steps
+    (``zj.Precision``'s; stages 0–2 keep theirs).
     ``quantize_weights`` / ``quantize_grads`` (ZeRO++, ``ZeroPolicy``'s
     arguments) apply where the stage has them: qwZ at stage 3, qgZ at stages
     1–3 (a plan of every stage compiles stages 0–2 without qwZ, 0 without qgZ).
@@ -405,7 +411,9 @@ def reference_step(
     cfg = TransformerConfig(vocab=vocab, dim=dim, depth=depth, heads=heads, seq=seq, mlp=mlp)
     extra: dict[str, Any] = {} if min_shard_size is None else {"min_shard_size": min_shard_size}
     if compute_dtype is not None:
-        extra["precision"] = Precision(compute_dtype=jnp.dtype(compute_dtype))
+        extra["precision"] = Precision(compute_dtype=jnp.dtype(compute_dtype), compute_copy=compute_copy or stage != 3)
+    elif not compute_copy:
+        raise ValueError(NO_COPY_WITHOUT_COMPUTE_DTYPE)
     extra |= quantization_at(stage, quantize_weights, quantize_grads)
     extra["offload_activations"] = bool(offload_activations) and stage >= 2 and gather == "manual"
     extra |= hpz | {"quant_block": quant_block, "bucket_bytes": bucket_bytes}

@@ -156,7 +156,22 @@ def argument_problems(
     problems.extend(activation_offload_problems(offload_activations, known_stage, mesh))
     problems.extend(bucket_problems(bucket_bytes))
     problems.extend(secondary_problems(secondary_axis, stage, axis, replica_axis, optimizer_over_replicas, param_specs))
+    if isinstance(precision, Precision) and not precision.compute_copy:
+        others = {"optimizer_over_replicas": optimizer_over_replicas, "quantize_weights": quantize_weights,
+                  "secondary_axis": secondary_axis, "offload_optimizer": offload_optimizer,
+                  "offload_params": offload_params}  # fmt: skip
+        given = [f"{k}={v!r}" for k, v in others.items() if v not in (None, False, 0, 0.0)]
+        if (stage_ok and int(stage) != 3) or given:
+            problems.append((ValueError, NO_COMPUTE_COPY.format(stage=stage, given=", ".join(given) or "none")))
     return problems
+
+
+NO_COMPUTE_COPY = (
+    "ZeroPolicy: Precision(compute_copy=False) casts stage 3's parameter pieces before their all-gather, so it "
+    "needs stage=3 (got {stage}) with the pieces gathered as they are stored (got {given}; it does not combine "
+    "with optimizer_over_replicas, quantize_weights, secondary_axis or offload): use stage=3 without those, or "
+    "keep the compute copy (compute_copy=True)."
+)
 
 
 def secondary_problems(

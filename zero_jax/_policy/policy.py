@@ -433,7 +433,8 @@ class ZeroPolicy:
     @property
     def comm(self) -> Axes:
         """The axes the step's collectives run over (a ``_collectives.Axes``)."""
-        return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas, self.wire, self.secondary_axis)
+        cast = self.precision.gather_cast  # pyright: ignore[reportOptionalMemberAccess] - set in __post_init__
+        return Axes(self.axes, self.replica_axes, self.optimizer_over_replicas, self.wire, self.secondary_axis, cast)
 
     @property
     def num_secondary_shards(self) -> int:

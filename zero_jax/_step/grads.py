@@ -201,10 +201,16 @@ def params_for_use(plan: GradPlan, params: PyTree) -> PyTree:
     """The parameters as this step hands them on: host pieces moved to the
     device (the manual path moves each piece in ``zj.gather``, one layer at a
     time in ``scan_layers``); with local accumulation in stage 3, gathered
-    once per step (Ψ), every microbatch computed on the whole parameters."""
+    once per step (Ψ), every microbatch computed on the whole parameters.
+    Without a compute copy (``Precision(compute_copy=False)``) the leaves
+    no gather casts (those whole on every device) are cast here."""
     policy = plan.policy
     if policy.offload_params and (plan.local or not plan.manual):
         params = jax.tree.map(to_device, params)
+    cast = policy.comm.cast
+    if cast is not None:
+        whole_float = lambda lay: lay.dim is None and is_float(lay)  # noqa: E731
+        params = per_leaf(lambda p, lay: p.astype(cast) if whole_float(lay) else p, plan.layouts, params)
     if policy.partitions_params and plan.local:
         params = per_leaf(lambda p, lay: coll.fetch(p, lay, policy.comm, gather=True), plan.layouts, params)
     return params

@@ -181,10 +181,10 @@ def init_state(
             logical = cast_floats(make(), prec.param_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
             return TrainState(
                 step=jnp.zeros((), jnp.int32),
-                params=stored_params(cast_floats(logical, prec.compute_dtype), layouts, policy),  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                params=stored_params(cast_floats(logical, prec.stored_dtype), layouts, policy),  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
                 opt_state=tx.init(logical),  # pyright: ignore[reportArgumentType] - shard_optimizer's init returns a ShardedOptState
                 master=store(logical, layouts, policy, policy.partitions_opt_state, axes=policy.state_axes)
-                if prec.mixed  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+                if prec.keeps_master  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
                 else None,
                 loss_scale=LossScaleState.create(prec.loss_scale) if prec.loss_scale is not None else None,  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
                 model_state=jax.tree.map(

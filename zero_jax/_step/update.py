@@ -129,13 +129,14 @@ def master_for_compute(state: TrainState, new_master: PyTree, shardings: TrainSt
 
 
 def updated_params(state: TrainState, new_master: PyTree, frozen: PyTree) -> PyTree:
-    """The new stored parameters in the compute dtype. Where the optimizer
+    """The new stored parameters in the compute dtype (in the master's without
+    a compute copy: the updated master itself). Where the optimizer
     saw a slice, only what changed is all-gathered (frozen leaves keep their
     copy). Non-float leaves pass through bitwise."""
     policy = state.policy
     prec = policy.precision
     layouts = state.layouts.tree()
-    compute = cast_floats(new_master, prec.compute_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+    compute = cast_floats(new_master, prec.stored_dtype)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
     if policy.optimizer_sees_slice:
         compute = store(compute, layouts, policy, True, axes=policy.state_axes)
         trained_layouts = per_leaf(lambda fz, lay: None if fz else lay, layouts, frozen)
@@ -145,7 +146,7 @@ def updated_params(state: TrainState, new_master: PyTree, frozen: PyTree) -> PyT
     else:
         params = compute
     params = keep_non_float(params, state.params, layouts)
-    return stored_params(params, with_dtype(layouts, prec.compute_dtype), policy)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
+    return stored_params(params, with_dtype(layouts, prec.stored_dtype), policy)  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
 
 
 def keep_non_float(new: PyTree, old: PyTree, layouts: PyTree) -> PyTree:

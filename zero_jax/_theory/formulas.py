@@ -123,6 +123,13 @@ def model_state_bytes(
     >>> [x / 1e9 for x in zj.model_state_bytes(1e9, 4, 1, model_parallel=2)]
     [1.0, 1.0, 1.5]
 
+    Stage 3 without a persistent compute copy (``zj.Precision(compute_copy=False)``): the fp32
+    master is the parameters (4 bytes) and the optimizer holds Adam's moments (8), 12 bytes of
+    state per parameter / N instead of 2 + 12 (Ψ = 1B, N = 8; parameters, gradients, optimizer):
+
+    >>> [x / 1e9 for x in zj.model_state_bytes(1e9, 8, 3, param_bytes=4, optimizer_bytes=8)]
+    [0.5, 0.25, 1.0]
+
     hpZ on 8 devices as 2 nodes x 4 chips: Ψ/8 primary plus Ψ/4 secondary parameters:
 
     >>> zj.model_state_bytes(1e9, 8, 3).params / 1e9, zj.model_state_bytes(1e9, 8, 3, secondary=4).params / 1e9

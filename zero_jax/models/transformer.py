@@ -178,13 +178,41 @@ def apply(
     embed = gather(params["embed"], policy)
     x = embed["tokens"][tokens] + embed["positions"][:t]
     one = functools.partial(block, heads=config.heads)
-    if "blocks" in params:  # the unscanned form (unstack_params): a Python list of blocks
-        x = apply_layers(one, params["blocks"], x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
-    else:
-        x = scan_layers(one, params["layers"], x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
+    x = run_layers(one, params, x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
     norm = gather(params["final_norm"], policy)
-    x = _layer_norm(x, norm["scale"], norm["bias"])
-    return jax.checkpoint(lambda h, head: h @ gather(head, policy))(x, params["head"])
+    return project_head(_layer_norm(x, norm["scale"], norm["bias"]), params["head"], policy)
+
+
+def run_layers(
+    one: Callable[[Params, jax.Array], jax.Array],
+    params: Params,
+    x: jax.Array,
+    policy: ZeroPolicy | None,
+    *,
+    prefetch: int,
+    keep_gathered: int | str,
+) -> jax.Array:
+    """Run the blocks on ``x``: ``params["layers"]`` (stacked) through
+    ``zj.scan_layers``, or ``params["blocks"]`` (the unscanned form of
+    :func:`unstack_params`, a Python list) through ``zj.apply_layers``."""
+    if "blocks" in params:
+        return apply_layers(one, params["blocks"], x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
+    return scan_layers(one, params["layers"], x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
+
+
+def project_head(x: jax.Array, head: jax.Array, policy: ZeroPolicy | None) -> jax.Array:
+    """``x @ head``, the head gathered inside ``jax.checkpoint`` so that its
+    backward pass gathers it again rather than keeping it alive."""
+    return jax.checkpoint(lambda h, w: h @ gather(w, policy))(x, head)
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array, *, one_hot_labels: bool = False) -> jax.Array:
+    """Mean cross-entropy of int ``targets`` under ``logits`` (computed in float32);
+    ``one_hot_labels`` as in :func:`make_loss_fn`."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if one_hot_labels:
+        return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1))
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
 def model_flops(cfg: TransformerConfig, tokens: int) -> int:
@@ -226,12 +254,7 @@ def make_loss_fn(
     def loss_fn(params: Params, batch: Any) -> jax.Array:
         tokens = batch["tokens"]
         logits = apply(config, params, tokens[:, :-1], policy, prefetch=prefetch, keep_gathered=keep_gathered)
-        logits = logits.astype(jnp.float32)
-        targets = tokens[:, 1:]
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        if one_hot_labels:
-            return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(targets, config.vocab, dtype=logp.dtype), axis=-1))
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        return next_token_loss(logits, tokens[:, 1:], one_hot_labels=one_hot_labels)
 
     return loss_fn
 
@@ -252,9 +275,11 @@ def unstack_params(params: Params) -> Params:
     return {**rest, "blocks": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(depth)]}
 
 
-def synthetic_batch(config: TransformerConfig, batch_size: int, key: jax.Array) -> dict[str, jax.Array]:
+def synthetic_batch(config: Any, batch_size: int, key: jax.Array) -> dict[str, jax.Array]:
     """A learnable toy language: each sequence counts up from a random start
-    with a random stride (mod vocab), so the loss falls well below log(vocab)."""
+    with a random stride (mod vocab), so the loss falls well below log(vocab).
+    ``config`` is any model config with ``vocab`` and ``seq`` (a
+    :class:`TransformerConfig` or a :class:`~zero_jax.models.LlamaConfig`)."""
     k1, k2 = jax.random.split(key)
     start = jax.random.randint(k1, (batch_size, 1), 0, config.vocab)
     stride = jax.random.randint(k2, (batch_size, 1), 1, 4)

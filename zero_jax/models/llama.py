@@ -1,0 +1,193 @@
+"""A llama-style decoder: untied token embedding and head, pre-norm blocks of
+RMSNorm, causal self-attention with rotary positions (grouped-query when
+``kv_heads < heads``) through ``jax.nn.dot_product_attention``, and a SwiGLU
+MLP; no biases. The blocks are stacked along a leading layer axis
+(``params["layers"]``, run with ``zj.scan_layers``), or a Python list with
+:func:`~zero_jax.models.unstack_params` (run with ``zj.apply_layers``).
+
+The model of MaxText's and Meta's llama-2 family, written like the reference
+transformer (:mod:`zero_jax.models.transformer`): the same ``synthetic_batch``,
+``unstack_params``, and loss.
+
+>>> import jax
+>>> from zero_jax.models import LlamaConfig, llama_init_params, make_llama_loss_fn, synthetic_batch
+>>> cfg = LlamaConfig(vocab=64, dim=32, depth=2, heads=4, kv_heads=2, seq=16)
+>>> params = llama_init_params(cfg, jax.random.key(0))
+>>> params["layers"]["attn_k"].shape, cfg.mlp_dim  # (depth, dim, kv_heads * head_dim); 8/3 dim, rounded up to 8
+((2, 32, 16), 88)
+>>> sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
+True
+>>> loss = make_llama_loss_fn(cfg)(params, synthetic_batch(cfg, 8, jax.random.key(1)))
+>>> bool(3.0 < float(loss) < 5.0)  # about log(64) at initialisation
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zero_jax._layerwise.pieces import gather
+from zero_jax._policy.policy import ZeroPolicy
+from zero_jax.models.transformer import next_token_loss, project_head, run_layers
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The llama model's shape. ``kv_heads`` defaults to ``heads`` (multi-head
+    attention; fewer is grouped-query attention); ``mlp`` (the SwiGLU hidden
+    width) to 8/3 × ``dim`` rounded up to a multiple of 8; ``rope_base`` is the
+    rotary frequency base (llama-2's 10000)."""
+
+    vocab: int = 256
+    dim: int = 128
+    depth: int = 4
+    heads: int = 4
+    seq: int = 64
+    kv_heads: int | None = None
+    mlp: int | None = None
+    rope_base: float = 10000.0
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp if self.mlp is not None else 8 * math.ceil(8 * self.dim / 24)
+
+    @property
+    def kv_dim(self) -> int:
+        """The width of the key (and of the value) projection."""
+        return (self.kv_heads or self.heads) * (self.dim // self.heads)
+
+    def __post_init__(self) -> None:
+        sizes = {"vocab": self.vocab, "dim": self.dim, "depth": self.depth, "heads": self.heads, "seq": self.seq}
+        sizes |= {k: v for k, v in (("kv_heads", self.kv_heads), ("mlp", self.mlp)) if v is not None}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"LlamaConfig: {', '.join(bad)}: every size must be a positive integer.")
+        if self.dim % (2 * self.heads):
+            raise ValueError(
+                f"LlamaConfig: dim={self.dim} must divide by 2 * heads={2 * self.heads} (each head gets an even "
+                "number of channels for its rotary pairs); pick heads so that dim / heads is even."
+            )
+        if self.heads % (self.kv_heads or self.heads):
+            raise ValueError(
+                f"LlamaConfig: heads={self.heads} must divide by kv_heads={self.kv_heads} (each key/value head "
+                "serves a whole group of query heads); pick kv_heads among the divisors of heads."
+            )
+        if not self.rope_base > 0:
+            raise ValueError(f"LlamaConfig: rope_base={self.rope_base!r} must be positive (llama-2 uses 10000).")
+
+    def num_params(self) -> int:
+        d, kv, f = self.dim, self.kv_dim, self.mlp_dim
+        per_layer = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * f
+        return self.vocab * d + self.depth * per_layer + d + d * self.vocab
+
+
+def llama_init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random parameters; ``layers`` holds each block's leaves stacked on axis 0."""
+    d, kv, f, depth = config.dim, config.kv_dim, config.mlp_dim, config.depth
+    k = iter(jax.random.split(key, 9))
+
+    def normal(shape: tuple[int, ...], fan_in: int) -> jax.Array:
+        return (jax.random.normal(next(k), shape) / math.sqrt(fan_in)).astype(dtype)
+
+    return {
+        "embed": normal((config.vocab, d), 1),
+        "layers": {
+            "attn_norm": jnp.ones((depth, d), dtype),
+            "attn_q": normal((depth, d, d), d),
+            "attn_k": normal((depth, d, kv), d),
+            "attn_v": normal((depth, d, kv), d),
+            "attn_out": normal((depth, d, d), d) / math.sqrt(2 * depth),
+            "mlp_norm": jnp.ones((depth, d), dtype),
+            "mlp_gate": normal((depth, d, f), d),
+            "mlp_up": normal((depth, d, f), d),
+            "mlp_down": normal((depth, f, d), f) / math.sqrt(2 * depth),
+        },
+        "final_norm": jnp.ones((d,), dtype),
+        "head": normal((d, config.vocab), d),
+    }
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMSNorm, computed in float32 (llama's), returned in ``x``'s dtype."""
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + 1e-5)
+    return (h * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rotate(x: jax.Array, base: float) -> jax.Array:
+    """Rotary positions on ``x`` of shape (batch, seq, heads, channels): the
+    channel halves rotated as pairs by an angle that grows with the position."""
+    t, c = x.shape[1], x.shape[-1]
+    freq = base ** (-jnp.arange(0, c, 2, dtype=jnp.float32) / c)
+    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # (seq, channels / 2)
+    angle = jnp.concatenate([angle, angle], axis=-1)[None, :, None, :]
+    cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
+    first, second = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-second, first], axis=-1) * sin
+
+
+def llama_block(
+    layer: Params, x: jax.Array, *, heads: int, kv_heads: int | None = None, rope_base: float = 10000.0
+) -> jax.Array:
+    """One llama block on ``x`` of shape (batch, seq, dim). The attention is
+    ``jax.nn.dot_product_attention`` (causal; its default implementation:
+    XLA's on CPU and TPU, cuDNN's flash attention where it applies on GPU)."""
+    b, t, d = x.shape
+    c = d // heads
+    h = _rms_norm(x, layer["attn_norm"])
+    q = _rotate((h @ layer["attn_q"]).reshape(b, t, heads, c), rope_base)
+    k = _rotate((h @ layer["attn_k"]).reshape(b, t, kv_heads or heads, c), rope_base)
+    v = (h @ layer["attn_v"]).reshape(b, t, kv_heads or heads, c)
+    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+    x = x + attn @ layer["attn_out"]
+    h = _rms_norm(x, layer["mlp_norm"])
+    return x + (jax.nn.silu(h @ layer["mlp_gate"]) * (h @ layer["mlp_up"])) @ layer["mlp_down"]
+
+
+def llama_apply(
+    config: LlamaConfig,
+    params: Params,
+    tokens: jax.Array,
+    policy: ZeroPolicy | None = None,
+    *,
+    prefetch: int = 1,
+    keep_gathered: int | str = 0,
+) -> jax.Array:
+    """Logits of shape (batch, seq, vocab) for int tokens of shape (batch, seq);
+    ``policy``, ``prefetch`` and ``keep_gathered`` as in the reference
+    transformer's (each parameter gathered just before use)."""
+    x = gather(params["embed"], policy)[tokens]
+    one = functools.partial(llama_block, heads=config.heads, kv_heads=config.kv_heads, rope_base=config.rope_base)
+    x = run_layers(one, params, x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
+    return project_head(_rms_norm(x, gather(params["final_norm"], policy)), params["head"], policy)
+
+
+def make_llama_loss_fn(
+    config: LlamaConfig,
+    policy: ZeroPolicy | None = None,
+    *,
+    prefetch: int = 1,
+    keep_gathered: int | str = 0,
+    one_hot_labels: bool = False,
+) -> Callable[[Params, Any], jax.Array]:
+    """``loss_fn(params, batch)``: mean next-token cross-entropy of
+    ``batch["tokens"]`` (int, shape (batch, seq + 1)), as
+    :func:`~zero_jax.models.make_loss_fn` for the reference transformer: pass
+    the ``policy`` for ``gather="manual"`` (layer-wise ZeRO-3), ``None`` for
+    ``gather="all"`` or evaluation."""
+
+    def loss_fn(params: Params, batch: Any) -> jax.Array:
+        tokens = batch["tokens"]
+        logits = llama_apply(config, params, tokens[:, :-1], policy, prefetch=prefetch, keep_gathered=keep_gathered)
+        return next_token_loss(logits, tokens[:, 1:], one_hot_labels=one_hot_labels)
+
+    return loss_fn
