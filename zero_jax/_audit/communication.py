@@ -67,7 +67,7 @@ COMM_MESSAGE = (
 )
 
 
-def _hlo_dtype(dtype: np.wire_dtype) -> str:
+def _hlo_dtype(dtype: np.dtype) -> str:
     return _HLO_DTYPE.get(str(dtype), str(dtype))
 
 
