@@ -140,6 +140,29 @@ _MEMBER = textwrap.dedent(
             await asyncio.sleep(3600)
         serialization.async_serialize_from_host = partway
         zj.save(directory, state, step=2)
+    elif phase == "one_view_corrupt":  # save steps 1 and 2; process 1 alone sees step 2 damaged; both restore
+        import shutil, warnings
+        from jax.experimental import multihost_utils
+        gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)).tolist()
+        everywhere = lambda tree: [gather(x) for x in jax.tree.leaves(tree)]
+        state, _ = step(zj.init_state({"w": np.full((16, 5), 0.1, np.float32)}, tx, policy), batch)
+        zj.save(directory, state, step=1)
+        print("SAVED1", everywhere(state.params), flush=True)
+        state, _ = step(state, batch)
+        zj.save(directory, state, step=2)
+        multihost_utils.sync_global_devices("saved")
+        view = directory
+        if pid == 1:  # this host's view of the directory (its mount, its copy) has step 2's record damaged
+            view = directory + "-view"
+            shutil.copytree(directory, view)
+            with open(f"{view}/2/zero_jax/metadata", "w") as f:
+                f.write('{"format": "zero_')
+        multihost_utils.sync_global_devices("damaged")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            back = zj.restore(view, policy=policy, tx=tx, fallback=True)
+        print("RESTORED", int(back.step), everywhere(back.params), flush=True)
+        print("WARNED", " | ".join(str(w.message) for w in caught), flush=True)
     elif phase == "preempted":  # restore step 1 in new processes; train until a SIGTERM to one of them
         state = zj.restore(directory, policy=policy, tx=tx)
         with zj.CheckpointManager(directory, save_on_preemption=True) as mgr:
@@ -229,6 +252,28 @@ def test_several_processes_kill_mid_save_then_preempt_one(tmp_path) -> None:
     policy = zj.ZeroPolicy(1, make_mesh(8), min_shard_size=0)  # here: one process, 8 devices, stage 1
     back = zj.restore(directory, policy=policy, tx=zj.shard_optimizer(optax.adam(1e-2), policy))  # checksums pass
     assert int(back.step) == step
+
+
+@pytest.mark.slow  # one pair of processes (about 9 s wall, 5 s CPU on 2 cores)
+def test_several_processes_fall_back_to_the_same_step(tmp_path) -> None:
+    # Main before this test: process 1 skipped step 2 alone and moved on to step 1 while process 0 read step 2, so
+    # their checksum all-gathers no longer matched; process 0 was still blocked after 120 s (TimeoutExpired).
+    directory = tmp_path / "ckpt"
+    procs = _start(tmp_path, directory, "one_view_corrupt")
+    try:
+        out = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        _stop(procs)
+    errors = [(tmp_path / f"one_view_corrupt{i}.err").read_text()[-2000:] for i in range(2)]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    lines = [{line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in o.splitlines() if " " in line} for o in out]
+    saved = eval(lines[0]["SAVED1"])  # the parameters trained one step, as saved at step 1
+    for mine in lines:
+        assert mine["RESTORED"] == f"1 {saved}"  # both processes restored step 1, bitwise what was saved
+        assert "restored checkpoint step 1 of" in mine["WARNED"]
+        skipped = f"step 2 (process 1 of 2: zj.restore: the metadata of checkpoint step 2 in {directory}-view is"
+        assert f"corrupt: {skipped} unreadable" in mine["WARNED"]  # the step skipped, and the process that failed
+    assert np.asarray(saved).shape == (1, 16, 5) and not np.allclose(saved, 0.1), saved  # trained, not the initial 0.1
 
 
 # -- a process that dies ----------------------------------------------------------------------------------------
