@@ -178,32 +178,6 @@ def test_shard_batch_under_set_mesh_of_an_explicit_mesh(stage: int) -> None:
     assert_parity((got, losses), auto_run(stage, "all"))
 
 
-def _one_step_in_a_launched_process(stage: int) -> tuple[float, dict[str, np.ndarray]]:
-    """Run by ``zj.launch`` in each of 2 processes x 2 devices: one step on an Explicit mesh inside
-    ``jax.set_mesh``, each process passing its half of the batch to ``zj.shard_batch``."""
-    explicit = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
-    with jax.set_mesh(explicit):
-        policy = zj.ZeroPolicy(stage, explicit, min_shard_size=64)
-        tx = zj.shard_optimizer(ADAM, policy)
-        state = zj.init_state(mlp_params(), tx, policy)
-        rows = slice(8 * jax.process_index(), 8 * (jax.process_index() + 1))
-        batch = zj.shard_batch(jax.tree.map(lambda x: np.asarray(x)[rows], batches()[0]), policy)
-        state, metrics = zj.make_train_step(mlp_loss, tx, policy)(state, batch)
-        return float(metrics["loss"]), jax.tree.map(np.asarray, zj.full_params(state))
-
-
-@pytest.mark.slow  # two new processes (about 6 s on 2 cores)
-def test_launch_trains_on_an_explicit_mesh_under_set_mesh() -> None:
-    results = zj.launch(_one_step_in_a_launched_process, 3, processes=2, local_devices=2, timeout_s=120)
-    (loss, got), (other_loss, other) = results
-    assert loss == other_loss
-    jax.tree.map(np.testing.assert_array_equal, got, other)  # one model on both processes
-    ref, ref_losses = reference_run(ADAM, mlp_params(), batches()[:1])
-    errors = relative_update_error(got, ref, mlp_params())
-    assert max(errors.values()) < TOL, errors
-    np.testing.assert_allclose([loss], ref_losses, rtol=1e-5)
-
-
 def test_sharded_optimizer_inside_a_users_jit_under_set_mesh() -> None:
     """``tx.init`` / ``tx.update`` traced by the user's own ``jax.jit`` inside ``jax.set_mesh`` of an
     Explicit mesh (where ``jax.set_mesh`` itself is refused): the numbers of plain optax."""
