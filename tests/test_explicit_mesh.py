@@ -2,7 +2,10 @@
 ``AxisType.Explicit`` axes (``jax.make_mesh``'s default), with and without ``with jax.set_mesh(mesh):``,
 gives the numbers of the same policy on an Auto mesh (bitwise: the step runs on the policy's Auto mesh
 either way) and of plain optax (relative L2 of the accumulated update per leaf below ``TOL``), and a
-checkpoint saved under one kind of mesh and context restores under the other.
+checkpoint saved under one kind of mesh and context restores under the other. ``zj.launch`` there (2 processes,
+each passing its half of the batch to ``zj.shard_batch``) is exercised by
+``tests/test_preemption.py::test_several_processes_fall_back_to_the_same_step``, which shares its one pair of
+processes with the restore agreement.
 """
 
 from __future__ import annotations
