@@ -175,20 +175,24 @@ def _agreed(attempt: Callable[[], T], step: int) -> T:
     every process raises the first failing process's error, naming it, and
     all move on to the same earlier step together.
     """
-    error: CorruptCheckpointError | None = None
     try:
         result = attempt()
     except CorruptCheckpointError as e:
-        error, result = e, None
-    if jax.process_count() > 1:
-        seen = exchange("restore", "" if error is None else str(error), f"zj.restore of checkpoint step {step}")
-        failed = [(p, text) for p, text in seen.items() if text]
-        if failed:
-            process, text = failed[0]
-            raise CorruptCheckpointError(ON_PROCESS.format(process=process, count=len(seen), error=text))
-    if error is not None:
-        raise error
-    return result  # pyright: ignore[reportReturnType] - set when attempt() returned
+        _share_verdict(str(e), step)  # the first failing process's error, on several processes
+        raise
+    _share_verdict("", step)
+    return result
+
+
+def _share_verdict(error: str, step: int) -> None:
+    """Publish this process's verdict on ``step`` (``""``: read) and raise the first failing process's error."""
+    if jax.process_count() == 1:
+        return
+    seen = exchange("restore", error, f"zj.restore of checkpoint step {step}")
+    failed = [(p, text) for p, text in seen.items() if text]
+    if failed:
+        process, text = failed[0]
+        raise CorruptCheckpointError(ON_PROCESS.format(process=process, count=len(seen), error=text)) from None
 
 
 MISSING_HERE = (
