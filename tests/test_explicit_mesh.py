@@ -2,7 +2,10 @@
 ``AxisType.Explicit`` axes (``jax.make_mesh``'s default), with and without ``with jax.set_mesh(mesh):``,
 gives the numbers of the same policy on an Auto mesh (bitwise: the step runs on the policy's Auto mesh
 either way) and of plain optax (relative L2 of the accumulated update per leaf below ``TOL``), and a
-checkpoint saved under one kind of mesh and context restores under the other.
+checkpoint saved under one kind of mesh and context restores under the other. ``zj.launch`` there (2 processes,
+each passing its half of the batch to ``zj.shard_batch``) is exercised by
+``tests/test_preemption.py::test_several_processes_fall_back_to_the_same_step``, which shares its one pair of
+processes with the restore agreement.
 """
 
 from __future__ import annotations
@@ -152,6 +155,30 @@ def test_manual_primitives_on_explicit_mesh(kind: str, ctx: str, stage: int) -> 
     errors = relative_update_error(got, ref, layered_params())
     assert max(errors.values()) < TOL, errors
     np.testing.assert_allclose(got_losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_shard_batch_under_set_mesh_of_an_explicit_mesh(stage: int) -> None:
+    """``zj.shard_batch`` of host (NumPy) batches inside ``jax.set_mesh`` of the policy's Explicit mesh: each
+    batch lands as the policy's batch sharding, holds the host rows, and the step trains on it to the
+    numbers of the Auto mesh's run (bitwise) and of plain optax."""
+    with jax.set_mesh(mesh("explicit")):
+        policy = zj.ZeroPolicy(stage, mesh("explicit"), min_shard_size=64)
+        tx = zj.shard_optimizer(ADAM, policy)
+        state = zj.init_state(mlp_params(), tx, policy)
+        step = zj.make_train_step(mlp_loss, tx, policy)
+        losses = []
+        for b in batches():
+            host = jax.tree.map(np.asarray, b)
+            batch = zj.shard_batch(host, policy)
+            for leaf, want in zip(jax.tree.leaves(batch), jax.tree.leaves(host), strict=True):
+                assert leaf.sharding == policy.batch_sharding()  # split over the batch axis, 2 rows per device
+                assert [s.data.shape[0] for s in leaf.addressable_shards] == [2] * 8
+                np.testing.assert_array_equal(np.asarray(leaf), want, strict=True)
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        got = jax.tree.map(np.asarray, zj.full_params(state))
+    assert_parity((got, losses), auto_run(stage, "all"))
 
 
 def test_sharded_optimizer_inside_a_users_jit_under_set_mesh() -> None:

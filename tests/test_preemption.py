@@ -14,6 +14,7 @@ The processes talk over 127.0.0.1 only.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,13 +22,16 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 import pytest
-from _models import child_env, make_mesh, mlp_batch, mlp_loss, mlp_params
+from _models import child_env, make_mesh, mlp_batch, mlp_loss, mlp_params, reference_run, relative_update_error
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType
 
 import zero_jax as zj
 
@@ -229,6 +233,59 @@ def test_several_processes_kill_mid_save_then_preempt_one(tmp_path) -> None:
     policy = zj.ZeroPolicy(1, make_mesh(8), min_shard_size=0)  # here: one process, 8 devices, stage 1
     back = zj.restore(directory, policy=policy, tx=zj.shard_optimizer(optax.adam(1e-2), policy))  # checksums pass
     assert int(back.step) == step
+
+
+def _fall_back_together(directory: str) -> tuple[int, dict, dict, str]:
+    """Run by ``zj.launch`` in each of 2 processes x 2 devices, on an Explicit mesh inside ``jax.set_mesh``
+    (so the test covers ``launch`` and ``shard_batch`` there too): train a step (each process passes its half
+    of the batch to ``zj.shard_batch``), save steps 1 and 2, damage step 2 in process 1's view of the
+    directory only (its mount, its copy: its data files zeroed), and restore with ``fallback=True``."""
+    me = jax.process_index()
+    explicit = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(explicit):
+        policy = zj.ZeroPolicy(3, explicit, min_shard_size=0)
+        tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+        step = zj.make_train_step(mlp_loss, tx, policy)
+        batch = zj.shard_batch(jax.tree.map(lambda x: np.asarray(x)[8 * me : 8 * (me + 1)], mlp_batch(16)), policy)
+        state, _ = step(zj.init_state(mlp_params(), tx, policy), batch)
+        zj.save(directory, state, step=1)
+        saved = jax.tree.map(np.asarray, zj.full_params(state))
+        state, _ = step(state, batch)
+        zj.save(directory, state, step=2)
+        multihost_utils.sync_global_devices("saved")
+        view = directory
+        if me == 1:
+            view = directory + "-view"
+            shutil.copytree(directory, view)
+            for f in Path(view, "2", "state").rglob("*"):
+                if f.is_file() and "/d/" in str(f):
+                    f.write_bytes(bytes(f.stat().st_size))
+        multihost_utils.sync_global_devices("damaged")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            back = zj.restore(view, policy=policy, tx=tx, fallback=True)
+        restored = jax.tree.map(np.asarray, zj.full_params(back))
+    return int(back.step), saved, restored, " | ".join(str(w.message) for w in caught)
+
+
+@pytest.mark.slow  # one zj.launch of 2 processes (about 10 s wall, 10 s CPU on 2 cores)
+def test_several_processes_fall_back_to_the_same_step(tmp_path) -> None:
+    # Main before this test: process 1's read of step 2 failed inside orbax's restore, before the barrier that
+    # ends it, where process 0 then waited; launch killed process 0 after timeout_s. (With step 2's record damaged
+    # instead, process 1 moved on to step 1 and the two processes' checksum all-gathers no longer matched: a hang.)
+    directory = str(tmp_path / "ckpt")
+    fast = {"XLA_FLAGS": os.environ["ZERO_JAX_TEST_XLA_FLAGS"]}
+    results = zj.launch(_fall_back_together, directory, processes=2, local_devices=2, timeout_s=60, env=fast)
+    ref, _ = reference_run(optax.adam(1e-2), mlp_params(), [mlp_batch(16)])
+    skipped = f"step 2 (process 1 of 2: zj.restore: checkpoint step 2 in {directory}-view could not be read"
+    for restored_step, saved, restored, warned in results:  # the warning names the step skipped and the process
+        assert restored_step == 1  # state.step of the step-1 save: both processes restored it
+        jax.tree.map(np.testing.assert_array_equal, restored, saved)  # bitwise what was saved at step 1
+        jax.tree.map(np.testing.assert_array_equal, saved, results[0][1])  # one model on both processes
+        errors = relative_update_error(saved, ref, mlp_params())
+        assert max(errors.values()) < 1e-5, errors  # the step trained as plain optax's on the global batch
+        assert "restored checkpoint step 1 of" in warned
+        assert f"corrupt: {skipped}: a file is missing, truncated or corrupted (ValueError: DATA_LOSS" in warned
 
 
 # -- a process that dies ----------------------------------------------------------------------------------------

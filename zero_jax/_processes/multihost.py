@@ -11,7 +11,8 @@ drives only its local devices. Two things then need care, and live here:
   not an error). :func:`check_same_on_all_processes` compares a fingerprint
   through the coordinator's key-value store -- no collective, so a mismatch
   is an error on every process, and a process that never arrives is a
-  timeout that names it.
+  timeout that names it. :func:`exchange` is that agreement's one primitive
+  (``zj.restore(..., fallback=True)`` uses it to agree on the step restored).
 
 With one process everything here is a cheap local check.
 
@@ -65,7 +66,7 @@ def _client() -> Any:
     return client
 
 
-def _exchange(tag: str, text: str, what: str, timeout_s: float) -> dict[int, str]:
+def exchange(tag: str, text: str, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[int, str]:
     """Publish this process's ``text`` and read every process's, in process
     order, through the coordinator's key-value store (no collective). Calls
     are matched by order: every process must make them at the same points."""
@@ -94,7 +95,7 @@ def check_same_on_all_processes(what: str, value: Any, *, timeout_s: float = DEF
     if jax.process_count() == 1:
         return
     text = json.dumps(value if isinstance(value, (str, int, float, list, dict)) else repr(value))
-    seen = _exchange("check", text, what, timeout_s)
+    seen = exchange("check", text, what, timeout_s)
     if len(set(seen.values())) > 1:
         listing = "\n".join(f"  process {p}: {json.loads(v)}" for p, v in seen.items())
         raise ValueError(
@@ -164,7 +165,7 @@ def shard_batch(local_batch: PyTree, policy: ZeroPolicy) -> PyTree:
 def _check_local_shapes(shapes: list[list[Any]]) -> None:
     """Compare every process's batch-slice shapes; name every difference."""
     me = jax.process_index()
-    theirs = _exchange("batch", json.dumps(shapes), "shard_batch", DEFAULT_TIMEOUT_S)
+    theirs = exchange("batch", json.dumps(shapes), "shard_batch", DEFAULT_TIMEOUT_S)
     differences = [
         f"process {me} has {_describe(mine)}, process {p} has {_describe(yours)}"
         for p, text in theirs.items()

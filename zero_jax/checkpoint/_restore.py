@@ -10,9 +10,11 @@ save time are compared on what was read.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,7 @@ from zero_jax._policy.memory import to_device
 from zero_jax._policy.placement import to_logical
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._policy.precision import LossScaleState
+from zero_jax._processes.multihost import exchange
 from zero_jax._step.optimizer import ShardedTransformation
 from zero_jax._step.state import TrainState, init_state
 from zero_jax.checkpoint._orbax import error_text, quiet, read
@@ -102,6 +105,11 @@ def restore(
     newest step before it that reads and verifies instead, with a
     ``UserWarning`` naming each step skipped and why. A step of another
     model or optimizer is not corruption: that error is raised as always.
+    On several processes (``jax.distributed``) every process restores the
+    same step: the newest that every process reads and verifies (each
+    process's verdict on each step goes through the coordinator; a step one
+    process alone finds corrupt is skipped by all, the warning naming that
+    process).
 
     Raises ``FileNotFoundError`` for a missing or empty directory or a step
     that does not exist (listing the steps that do), ``ValueError`` for a
@@ -115,19 +123,90 @@ def restore(
     reinit = optimizer_state == "reinit"
     with quiet():
         picked = pick_step(path, step, where)
-        if not fallback:
-            return _restore_step(path, picked, policy, tx, like, model_state, verify, reinit, where)
+        candidates = _candidates(path, step, picked, fallback)
         skipped: list[tuple[int, str]] = []
-        for candidate in reversed([s for s in committed_steps(path) if s <= picked]):
+        for candidate in candidates:
             try:
                 state = _restore_step(path, candidate, policy, tx, like, model_state, verify, reinit, where)
             except CorruptCheckpointError as e:
+                if not fallback:
+                    raise
                 skipped.append((candidate, str(e).splitlines()[0]))
                 continue
             if skipped:
                 warnings.warn(_fell_back(where, path, skipped, candidate), UserWarning, stacklevel=2)
             return state
     raise CorruptCheckpointError(ALL_CORRUPT.format(where=where, path=path, steps=_skipped_text(skipped)))
+
+
+# -- several processes: one step, agreed ---------------------------------------------------------------------
+
+
+def _candidates(path: Any, step: int | None, picked: int, fallback: bool) -> list[int]:
+    """The steps to try, newest first: ``picked``, then (``fallback``) each committed step before it.
+
+    On several processes the lists of all processes are merged (a process
+    whose view of ``path`` lacks a step finds it unreadable in
+    :func:`_metadata_here`), so every process tries the same steps in the
+    same order.
+    """
+    mine = [s for s in committed_steps(path) if s <= picked]
+    if jax.process_count() == 1:
+        return list(reversed(mine)) if fallback else [picked]
+    seen = exchange("restore_steps", json.dumps([picked, mine]), "zj.restore")
+    views = [json.loads(text) for text in seen.values()]
+    newest = picked if step is not None else max(view[0] for view in views)
+    if not fallback:
+        return [newest]
+    return sorted({s for view in views for s in view[1] if s <= newest}, reverse=True)
+
+
+ON_PROCESS = "process {process} of {count}: {error}"
+T = TypeVar("T")
+
+
+def _agreed(attempt: Callable[[], T], step: int) -> T:
+    """``attempt()``, with one verdict on every process.
+
+    On several processes each one may read other files (its own shards, its
+    own view of a shared directory), so one may find step ``step`` corrupt
+    alone. The verdicts go through the coordinator's key-value store (no
+    collective, which the others would wait in); when any process failed,
+    every process raises the first failing process's error, naming it, and
+    all move on to the same earlier step together.
+    """
+    try:
+        result = attempt()
+    except CorruptCheckpointError as e:
+        _share_verdict(str(e), step)  # the first failing process's error, on several processes
+        raise
+    _share_verdict("", step)
+    return result
+
+
+def _share_verdict(error: str, step: int) -> None:
+    """Publish this process's verdict on ``step`` (``""``: read) and raise the first failing process's error."""
+    if jax.process_count() == 1:
+        return
+    seen = exchange("restore", error, f"zj.restore of checkpoint step {step}")
+    failed = [(p, text) for p, text in seen.items() if text]
+    if failed:
+        process, text = failed[0]
+        raise CorruptCheckpointError(ON_PROCESS.format(process=process, count=len(seen), error=text)) from None
+
+
+MISSING_HERE = (
+    "{where}: checkpoint step {step} is not in {path} as this process sees it (steps there: {present}); another "
+    "process listed it. Every process must see the same checkpoint directory. " + RESTORE_ANOTHER
+)
+
+
+def _metadata_here(path: Any, step: int, where: str) -> dict[str, Any]:
+    """``step``'s record, or a :class:`CorruptCheckpointError` when this process's view lacks the step."""
+    present = committed_steps(path)
+    if step not in present:
+        raise CorruptCheckpointError(MISSING_HERE.format(where=where, step=step, path=path, present=present))
+    return read_metadata(path, step, where)
 
 
 FELL_BACK = (
@@ -160,16 +239,18 @@ def _restore_step(
     reinit: bool,
     where: str,
 ) -> TrainState:
-    """:func:`restore` of one committed step (inside ``quiet``)."""
-    meta = read_metadata(path, step, where)
+    """:func:`restore` of one committed step (inside ``quiet``); each phase that may find it corrupt on one
+    process alone is :func:`_agreed` before the next (whose collectives every process must reach)."""
+    meta = _agreed(lambda: _metadata_here(path, step, where), step)
     abstract = _target_state(meta, policy, tx, like, model_state, where)
     target = state_entries(abstract)
     sources = _sources(target, meta, reinit, where)
-    restored = _read_leaves(path, step, target, sources, where)
+    restored = _agreed(lambda: _read_leaves(path, step, target, sources, where), step)
     restored = _fill_loss_scale(restored, target, policy)
     restored = _zero_overlapping_padding(restored, target, sources, meta)
     if verify:
-        _verify(restored, target, sources, meta, f"{where}: checkpoint step {step} in {path}", committed_steps(path))
+        what, present = f"{where}: checkpoint step {step} in {path}", committed_steps(path)
+        _agreed(lambda: _verify(restored, target, sources, meta, what, present), step)
     leaves = [a if r is None else r for r, a in zip(restored, jax.tree.leaves(abstract), strict=True)]
     state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
     if reinit:
