@@ -636,7 +636,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train the reference model with each stage and print memory and time")
     d.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
-    d.add_argument("--steps", type=positive_int, default=20)
+    d.add_argument("--steps", type=positive_int, default=10, help="training steps per stage (10)")
     add_model_arguments(d)
     d.add_argument(
         "--processes", type=positive_int, default=1,
