@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from zero_jax._layerwise.pieces import gather
 from zero_jax._policy.policy import ZeroPolicy
-from zero_jax.models.transformer import next_token_loss, project_head, run_layers
+from zero_jax.models.transformer import check_sizes, next_token_loss, project_head, run_layers, scaled_normal
 
 Params = dict[str, Any]
 
@@ -68,9 +68,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         sizes = {"vocab": self.vocab, "dim": self.dim, "depth": self.depth, "heads": self.heads, "seq": self.seq}
         sizes |= {k: v for k, v in (("kv_heads", self.kv_heads), ("mlp", self.mlp)) if v is not None}
-        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
-        if bad:
-            raise ValueError(f"LlamaConfig: {', '.join(bad)}: every size must be a positive integer.")
+        check_sizes("LlamaConfig", sizes)
         if self.dim % (2 * self.heads):
             raise ValueError(
                 f"LlamaConfig: dim={self.dim} must divide by 2 * heads={2 * self.heads} (each head gets an even "
@@ -93,11 +91,7 @@ class LlamaConfig:
 def llama_init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random parameters; ``layers`` holds each block's leaves stacked on axis 0."""
     d, kv, f, depth = config.dim, config.kv_dim, config.mlp_dim, config.depth
-    k = iter(jax.random.split(key, 9))
-
-    def normal(shape: tuple[int, ...], fan_in: int) -> jax.Array:
-        return (jax.random.normal(next(k), shape) / math.sqrt(fan_in)).astype(dtype)
-
+    normal = scaled_normal(key, 9, dtype)
     return {
         "embed": normal((config.vocab, d), 1),
         "layers": {

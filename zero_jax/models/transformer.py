@@ -33,6 +33,24 @@ from zero_jax._policy.policy import ZeroPolicy
 Params = dict[str, Any]
 
 
+def check_sizes(model: str, sizes: dict[str, Any]) -> None:
+    """Every size a positive integer, or one ``ValueError`` naming each that is not (``model``: the config's name)."""
+    bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"{model}: {', '.join(bad)}: every size must be a positive integer.")
+
+
+def scaled_normal(key: jax.Array, count: int, dtype: Any) -> Callable[[tuple[int, ...], int], jax.Array]:
+    """``normal(shape, fan_in)``: a standard normal over sqrt(fan_in) in ``dtype``, each call on the next of
+    ``count`` keys split from ``key`` (the models' initialiser)."""
+    keys = iter(jax.random.split(key, count))
+
+    def normal(shape: tuple[int, ...], fan_in: int) -> jax.Array:
+        return (jax.random.normal(next(keys), shape) / math.sqrt(fan_in)).astype(dtype)
+
+    return normal
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """The model's shape. ``mlp`` defaults to 4 × ``dim``."""
@@ -52,9 +70,7 @@ class TransformerConfig:
         sizes = {"vocab": self.vocab, "dim": self.dim, "depth": self.depth, "heads": self.heads, "seq": self.seq}
         if self.mlp is not None:
             sizes["mlp"] = self.mlp
-        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
-        if bad:
-            raise ValueError(f"TransformerConfig: {', '.join(bad)}: every size must be a positive integer.")
+        check_sizes("TransformerConfig", sizes)
         if self.dim % self.heads:
             raise ValueError(
                 f"TransformerConfig: dim={self.dim} must divide by heads={self.heads} (each head gets dim / heads "
@@ -70,11 +86,7 @@ class TransformerConfig:
 def init_params(config: TransformerConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random parameters; ``layers`` holds each block's leaves stacked on axis 0."""
     d, f, depth = config.dim, config.mlp_dim, config.depth
-    k = iter(jax.random.split(key, 8))
-
-    def normal(shape: tuple[int, ...], fan_in: int) -> jax.Array:
-        return (jax.random.normal(next(k), shape) / math.sqrt(fan_in)).astype(dtype)
-
+    normal = scaled_normal(key, 8, dtype)
     return {
         "embed": {
             "tokens": normal((config.vocab, d), 1),
