@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from zero_jax._layerwise.pieces import gather
 from zero_jax._policy.policy import ZeroPolicy
-from zero_jax.models.transformer import check_sizes, next_token_loss, project_head, run_layers, scaled_normal
+from zero_jax.models.transformer import check_sizes, next_token_loss_fn, project_head, run_layers, scaled_normal
 
 Params = dict[str, Any]
 
@@ -179,9 +179,5 @@ def make_llama_loss_fn(
     the ``policy`` for ``gather="manual"`` (layer-wise ZeRO-3), ``None`` for
     ``gather="all"`` or evaluation."""
 
-    def loss_fn(params: Params, batch: Any) -> jax.Array:
-        tokens = batch["tokens"]
-        logits = llama_apply(config, params, tokens[:, :-1], policy, prefetch=prefetch, keep_gathered=keep_gathered)
-        return next_token_loss(logits, tokens[:, 1:], one_hot_labels=one_hot_labels)
-
-    return loss_fn
+    return next_token_loss_fn(llama_apply, config, policy, prefetch=prefetch, keep_gathered=keep_gathered,
+                              one_hot_labels=one_hot_labels)  # fmt: skip

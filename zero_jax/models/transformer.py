@@ -263,9 +263,25 @@ def make_loss_fn(
     (``benchmarks/tpu_aot.py``'s gspmd section measures both).
     """
 
+    return next_token_loss_fn(apply, config, policy, prefetch=prefetch, keep_gathered=keep_gathered,
+                              one_hot_labels=one_hot_labels)  # fmt: skip
+
+
+def next_token_loss_fn(
+    apply_fn: Callable[..., jax.Array],
+    config: Any,
+    policy: ZeroPolicy | None,
+    *,
+    prefetch: int,
+    keep_gathered: int | str,
+    one_hot_labels: bool,
+) -> Callable[[Params, Any], jax.Array]:
+    """``loss_fn(params, batch)`` of a model's ``apply_fn(config, params, tokens, policy, prefetch=...,
+    keep_gathered=...)``: :func:`next_token_loss` of ``batch["tokens"]`` (the models' loss functions)."""
+
     def loss_fn(params: Params, batch: Any) -> jax.Array:
         tokens = batch["tokens"]
-        logits = apply(config, params, tokens[:, :-1], policy, prefetch=prefetch, keep_gathered=keep_gathered)
+        logits = apply_fn(config, params, tokens[:, :-1], policy, prefetch=prefetch, keep_gathered=keep_gathered)
         return next_token_loss(logits, tokens[:, 1:], one_hot_labels=one_hot_labels)
 
     return loss_fn
