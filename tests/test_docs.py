@@ -1,7 +1,7 @@
 """The documentation's structure (issue 42): every README link resolves, every public name has an API page,
 and the Sphinx sources name what the build needs. The pages' code runs in tests/test_readme.py, the notebooks
-in tests/test_notebooks.py; the site itself is built by ``sphinx-build -W`` (CONTRIBUTING.md's command: not in
-.ci/run, which is over its time budget already)."""
+in tests/test_notebooks.py; the site itself is built by ``sphinx-build -W`` in .ci/run, after the suite (it renders
+the notebooks as tests/test_notebooks.py executed them: ``ZERO_JAX_EXECUTED_NOTEBOOKS``)."""
 
 from __future__ import annotations
 

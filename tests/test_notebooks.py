@@ -1,7 +1,12 @@
 """The notebooks run top to bottom (nbclient, a fresh ``python3`` kernel) and
 fail the suite on any error. The kernel imports this checkout's zero_jax (cwd
 and PYTHONPATH are the repository root) and, without an accelerator, simulates
-8 CPU devices itself (the notebooks' first cell)."""
+8 CPU devices itself (the notebooks' first cell).
+
+With ``ZERO_JAX_EXECUTED_NOTEBOOKS=DIR`` set, each notebook is also written
+there as executed, and the documentation build (docs/conf.py, same variable)
+renders those instead of running them again: ``.ci/run`` executes each
+notebook once."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ CELL_TIMEOUT_S = 300
 # 56 s and 37 s on a 2-core machine shared with other jobs (load 4-5); the bounds leave slack for a loaded runner.
 BUDGET_S = {"quickstart.ipynb": 180, "bring_your_model.ipynb": 120}
 
+EXECUTED_NOTEBOOKS = "ZERO_JAX_EXECUTED_NOTEBOOKS"  # docs/conf.py reads the same variable
 PROBE = "import sys, jax, zero_jax; print('PROBE', zero_jax.__file__, jax.device_count(), 'flax' in sys.modules)"
 
 
@@ -45,3 +51,6 @@ def test_notebook_runs_top_to_bottom(name: str) -> None:
     assert images, "the figures were not drawn"
     assert not [o for o in outputs if o.output_type == "error"]
     assert elapsed <= BUDGET_S[name], f"{name} took {elapsed:.0f} s (budget {BUDGET_S[name]} s)"
+    if os.environ.get(EXECUTED_NOTEBOOKS):  # for the documentation build: without the probe, as a reader runs it
+        nb.cells.pop()
+        nbformat.write(nb, pathlib.Path(os.environ[EXECUTED_NOTEBOOKS]) / name)
