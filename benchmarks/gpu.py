@@ -171,7 +171,7 @@ DRY_SIZES = Sizes(
     s2_model={"vocab": 64, "dim": 32, "heads": 2, "seq": 16},
     s2_batch=8,
     s2_depths=(2, 3),
-    s2_max_depth=6,
+    s2_max_depth=4,
     s3=TransformerConfig(vocab=64, dim=32, depth=2, heads=2, seq=16),
     s3_batch=8,
     steps=2,

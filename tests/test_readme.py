@@ -6,7 +6,8 @@ namespace after the prelude (the README's first Python block, visible to the rea
 working directory; a block may extend the prelude, never depend on another block. A MyST-NB code cell
 (```{code-cell} ipython3, executed again when the docs build) runs the same way. Every
 ``python -m zero_jax ...`` command in a ```bash block of any of them runs and exits 0 (once, however many
-pages show it).
+pages show it), and prints what ``PRINTS`` says it must: a command a page shows is tested here, not run again
+by another file.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ SLOW = {
     "demo",
     "audit --devices 8",
     "plan --devices 64 --device-memory 80GB --compile --stages 3",
+}
+# What a command must print besides exiting 0 (each line a substring of its output, spaces as printed).
+GPU_PLAN = "plan --topology h100:2x8 --compile --stages 3 --bf16 --dim 128 --depth 2 --vocab 256 --heads 4 --seq 64"
+PRINTS: dict[str, tuple[str, ...]] = {
+    GPU_PLAN: (
+        "GPU hosts h100:2x8: 2 hosts x 8 GPUs = 16 devices (NVIDIA H100 80GB HBM3)",
+        "Compiling for h100:2x8 with the GPU compiler",
+        "Compiled: stage 3 is the lowest planned stage that fits",
+        "of 79.11 GiB per device",
+    ),
 }
 PRELUDE_NAMES = ("params", "loss_fn", "batches", "batch", "mesh")
 COMMAND = "python -m zero_jax "
@@ -143,9 +154,10 @@ def test_python_block_runs_as_written(block: Block, tmp_path: Path) -> None:
 
 
 def run_command(argv: list[str], directory: Path) -> str:
-    """``python -m zero_jax ARGV``: ``plan`` in this process (cheap), the rest in a child process
-    (demo and audit set up their own simulated devices)."""
-    if argv[0] == "plan" and "--compile" not in argv:
+    """``python -m zero_jax ARGV``: ``plan`` in this process (cheap, or a compile for a ``--topology``, which
+    the command itself runs in a child), the rest in a child process (demo, audit and a ``plan --compile`` on
+    simulated devices set up their own devices)."""
+    if argv[0] == "plan" and ("--compile" not in argv or "--topology" in argv):
         printed = io.StringIO()
         try:
             with working_directory(directory), contextlib.redirect_stdout(printed):
@@ -165,8 +177,14 @@ def test_command_runs_as_written(command: str, tmp_path: Path) -> None:
     argv = shlex.split(command)
     out = run_command(argv, tmp_path)
     assert out.strip(), "printed nothing"
+    missing = [line for line in PRINTS.get(command, ()) if line not in out]
+    assert not missing, f"{command!r} did not print {missing}:\n{out}"
     if "--plot" in argv:
         assert (tmp_path / argv[argv.index("--plot") + 1]).stat().st_size > 0
+
+
+def test_every_command_with_expected_output_is_shown_on_a_page() -> None:
+    assert set(PRINTS) <= set(commands()), set(PRINTS) - set(commands())
 
 
 def test_runnable_lines_show_no_bracketed_options() -> None:
