@@ -5,7 +5,9 @@ a function's inputs can each output read? ``frozen_leaves`` asks it of an
 optimizer's update (a parameter whose gradient nothing reads, and whose
 update is a constant, is frozen); the offload planner asks it of the update
 too (optimizer-state leaves that one output mixes must stream to the device
-in one chunk). Both call :func:`output_dependencies`.
+in one chunk). Both call :func:`output_dependencies`. A third asks which
+inputs a program multiplies by themselves (:func:`self_multiplied`: Muon's
+Newton-Schulz iteration, a Gram matrix), walking inside loops as well.
 
 The answer is conservative: it may say an output reads an input it does not
 (which can only make fewer leaves frozen, or merge chunks), never the
@@ -14,6 +16,7 @@ reverse.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -139,3 +142,62 @@ def direct_uses(jaxpr: Jaxpr, watched: dict[Any, int], allowed: Callable[[Any], 
         for _, k in hits:
             found.setdefault(k, set()).add(eqn.primitive.name)
     return found
+
+
+def _sub_programs(eqn: Any) -> list[Jaxpr]:
+    """Every program an equation holds in its parameters (loop bodies and
+    conditions, ``cond`` branches, called programs)."""
+    found: list[Jaxpr] = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if isinstance(inner, Jaxpr):
+                found.append(inner)
+    return found
+
+
+def self_products(jaxpr: Jaxpr, in_masks: Sequence[int], sizes: Sequence[int]) -> int:
+    """The mask of inputs ``i`` that some ``dot_general`` multiplies by itself:
+    both operands read input ``i`` and one of them has ``sizes[i]`` elements
+    (the input's size: a product of the matrix, not of a scalar derived from
+    it). Calls are walked with their inputs' masks; a loop, ``cond`` or other
+    equation holding programs is walked with every inner input reading all of
+    the equation's inputs (conservative, like :func:`dependencies`).
+    """
+    env: dict[Any, int] = dict(zip(jaxpr.invars, in_masks, strict=True))
+    found = 0
+
+    def read(v: Any) -> int:
+        return 0 if isinstance(v, Literal) else env.get(v, 0)
+
+    for eqn in jaxpr.eqns:
+        masks = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "dot_general":
+            common = masks[0] & masks[1]
+            counts = {math.prod(getattr(v.aval, "shape", ())) for v in eqn.invars}
+            found |= sum(1 << i for i, size in enumerate(sizes) if common >> i & 1 and size in counts)
+        inner = called(eqn)
+        if inner is not None:
+            found |= self_products(inner, masks, sizes)
+            outs = dependencies(inner, masks)
+        else:
+            for program in _sub_programs(eqn):
+                found |= self_products(program, [_union(masks)] * len(program.invars), sizes)
+            outs = [_union(masks)] * len(eqn.outvars)
+        for v, m in zip(eqn.outvars, outs, strict=True):
+            env[v] = m
+    return found
+
+
+def self_multiplied(fn: Callable[..., Any], *args: PyTree) -> list[bool]:
+    """For each leaf of ``args`` (flattened together), whether ``fn`` multiplies
+    it by itself (see :func:`self_products`); traced on abstract stand-ins.
+
+    >>> import jax.numpy as jnp
+    >>> self_multiplied(lambda a, b: (a @ a.T @ a, b * 2.0), jnp.zeros((3, 4)), jnp.zeros((3, 4)))
+    [True, False]
+    """
+    closed = jax.make_jaxpr(fn)(*jax.tree.map(abstract, args))
+    sizes = [math.prod(v.aval.shape) for v in closed.jaxpr.invars]
+    mask = self_products(closed.jaxpr, [1 << i for i in range(len(sizes))], sizes)
+    return [bool(mask >> i & 1) for i in range(len(sizes))]

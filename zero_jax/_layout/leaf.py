@@ -34,6 +34,10 @@ REASON_NOT_FLOAT = "not a floating-point leaf"
 REASON_BELOW_THRESHOLD = "below min_shard_size"
 REASON_NO_DIMENSION = "no dimension to cut (scalar, or only a stacked layer axis)"
 REASON_ALL_MODEL_SHARDED = "every dimension is model-sharded (param_specs): none is free for the data axis"
+REASON_WHOLE_MATRIX = (
+    "the optimizer multiplies it by itself (Muon's Newton-Schulz, Shampoo): whole_matrices keeps it whole, "
+    "its update computed on every device"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +139,7 @@ def leaf_layout(
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     skip_leading: bool = False,
     model: tuple[Any, ...] = (),
+    whole: bool = False,
 ) -> LeafLayout:
     """The layout of one leaf cut into ``num_shards`` pieces.
 
@@ -145,6 +150,9 @@ def leaf_layout(
     dimension 0 (the layer axis of stacked layers, which ``scan_layers``
     iterates over and must never be cut), and ``model`` (one entry per
     dimension, see ``_policy.model_specs``) the dimensions the model already shards.
+    ``whole`` keeps a float leaf whole (:data:`REASON_WHOLE_MATRIX`): an
+    optimizer that multiplies the matrix by itself would otherwise all-reduce
+    matrix-sized products every step.
 
     >>> leaf_layout((10, 640), "float32", 8).dim
     1
@@ -159,6 +167,8 @@ def leaf_layout(
         return LeafLayout(shape, dtype, None, reason=REASON_NOT_FLOAT, model=model)
     if math.prod(shape) < min_shard_size:
         return LeafLayout(shape, dtype, None, reason=REASON_BELOW_THRESHOLD, model=model)
+    if whole:
+        return LeafLayout(shape, dtype, None, reason=REASON_WHOLE_MATRIX, model=model)
     candidates = [d for d in range(len(shape)) if not (skip_leading and d == 0)]
     candidates = [d for d in candidates if shape[d] > 0]
     if not candidates:

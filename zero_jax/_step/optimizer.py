@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -250,11 +251,63 @@ def frozen_leaves(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, [next(floats) if k else True for k in keep])
 
 
+def matrix_leaves(tx: optax.GradientTransformation, params: PyTree) -> tuple[str, ...]:
+    """The paths of the parameters whose update multiplies the matrix by
+    itself (Muon's Newton-Schulz iteration, Shampoo's and SOAP's Gram
+    matrices): pass them as ``ZeroPolicy(..., whole_matrices=...)``.
+
+    Read off the traced update (:func:`zero_jax._base.jaxpr.self_multiplied`),
+    not the optimizer's name, so it holds for any composition
+    (``optax.contrib.muon``'s own split, ``multi_transform``, chains). It is
+    conservative: a transformation that scales every leaf by one global value
+    (``clip_by_global_norm`` before Muon) may also name a leaf of the same
+    size as a multiplied matrix.
+
+    >>> import jax, optax, zero_jax as zj
+    >>> params = {"w": jax.ShapeDtypeStruct((64, 32), "float32"), "b": jax.ShapeDtypeStruct((32,), "float32")}
+    >>> zj.matrix_leaves(optax.contrib.muon(1e-2), params), zj.matrix_leaves(optax.adam(1e-3), params)
+    (('w',), ())
+    """
+    parts = sharded_parts(tx)
+    tx = parts.inner if parts is not None else _checked(tx, None, needs_policy=False)
+    pairs, _ = jax.tree_util.tree_flatten_with_path(params)
+    keep = _float_flags([x for _, x in pairs])
+    shown = hide_non_float(params, keep)
+    state = jax.eval_shape(tx.init, jax.tree.map(_jaxpr.abstract, shown))
+    flags = iter(_jaxpr.self_multiplied(lambda g, s, p: tx.update(g, s, p)[0], shown, state, shown))
+    multiplied = [next(flags) if k else False for k in keep]
+    return tuple(path_str(p) for (p, _), m in zip(pairs, multiplied, strict=True) if m)
+
+
+#: ``shard_optimizer``'s init: the optimizer multiplies leaves the policy cuts.
+MATRIX_LEAVES_CUT = (
+    "shard_optimizer: the optimizer multiplies {leaves} by itself (Muon's Newton-Schulz, a Gram matrix), but "
+    "{policy} cuts them, so the compiler all-reduces matrix-sized products inside every step (2-4x the "
+    "communication of the stage's theory). Keep them whole: ZeroPolicy(..., whole_matrices=zj.matrix_leaves(tx, "
+    "params)) (their gradients are all-reduced, their update computed on every device)."
+)
+
+
+def warn_cut_matrices(
+    tx: optax.GradientTransformation, params: PyTree, layouts: TreeLayouts, policy: ZeroPolicy
+) -> None:
+    """Warn (:data:`MATRIX_LEAVES_CUT`) about every leaf ``tx`` multiplies by
+    itself whose optimizer state ``policy`` cuts."""
+    if not policy.partitions_opt_state:
+        return
+    cut = {path_str(p) for p, lay in jax.tree_util.tree_flatten_with_path(layouts.tree(), is_leaf=is_layout)[0]
+           if lay.dim is not None}  # fmt: skip
+    bad = [path for path in matrix_leaves(tx, params) if path in cut]
+    if bad:
+        warnings.warn(MATRIX_LEAVES_CUT.format(leaves=", ".join(repr(b) for b in bad), policy=policy), stacklevel=4)
+
+
 # -- the transformation --------------------------------------------------------------------
 
 
-def _checked(tx: Any, policy: Any) -> optax.GradientTransformation:
-    """The plain optax transformation to wrap, or an error saying what to pass."""
+def _checked(tx: Any, policy: Any, *, needs_policy: bool = True) -> optax.GradientTransformation:
+    """The plain optax transformation to wrap, or an error saying what to pass
+    (``needs_policy=False``: only the transformation is checked)."""
     parts = sharded_parts(tx)
     if parts is not None:
         raise TypeError(
@@ -268,7 +321,7 @@ def _checked(tx: Any, policy: Any) -> optax.GradientTransformation:
             f"shard_optimizer: expected an optax.GradientTransformation, got {type(tx).__name__}. "
             "Pass an optax optimizer such as optax.adamw(1e-3)."
         )
-    if not isinstance(policy, ZeroPolicy):
+    if needs_policy and not isinstance(policy, ZeroPolicy):
         raise TypeError(f"shard_optimizer: policy must be a ZeroPolicy, got {type(policy).__name__}.")
     return tx
 
@@ -319,6 +372,7 @@ def shard_optimizer(
 
     def init(params: PyTree) -> ShardedOptState:
         record = TreeLayouts.of(policy.layouts(params))
+        warn_cut_matrices(tx, params, record, policy)
         with policy.program_mesh():
             inner = tx.init(hide_non_float(params, _float_flags(record.layouts)))
             layouts = policy.state_layouts(inner, params)
