@@ -29,6 +29,7 @@ from zero_jax._audit.report import (
 from zero_jax._base.units import fmt_bytes
 from zero_jax._layout.leaf import (
     REASON_ALL_MODEL_SHARDED,
+    REASON_FEW_MATRICES,
     REASON_NO_DIMENSION,
     REASON_WHOLE_MATRIX,
     is_float,
@@ -49,7 +50,7 @@ ALL_REDUCE_MESSAGE = (
     "a gradient-sized all-reduce (>= {threshold} elements). Stages 1-3 reduce-scatter gradients over the data axis "
     "(with model axes: inside a shard_map nested over the leaf's model axes); only leaves kept whole (below "
     "min_shard_size, or whole_matrices) may be all-reduced. An optimizer that multiplies a matrix by itself (Muon) "
-    "all-reduces products of cut matrices: pass ZeroPolicy(whole_matrices=zj.matrix_leaves(tx, params))."
+    "all-reduces products of cut matrices: pass ZeroPolicy(..., **zj.matrix_leaves(tx, params))."
 )
 ACCUM_MESSAGE = (
     "{kind} '{name}' of {shape} runs inside the {steps}-trip accumulation loop ({trips}x per step), but "
@@ -92,7 +93,7 @@ def stacked_paths(params: Iterable[ParamInfo]) -> set[tuple[str, ...]]:
 def whole_paths(params: Iterable[ParamInfo]) -> set[tuple[str, ...]]:
     """The paths of the parameters kept whole for an optimizer that multiplies
     them by themselves (``ZeroPolicy(whole_matrices=...)``), as tuples of names."""
-    return {tuple(p.path.split("/")) for p in params if p.layout.reason == REASON_WHOLE_MATRIX}
+    return {tuple(p.path.split("/")) for p in params if p.layout.reason in (REASON_WHOLE_MATRIX, REASON_FEW_MATRICES)}
 
 
 def mirrors_stacked(leaf_path: str, stacked: set[tuple[str, ...]]) -> bool:
@@ -166,7 +167,7 @@ def all_reduce_violations(
     # A leaf model-sharded on every free dimension stays whole over data (the policy says so): its
     # gradient is all-reduced by design, one all-reduce of its model-shard shape, whatever shares it.
     # So is the gradient of a leaf kept whole for an optimizer that multiplies it by itself (whole_matrices).
-    by_design = (REASON_ALL_MODEL_SHARDED, REASON_WHOLE_MATRIX)
+    by_design = (REASON_ALL_MODEL_SHARDED, REASON_WHOLE_MATRIX, REASON_FEW_MATRICES)
     expected = collections.Counter(
         local_shape(p.layout.shape, p.split) for p in params if p.layout.reason in by_design and not p.frozen
     )

@@ -64,8 +64,8 @@ SECONDARY_WITH = (
     "between replicas, replica_axis with stage 3 (HSDP) keeps every parameter gather inside a replica."
 )
 BAD_WHOLE = (
-    "ZeroPolicy: whole_matrices must be key paths or prefixes ('w1', 'layers/attn') or a tuple of them "
-    "(zj.matrix_leaves(tx, params) gives them), got {!r}."
+    "ZeroPolicy: {field} must be key paths or prefixes ('w1', 'layers/attn') or a tuple of them "
+    "(ZeroPolicy(..., **zj.matrix_leaves(tx, params)) gives them), got {value!r}."
 )
 BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
 BAD_PARTITION_ACTIVATIONS = "ZeroPolicy: partition_activations must be True or False, got {!r}."
@@ -106,6 +106,7 @@ def argument_problems(
     stacked: Any,
     precision: Any,
     whole_matrices: Any = (),
+    matrix_stacks: Any = (),
     param_specs: Any = None,
     partition_activations: Any = False,
     batch_spec: Any = None,
@@ -149,8 +150,9 @@ def argument_problems(
         problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))
     if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
         problems.append((TypeError, BAD_STACKED.format(stacked)))
-    if not isinstance(whole_matrices, str) and not all(isinstance(p, str) for p in _names(whole_matrices)):
-        problems.append((TypeError, BAD_WHOLE.format(whole_matrices)))
+    for field, value in (("whole_matrices", whole_matrices), ("matrix_stacks", matrix_stacks)):
+        if not isinstance(value, str) and not all(isinstance(p, str) for p in _names(value)):
+            problems.append((TypeError, BAD_WHOLE.format(field=field, value=value)))
     problems.extend(_activation_problems(mesh, axis, replica_axis, param_specs, partition_activations))
     spec_problem = batch_spec_problem(batch_spec, mesh, _names(axis) + _names(replica_axis))
     if spec_problem:

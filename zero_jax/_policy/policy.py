@@ -128,14 +128,23 @@ class ZeroPolicy:
       stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``, or a
         tuple of them) of subtrees whose leaves carry a leading layer axis for
         ``scan_layers``; that axis is never partitioned.
-      whole_matrices: key-path prefixes (or full paths) of float leaves kept
-        whole on every device because the optimizer multiplies each by itself
-        (Muon's Newton-Schulz): ``zj.matrix_leaves(tx, params)`` finds them
-        from the traced update. Their gradients are all-reduced (2 passes, the
-        bytes of a reduce-scatter plus a gather) and every device computes
-        their update, with no all-reduce inside the optimizer; the cost is
-        their optimizer state (and at stage 3 their parameters) held whole on
-        every device and their update computed N times.
+      whole_matrices: key-path prefixes (or full paths) of float leaves the
+        optimizer multiplies by themselves (Muon's Newton-Schulz), never cut
+        across a matrix: ``ZeroPolicy(..., **zj.matrix_leaves(tx, params))``
+        fills this and ``matrix_stacks`` from the traced update. A single
+        matrix stays whole on every device: its gradient is all-reduced (2
+        passes, the bytes of a reduce-scatter plus a gather) and every device
+        computes its update, with no collective inside the optimizer; the cost
+        is its optimizer state (and at stage 3 its parameters) held whole on
+        every device and its update computed N times.
+      matrix_stacks: those of ``whole_matrices`` that are stacks of matrices
+        on dimension 0, each multiplied alone (a scanned model's layer axis):
+        cut on that axis, so each device owns whole matrices and runs their
+        update alone; gradients are reduce-scattered and updated parameters
+        gathered along it (ZeRO's bytes). A stack of K >= N matrices is
+        padded to a multiple of N (``(K' - K) / K`` more bytes for it); one of
+        fewer than N matrices, or under ``stacked`` (whose layer axis is never
+        cut), stays whole like a single matrix.
       precision: a :class:`Precision` (mixed precision, loss scaling); by
         default everything computes and reduces in the parameters' float32.
       offload_optimizer: keep optimizer state (and the float32 master copy)
@@ -238,6 +247,7 @@ class ZeroPolicy:
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
     stacked: str | Sequence[str] = ()
     whole_matrices: str | Sequence[str] = ()
+    matrix_stacks: str | Sequence[str] = ()
     precision: Precision | None = None
     offload_optimizer: bool | float = False
     offload_params: bool = False
@@ -267,6 +277,7 @@ class ZeroPolicy:
             "min_shard_size": int(self.min_shard_size),
             "stacked": _prefixes(self.stacked),
             "whole_matrices": _prefixes(self.whole_matrices),
+            "matrix_stacks": _prefixes(self.matrix_stacks),
             "precision": self.precision if self.precision is not None else Precision(),
             "offload_optimizer": offload.fraction,
             "offload_params": offload.params,
@@ -481,7 +492,13 @@ class ZeroPolicy:
         """Whether ``path`` lies under one of the ``whole_matrices`` prefixes."""
         return under_any(path, self.whole_prefixes)
 
-    def leaf_layout(self, leaf: Any, *, stacked: bool, model: tuple[Any, ...] = (), whole: bool = False) -> LeafLayout:
+    def is_matrix_stack(self, path: KeyPath | str) -> bool:
+        """Whether ``path`` lies under one of the ``matrix_stacks`` prefixes."""
+        return under_any(path, tuple(split_prefix(p) for p in self.matrix_stacks))
+
+    def leaf_layout(
+        self, leaf: Any, *, stacked: bool, model: tuple[Any, ...] = (), whole: bool = False, stack: bool = False
+    ) -> LeafLayout:
         shape, dtype = shape_dtype(leaf)
         # Pad to a multiple of the optimizer's piece count: with
         # optimizer_over_replicas it is a multiple of the parameters' N too,
@@ -494,6 +511,7 @@ class ZeroPolicy:
             skip_leading=stacked,
             model=model,
             whole=whole,
+            stack=stack,
         )
 
     def layouts(self, params: PyTree) -> PyTree:
@@ -504,7 +522,12 @@ class ZeroPolicy:
         Raises ``ValueError`` when a ``stacked`` prefix matches no leaf.
         """
         pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
-        for field, prefixes in (("stacked", self.stacked_prefixes), ("whole_matrices", self.whole_prefixes)):
+        fields = (
+            ("stacked", self.stacked_prefixes),
+            ("whole_matrices", self.whole_prefixes),
+            ("matrix_stacks", tuple(split_prefix(p) for p in self.matrix_stacks)),
+        )
+        for field, prefixes in fields:
             unmatched = [prefix for prefix in prefixes if not any(under(p, prefix) for p, _ in pairs)]
             if unmatched:
                 raise ValueError(
@@ -520,9 +543,10 @@ class ZeroPolicy:
         )
         stacked = [self.is_stacked(p) for p, _ in pairs]
         whole = [self.is_whole(p) for p, _ in pairs]
+        stacks = [self.is_matrix_stack(p) for p, _ in pairs]
         layouts = [
-            self.leaf_layout(x, stacked=s, model=m, whole=w)
-            for (_, x), s, m, w in zip(pairs, stacked, models, whole, strict=True)
+            self.leaf_layout(x, stacked=s, model=m, whole=w, stack=k)
+            for (_, x), s, m, w, k in zip(pairs, stacked, models, whole, stacks, strict=True)
         ]
         if self.wire != WireFormat():
             paths = [path_str(p) for p, _ in pairs]
@@ -676,6 +700,7 @@ class ZeroPolicy:
 def _normalised_default(name: str, default: Any) -> Any:
     """A field's default as ``__post_init__`` normalises it (what :meth:`ZeroPolicy.__repr__` leaves out)."""
     return {"axis": _names, "replica_axis": _names, "stacked": _prefixes, "whole_matrices": _prefixes,
+            "matrix_stacks": _prefixes,
             "precision": lambda p: p if p is not None else Precision(), "offload_optimizer": float}.get(
         name, lambda v: v)(default)  # fmt: skip
 

@@ -251,22 +251,26 @@ def frozen_leaves(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, [next(floats) if k else True for k in keep])
 
 
-def matrix_leaves(tx: optax.GradientTransformation, params: PyTree) -> tuple[str, ...]:
-    """The paths of the parameters whose update multiplies the matrix by
-    itself (Muon's Newton-Schulz iteration, Shampoo's and SOAP's Gram
-    matrices): pass them as ``ZeroPolicy(..., whole_matrices=...)``.
+def matrix_leaves(tx: optax.GradientTransformation, params: PyTree) -> dict[str, tuple[str, ...]]:
+    """The parameters whose update multiplies the matrix by itself (Muon's
+    Newton-Schulz iteration, Shampoo's and SOAP's Gram matrices), as
+    ``ZeroPolicy`` arguments: ``whole_matrices`` (every such leaf: never cut
+    across a matrix) and ``matrix_stacks`` (those that are stacks of matrices
+    on dimension 0, each multiplied alone: cut along the stack). Use them as
+    ``ZeroPolicy(stage, mesh, **zj.matrix_leaves(tx, params))``.
 
-    Read off the traced update (:func:`zero_jax._base.jaxpr.self_multiplied`),
+    Read off the traced update (:func:`zero_jax._base.jaxpr.matrix_products`),
     not the optimizer's name, so it holds for any composition
     (``optax.contrib.muon``'s own split, ``multi_transform``, chains). It is
     conservative: a transformation that scales every leaf by one global value
     (``clip_by_global_norm`` before Muon) may also name a leaf of the same
-    size as a multiplied matrix.
+    size as a multiplied matrix, and a stack whose leading axis the walk
+    cannot follow is reported as a single matrix (kept whole).
 
     >>> import jax, optax, zero_jax as zj
     >>> params = {"w": jax.ShapeDtypeStruct((64, 32), "float32"), "b": jax.ShapeDtypeStruct((32,), "float32")}
-    >>> zj.matrix_leaves(optax.contrib.muon(1e-2), params), zj.matrix_leaves(optax.adam(1e-3), params)
-    (('w',), ())
+    >>> zj.matrix_leaves(optax.contrib.muon(1e-2), params)
+    {'whole_matrices': ('w',), 'matrix_stacks': ()}
     """
     parts = sharded_parts(tx)
     tx = parts.inner if parts is not None else _checked(tx, None, needs_policy=False)
@@ -274,17 +278,22 @@ def matrix_leaves(tx: optax.GradientTransformation, params: PyTree) -> tuple[str
     keep = _float_flags([x for _, x in pairs])
     shown = hide_non_float(params, keep)
     state = jax.eval_shape(tx.init, jax.tree.map(_jaxpr.abstract, shown))
-    flags = iter(_jaxpr.self_multiplied(lambda g, s, p: tx.update(g, s, p)[0], shown, state, shown))
-    multiplied = [next(flags) if k else False for k in keep]
-    return tuple(path_str(p) for (p, _), m in zip(pairs, multiplied, strict=True) if m)
+    found = _jaxpr.matrix_products(lambda g, s, p: tx.update(g, s, p)[0], shown, state, shown)
+    multiplied, stacked = iter(found.multiplied), iter(found.stacked)
+    flags = [(next(multiplied), next(stacked)) if k else (False, False) for k in keep]
+    paths = [path_str(p) for p, _ in pairs]
+    return {
+        "whole_matrices": tuple(path for path, (m, _) in zip(paths, flags, strict=True) if m),
+        "matrix_stacks": tuple(path for path, (_, k) in zip(paths, flags, strict=True) if k),
+    }
 
 
 #: ``shard_optimizer``'s init: the optimizer multiplies leaves the policy cuts.
 MATRIX_LEAVES_CUT = (
     "shard_optimizer: the optimizer multiplies {leaves} by itself (Muon's Newton-Schulz, a Gram matrix), but "
     "{policy} cuts them, so the compiler all-reduces matrix-sized products inside every step (2-4x the "
-    "communication of the stage's theory). Keep them whole: ZeroPolicy(..., whole_matrices=zj.matrix_leaves(tx, "
-    "params)) (their gradients are all-reduced, their update computed on every device)."
+    "communication of the stage's theory). Cut them only between whole matrices: ZeroPolicy(..., "
+    "**zj.matrix_leaves(tx, params)) (stacks of matrices cut on the stack axis, single matrices kept whole)."
 )
 
 
@@ -295,9 +304,11 @@ def warn_cut_matrices(
     itself whose optimizer state ``policy`` cuts."""
     if not policy.partitions_opt_state:
         return
-    cut = {path_str(p) for p, lay in jax.tree_util.tree_flatten_with_path(layouts.tree(), is_leaf=is_layout)[0]
-           if lay.dim is not None}  # fmt: skip
-    bad = [path for path in matrix_leaves(tx, params) if path in cut]
+    found = matrix_leaves(tx, params)
+    stacks = set(found["matrix_stacks"])
+    pairs = jax.tree_util.tree_flatten_with_path(layouts.tree(), is_leaf=is_layout)[0]
+    cut = {path_str(p) for p, lay in pairs if lay.dim is not None and not (lay.dim == 0 and path_str(p) in stacks)}
+    bad = [path for path in found["whole_matrices"] if path in cut]
     if bad:
         warnings.warn(MATRIX_LEAVES_CUT.format(leaves=", ".join(repr(b) for b in bad), policy=policy), stacklevel=4)
 
