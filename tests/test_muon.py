@@ -133,8 +133,10 @@ def _check(params, loss_fn, opt, batches, stage, *, accum_steps=1, **policy_args
 def test_single_matrices_stay_whole_and_train_like_plain_optax(stage: int) -> None:
     params, batches = mlp_params(), [mlp_batch(seed=s) for s in range(3)]
     ref, _ = reference_run(optax.contrib.muon(1e-2), params, batches)
-    found, state, _ = _check(params, mlp_loss, optax.contrib.muon(1e-2), batches, stage)
+    found, state, report = _check(params, mlp_loss, optax.contrib.muon(1e-2), batches, stage)
     assert found["whole_matrices"] == ("w1", "w2")
+    assert report.whole_matrices == ("w1",)  # w2 (100 x 6) is below min_shard_size: whole anyway
+    assert "matrices kept whole for the optimizer (single matrices, or stacks of fewer than N=8): 1" in str(report)
     errors = relative_update_error(zj.full_params(state), ref, params)
     assert max(errors.values()) < PARITY, errors
 
@@ -146,7 +148,7 @@ def test_stacks_are_owned_whole_and_train_like_plain_optax(stage: int) -> None:
     opt = _batched_muon(stacks="stack")
     ref, _ = reference_run(opt, params, batches, loss_fn=_stack_loss)
     found, state, report = _check(params, _stack_loss, opt, batches, stage)
-    assert found["matrix_stacks"] == ("stack",)
+    assert found["matrix_stacks"] == ("stack",) and report.whole_matrices == ()
     errors = relative_update_error(zj.full_params(state), ref, params)
     assert max(errors.values()) < PARITY, errors
     # Muon's momentum: 2 of the 16 (padded) 16x16 matrices on each device, plus the small bias state.

@@ -448,7 +448,7 @@ def audit(
             abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
             compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
             fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
-            estimate=estimate,
+            estimate=estimate, whole_matrices=tuple("/".join(p) for p in sorted(whole_paths(params))),
         )  # fmt: skip
 
 
