@@ -214,3 +214,23 @@ def test_stacks_restore_across_device_counts(tmp_path) -> None:  # noqa: ANN001 
     state4, _ = zj.make_train_step(_stack_loss, tx4, p4)(restored, batch)
     errors = relative_update_error(zj.full_params(state4), zj.full_params(state8), saved)
     assert max(errors.values()) < PARITY, errors
+
+
+@pytest.mark.parametrize("variant", ["multi_transform", "offload"])
+def test_stacks_under_multi_transform_and_offload(variant: str) -> None:
+    """Muon routed by ``optax.multi_transform`` (Adam on the rest), or the optimizer state in host memory
+    (``offload_optimizer``): stacks found and cut alike, theory bytes, parity with plain optax."""
+    params, batches = _stack_params(16), [_stack_batch(seed=s) for s in range(3)]
+    opt = _batched_muon(stacks="stack")
+    extra: dict = {}
+    if variant == "multi_transform":
+        opt = optax.multi_transform({"m": opt, "a": optax.adam(1e-2)}, {"stack": "m", "bias": "a"})
+    else:
+        extra["offload_optimizer"] = True
+    ref, _ = reference_run(opt, params, batches, loss_fn=_stack_loss)
+    found, state, report = _check(params, _stack_loss, opt, batches, 2, **extra)
+    assert found == {"whole_matrices": ("stack",), "matrix_stacks": ("stack",)}
+    if variant == "offload":
+        assert report.host_bytes["optimizer"] > 16 * 16 * 16 * 4 / 8  # Muon's momentum: 2 whole matrices a device
+    errors = relative_update_error(zj.full_params(state), ref, params)
+    assert max(errors.values()) < PARITY, errors
