@@ -26,7 +26,13 @@ from zero_jax._policy.precision import DynamicLossScale, LossScaleState, Precisi
 from zero_jax._processes.launch import launch
 from zero_jax._processes.multihost import shard_batch
 from zero_jax._step.offload import OffloadedLeaf, OffloadPlan, offload_plan
-from zero_jax._step.optimizer import ShardedOptState, ShardedTransformation, frozen_leaves, shard_optimizer
+from zero_jax._step.optimizer import (
+    ShardedOptState,
+    ShardedTransformation,
+    frozen_leaves,
+    matrix_leaves,
+    shard_optimizer,
+)
 from zero_jax._step.state import TrainState, full_params, init_state
 from zero_jax._step.train import TrainStep, make_train_step
 from zero_jax._theory.choice import StageChoice, choose_stage
@@ -91,6 +97,7 @@ __all__ = [
     "efficiency",
     "export_params",
     "frozen_leaves",
+    "matrix_leaves",
     "full_params",
     "gather",
     "gpu_slice",

@@ -123,6 +123,7 @@ from zero_jax._audit.violations import (
     partitioned_categories,
     replicated_violations,
     stacked_paths,
+    whole_paths,
 )
 from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_any
 from zero_jax._base.units import is_whole_number
@@ -447,7 +448,7 @@ def audit(
             abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
             compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
             fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
-            estimate=estimate,
+            estimate=estimate, whole_matrices=tuple("/".join(p) for p in sorted(whole_paths(params))),
         )  # fmt: skip
 
 
@@ -513,7 +514,8 @@ def _program_violations(
     """Leaves kept whole that the stage partitions, gradient-sized all-reduces
     over data, weights gathered across a model axis and collectives asked to
     be int8 that run wider (``roles``: each collective's role on the wire)."""
-    violations = replicated_violations(leaves, policy, min_shard_size, stacked_paths(params))
+    whole = frozenset(whole_paths(params))
+    violations = replicated_violations(leaves, policy, min_shard_size, stacked_paths(params), whole)
     violations += all_reduce_violations(colls, loops, params, min_shard_size, policy)
     violations += model_gather_violations(colls, params, policy)
     named = {v.subject for v in violations}  # a gradient-sized all-reduce is named once

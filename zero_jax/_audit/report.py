@@ -613,6 +613,13 @@ class Buffers:
         return out
 
 
+#: The report's line about matrices an optimizer multiplies that stay whole (``ZeroPolicy(whole_matrices=)``).
+WHOLE_MATRICES_NOTE = (
+    "matrices kept whole for the optimizer (single matrices, or stacks of fewer than N={n}): {count}, their "
+    "gradients all-reduced, their optimizer state whole on every device and their update computed on each: {leaves}"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
     """What a compiled step holds and sends, beside its stage's contract.
@@ -636,6 +643,9 @@ class AuditReport:
       leaves: every state leaf with its whole and per-device bytes.
       replicated: the float leaves kept whole on a device in a category the
         stage partitions (small ones are expected: see ``min_shard_size``).
+      whole_matrices: the parameters kept whole because the optimizer
+        multiplies them by themselves (``ZeroPolicy(whole_matrices=)``: a
+        single matrix, or a stack of fewer matrices than devices).
       memory: ``compiled.memory_analysis()`` per device: argument, output,
         temp, alias, and ``peak`` = argument + output + temp − alias; where
         the compile's dump reports them, ``allocated`` (the buffer
@@ -721,6 +731,7 @@ class AuditReport:
     buffers: Buffers | None = None
     schedule: str = ""
     estimate: StepEstimate | None = None
+    whole_matrices: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -814,6 +825,9 @@ class AuditReport:
             )
         kept = sum(leaf.per_device for leaf in self.replicated)
         lines.append(f"leaves kept whole in partitioned categories: {len(self.replicated)} ({fmt_bytes(kept)})")
+        if self.whole_matrices:
+            lines.append(WHOLE_MATRICES_NOTE.format(count=len(self.whole_matrices), n=self.num_devices,
+                                                    leaves=", ".join(self.whole_matrices)))  # fmt: skip
         m = self.memory
         lines.append(
             "compiled memory per device: "

@@ -27,7 +27,15 @@ from zero_jax._audit.report import (
     Violation,
 )
 from zero_jax._base.units import fmt_bytes
-from zero_jax._layout.leaf import REASON_ALL_MODEL_SHARDED, REASON_NO_DIMENSION, is_float, leaf_layout, shard_shape
+from zero_jax._layout.leaf import (
+    REASON_ALL_MODEL_SHARDED,
+    REASON_FEW_MATRICES,
+    REASON_NO_DIMENSION,
+    REASON_WHOLE_MATRIX,
+    is_float,
+    leaf_layout,
+    shard_shape,
+)
 from zero_jax._policy.policy import ZeroPolicy
 
 _WHAT = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
@@ -41,7 +49,8 @@ ALL_REDUCE_MESSAGE = (
     "all-reduce '{name}' (op {op_name}) of {shape} ({nbytes}, x{trips}{where}) over {axes} in stage {stage}{match}: "
     "a gradient-sized all-reduce (>= {threshold} elements). Stages 1-3 reduce-scatter gradients over the data axis "
     "(with model axes: inside a shard_map nested over the leaf's model axes); only leaves kept whole (below "
-    "min_shard_size) may be all-reduced."
+    "min_shard_size, or whole_matrices) may be all-reduced. An optimizer that multiplies a matrix by itself (Muon) "
+    "all-reduces products of cut matrices: pass ZeroPolicy(..., **zj.matrix_leaves(tx, params))."
 )
 ACCUM_MESSAGE = (
     "{kind} '{name}' of {shape} runs inside the {steps}-trip accumulation loop ({trips}x per step), but "
@@ -81,6 +90,12 @@ def stacked_paths(params: Iterable[ParamInfo]) -> set[tuple[str, ...]]:
     return {tuple(p.path.split("/")) for p in params if p.stacked}
 
 
+def whole_paths(params: Iterable[ParamInfo]) -> set[tuple[str, ...]]:
+    """The paths of the parameters kept whole for an optimizer that multiplies
+    them by themselves (``ZeroPolicy(whole_matrices=...)``), as tuples of names."""
+    return {tuple(p.path.split("/")) for p in params if p.layout.reason in (REASON_WHOLE_MATRIX, REASON_FEW_MATRICES)}
+
+
 def mirrors_stacked(leaf_path: str, stacked: set[tuple[str, ...]]) -> bool:
     """Whether a state leaf (``params/...``, ``grads/...``, ``opt_state/.../mu/...``)
     is, or mirrors, a stacked parameter: its path past the field ends with one
@@ -90,10 +105,16 @@ def mirrors_stacked(leaf_path: str, stacked: set[tuple[str, ...]]) -> bool:
 
 
 def replicated_violations(
-    leaves: list[LeafBytes], policy: ZeroPolicy, min_shard_size: int, stacked: set[tuple[str, ...]]
+    leaves: list[LeafBytes],
+    policy: ZeroPolicy,
+    min_shard_size: int,
+    stacked: set[tuple[str, ...]],
+    whole: frozenset[tuple[str, ...]] = frozenset(),
 ) -> list[Violation]:
     """Float leaves kept whole in a category the stage partitions, though the
-    partition rule at ``min_shard_size`` would cut them."""
+    partition rule at ``min_shard_size`` would cut them (those that are, or
+    mirror, a parameter in ``whole``, kept whole by ``whole_matrices``, are
+    expected)."""
     n = policy.num_shards
     if n <= 1:
         return []
@@ -105,6 +126,8 @@ def replicated_violations(
             or leaf.per_device * n * leaf.model_split <= leaf.nbytes
         ):
             continue
+        if mirrors_stacked(leaf.path, set(whole)):
+            continue  # kept whole by whole_matrices: the optimizer multiplies it by itself
         size = math.prod(leaf.shape)
         skip = mirrors_stacked(leaf.path, stacked)
         model = tuple("model" if cut else None for cut in leaf.model_dims) if any(leaf.model_dims) else ()
@@ -143,8 +166,10 @@ def all_reduce_violations(
     replica_axes, model = set(policy.replica_axes), set(policy.model_axes)
     # A leaf model-sharded on every free dimension stays whole over data (the policy says so): its
     # gradient is all-reduced by design, one all-reduce of its model-shard shape, whatever shares it.
+    # So is the gradient of a leaf kept whole for an optimizer that multiplies it by itself (whole_matrices).
+    by_design = (REASON_ALL_MODEL_SHARDED, REASON_WHOLE_MATRIX, REASON_FEW_MATRICES)
     expected = collections.Counter(
-        local_shape(p.layout.shape, p.split) for p in params if p.layout.reason == REASON_ALL_MODEL_SHARDED
+        local_shape(p.layout.shape, p.split) for p in params if p.layout.reason in by_design and not p.frozen
     )
     out = []
     for c in colls:

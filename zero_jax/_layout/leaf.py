@@ -34,6 +34,14 @@ REASON_NOT_FLOAT = "not a floating-point leaf"
 REASON_BELOW_THRESHOLD = "below min_shard_size"
 REASON_NO_DIMENSION = "no dimension to cut (scalar, or only a stacked layer axis)"
 REASON_ALL_MODEL_SHARDED = "every dimension is model-sharded (param_specs): none is free for the data axis"
+REASON_WHOLE_MATRIX = (
+    "the optimizer multiplies it by itself (Muon's Newton-Schulz, Shampoo): whole_matrices keeps it whole, "
+    "its update computed on every device"
+)
+REASON_FEW_MATRICES = (
+    "a stack of fewer matrices than devices (matrix_stacks): kept whole, its update computed on every device "
+    "(cutting the stack would pad it with empty matrices, sent and stored)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +143,8 @@ def leaf_layout(
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     skip_leading: bool = False,
     model: tuple[Any, ...] = (),
+    whole: bool = False,
+    stack: bool = False,
 ) -> LeafLayout:
     """The layout of one leaf cut into ``num_shards`` pieces.
 
@@ -145,6 +155,18 @@ def leaf_layout(
     dimension 0 (the layer axis of stacked layers, which ``scan_layers``
     iterates over and must never be cut), and ``model`` (one entry per
     dimension, see ``_policy.model_specs``) the dimensions the model already shards.
+    ``whole`` keeps a float leaf whole (:data:`REASON_WHOLE_MATRIX`): an
+    optimizer that multiplies the matrix by itself would otherwise all-reduce
+    matrix-sized products every step. ``stack`` (with ``whole``): the leaf is
+    a stack of such matrices on dimension 0, cut there (padded with empty
+    matrices to a multiple of ``num_shards``) so each device holds whole
+    matrices; with fewer matrices than shards, or under ``skip_leading``, it
+    stays whole.
+
+    >>> leaf_layout((16, 32, 32), "float32", 8, whole=True, stack=True).dim
+    0
+    >>> leaf_layout((2, 32, 32), "float32", 8, whole=True, stack=True).reason == REASON_FEW_MATRICES
+    True
 
     >>> leaf_layout((10, 640), "float32", 8).dim
     1
@@ -159,6 +181,8 @@ def leaf_layout(
         return LeafLayout(shape, dtype, None, reason=REASON_NOT_FLOAT, model=model)
     if math.prod(shape) < min_shard_size:
         return LeafLayout(shape, dtype, None, reason=REASON_BELOW_THRESHOLD, model=model)
+    if whole or stack:
+        return matrix_layout(shape, dtype, num_shards, stack=stack and not skip_leading, model=model)
     candidates = [d for d in range(len(shape)) if not (skip_leading and d == 0)]
     candidates = [d for d in candidates if shape[d] > 0]
     if not candidates:
@@ -178,6 +202,18 @@ def leaf_layout(
     # dimension (smaller shards of the other dims), then the earlier one.
     best = min(candidates, key=lambda d: (wasted(d), -shape[d], d))
     return LeafLayout(shape, dtype, best, padded(best), model=model)
+
+
+def matrix_layout(
+    shape: tuple[int, ...], dtype: np.dtype, num_shards: int, *, stack: bool, model: tuple[Any, ...]
+) -> LeafLayout:
+    """A leaf an optimizer multiplies by itself: whole, or (a stack of at
+    least ``num_shards`` matrices on a dimension 0 the model does not shard)
+    cut on the stack, padded to a multiple of ``num_shards``."""
+    if stack and len(shape) >= 3 and shape[0] >= num_shards and not (model and model[0] is not None):
+        return LeafLayout(shape, dtype, 0, -(-shape[0] // num_shards) * num_shards, model=model)
+    reason = REASON_FEW_MATRICES if stack and len(shape) >= 3 and shape[0] < num_shards else REASON_WHOLE_MATRIX
+    return LeafLayout(shape, dtype, None, reason=reason, model=model)
 
 
 def pad(x: jax.Array, layout: LeafLayout) -> jax.Array:

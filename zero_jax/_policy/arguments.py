@@ -63,6 +63,10 @@ SECONDARY_WITH = (
     "ZeroPolicy: secondary_axis does not combine with {what} (not built). Drop one of them; for a slow link "
     "between replicas, replica_axis with stage 3 (HSDP) keeps every parameter gather inside a replica."
 )
+BAD_WHOLE = (
+    "ZeroPolicy: {field} must be key paths or prefixes ('w1', 'layers/attn') or a tuple of them "
+    "(ZeroPolicy(..., **zj.matrix_leaves(tx, params)) gives them), got {value!r}."
+)
 BAD_STACKED = "ZeroPolicy: stacked must be a key-path prefix ('layers', 'decoder/blocks') or a tuple of them, got {!r}."
 BAD_PARTITION_ACTIVATIONS = "ZeroPolicy: partition_activations must be True or False, got {!r}."
 PARTITION_ACTIVATIONS_WITHOUT_MODEL = (
@@ -101,6 +105,8 @@ def argument_problems(
     min_shard_size: Any,
     stacked: Any,
     precision: Any,
+    whole_matrices: Any = (),
+    matrix_stacks: Any = (),
     param_specs: Any = None,
     partition_activations: Any = False,
     batch_spec: Any = None,
@@ -144,6 +150,9 @@ def argument_problems(
         problems.append((ValueError, f"ZeroPolicy: min_shard_size must be >= 0, got {min_shard_size}."))
     if not isinstance(stacked, str) and not all(isinstance(p, str) for p in _names(stacked)):
         problems.append((TypeError, BAD_STACKED.format(stacked)))
+    for field, value in (("whole_matrices", whole_matrices), ("matrix_stacks", matrix_stacks)):
+        if not isinstance(value, str) and not all(isinstance(p, str) for p in _names(value)):
+            problems.append((TypeError, BAD_WHOLE.format(field=field, value=value)))
     problems.extend(_activation_problems(mesh, axis, replica_axis, param_specs, partition_activations))
     spec_problem = batch_spec_problem(batch_spec, mesh, _names(axis) + _names(replica_axis))
     if spec_problem:

@@ -40,7 +40,7 @@ FROZEN = (
 )
 NOT_ARGUMENTS = "ZeroPolicy.replace: {unknown} are not ZeroPolicy arguments; the arguments are {names}."
 STACKED_MATCHES_NOTHING = (
-    "ZeroPolicy(stacked=...): the prefix{s} {which} matches no parameter. Top-level entries are {entries}; "
+    "ZeroPolicy({field}=...): the prefix{s} {which} matches no parameter. Top-level entries are {entries}; "
     "pass one of those."
 )
 
@@ -128,6 +128,23 @@ class ZeroPolicy:
       stacked: key-path prefixes (``"layers"``, ``"decoder/blocks"``, or a
         tuple of them) of subtrees whose leaves carry a leading layer axis for
         ``scan_layers``; that axis is never partitioned.
+      whole_matrices: key-path prefixes (or full paths) of float leaves the
+        optimizer multiplies by themselves (Muon's Newton-Schulz), never cut
+        across a matrix: ``ZeroPolicy(..., **zj.matrix_leaves(tx, params))``
+        fills this and ``matrix_stacks`` from the traced update. A single
+        matrix stays whole on every device: its gradient is all-reduced (2
+        passes, the bytes of a reduce-scatter plus a gather) and every device
+        computes its update, with no collective inside the optimizer; the cost
+        is its optimizer state (and at stage 3 its parameters) held whole on
+        every device and its update computed N times.
+      matrix_stacks: those of ``whole_matrices`` that are stacks of matrices
+        on dimension 0, each multiplied alone (a scanned model's layer axis):
+        cut on that axis, so each device owns whole matrices and runs their
+        update alone; gradients are reduce-scattered and updated parameters
+        gathered along it (ZeRO's bytes). A stack of K >= N matrices is
+        padded to a multiple of N (``(K' - K) / K`` more bytes for it); one of
+        fewer than N matrices, or under ``stacked`` (whose layer axis is never
+        cut), stays whole like a single matrix.
       precision: a :class:`Precision` (mixed precision, loss scaling); by
         default everything computes and reduces in the parameters' float32.
       offload_optimizer: keep optimizer state (and the float32 master copy)
@@ -229,6 +246,8 @@ class ZeroPolicy:
     secondary_axis: str | None = None
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
     stacked: str | Sequence[str] = ()
+    whole_matrices: str | Sequence[str] = ()
+    matrix_stacks: str | Sequence[str] = ()
     precision: Precision | None = None
     offload_optimizer: bool | float = False
     offload_params: bool = False
@@ -257,6 +276,8 @@ class ZeroPolicy:
             "optimizer_over_replicas": bool(self.optimizer_over_replicas),
             "min_shard_size": int(self.min_shard_size),
             "stacked": _prefixes(self.stacked),
+            "whole_matrices": _prefixes(self.whole_matrices),
+            "matrix_stacks": _prefixes(self.matrix_stacks),
             "precision": self.precision if self.precision is not None else Precision(),
             "offload_optimizer": offload.fraction,
             "offload_params": offload.params,
@@ -462,13 +483,35 @@ class ZeroPolicy:
         """Whether ``path`` lies under one of the ``stacked`` prefixes (its leading axis is a layer axis)."""
         return under_any(path, self.stacked_prefixes)
 
-    def leaf_layout(self, leaf: Any, *, stacked: bool, model: tuple[Any, ...] = ()) -> LeafLayout:
+    @property
+    def whole_prefixes(self) -> tuple[tuple[str, ...], ...]:
+        """The ``whole_matrices`` prefixes as tuples of key names."""
+        return tuple(split_prefix(p) for p in self.whole_matrices)
+
+    def is_whole(self, path: KeyPath | str) -> bool:
+        """Whether ``path`` lies under one of the ``whole_matrices`` prefixes."""
+        return under_any(path, self.whole_prefixes)
+
+    def is_matrix_stack(self, path: KeyPath | str) -> bool:
+        """Whether ``path`` lies under one of the ``matrix_stacks`` prefixes."""
+        return under_any(path, tuple(split_prefix(p) for p in self.matrix_stacks))
+
+    def leaf_layout(
+        self, leaf: Any, *, stacked: bool, model: tuple[Any, ...] = (), whole: bool = False, stack: bool = False
+    ) -> LeafLayout:
         shape, dtype = shape_dtype(leaf)
         # Pad to a multiple of the optimizer's piece count: with
         # optimizer_over_replicas it is a multiple of the parameters' N too,
         # so both cuts share one stored shape.
         return layout_of(
-            shape, dtype, self.num_state_shards, min_shard_size=self.min_shard_size, skip_leading=stacked, model=model
+            shape,
+            dtype,
+            self.num_state_shards,
+            min_shard_size=self.min_shard_size,
+            skip_leading=stacked,
+            model=model,
+            whole=whole,
+            stack=stack,
         )
 
     def layouts(self, params: PyTree) -> PyTree:
@@ -479,20 +522,32 @@ class ZeroPolicy:
         Raises ``ValueError`` when a ``stacked`` prefix matches no leaf.
         """
         pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
-        unmatched = [prefix for prefix in self.stacked_prefixes if not any(under(p, prefix) for p, _ in pairs)]
-        if unmatched:
-            raise ValueError(
-                STACKED_MATCHES_NOTHING.format(
-                    which=", ".join(repr("/".join(prefix)) for prefix in unmatched),
-                    s="" if len(unmatched) == 1 else "es",
-                    entries=sorted({path_str(p[:1]) for p, _ in pairs}),
+        fields = (
+            ("stacked", self.stacked_prefixes),
+            ("whole_matrices", self.whole_prefixes),
+            ("matrix_stacks", tuple(split_prefix(p) for p in self.matrix_stacks)),
+        )
+        for field, prefixes in fields:
+            unmatched = [prefix for prefix in prefixes if not any(under(p, prefix) for p, _ in pairs)]
+            if unmatched:
+                raise ValueError(
+                    STACKED_MATCHES_NOTHING.format(
+                        field=field,
+                        which=", ".join(repr("/".join(prefix)) for prefix in unmatched),
+                        s="" if len(unmatched) == 1 else "es",
+                        entries=sorted({path_str(p[:1]) for p, _ in pairs}),
+                    )
                 )
-            )
         models = model_entries(
             self.param_specs, params, self.mesh, self.axes + self.replica_axes, lambda leaf: shape_dtype(leaf)[0]
         )
         stacked = [self.is_stacked(p) for p, _ in pairs]
-        layouts = [self.leaf_layout(x, stacked=s, model=m) for (_, x), s, m in zip(pairs, stacked, models, strict=True)]
+        whole = [self.is_whole(p) for p, _ in pairs]
+        stacks = [self.is_matrix_stack(p) for p, _ in pairs]
+        layouts = [
+            self.leaf_layout(x, stacked=s, model=m, whole=w, stack=k)
+            for (_, x), s, m, w, k in zip(pairs, stacked, models, whole, stacks, strict=True)
+        ]
         if self.wire != WireFormat():
             paths = [path_str(p) for p, _ in pairs]
             check_quant_block(paths, layouts, stacked, self.num_shards, self.mesh.shape, self.wire.block)
@@ -644,7 +699,8 @@ class ZeroPolicy:
 
 def _normalised_default(name: str, default: Any) -> Any:
     """A field's default as ``__post_init__`` normalises it (what :meth:`ZeroPolicy.__repr__` leaves out)."""
-    return {"axis": _names, "replica_axis": _names, "stacked": _prefixes,
+    return {"axis": _names, "replica_axis": _names, "stacked": _prefixes, "whole_matrices": _prefixes,
+            "matrix_stacks": _prefixes,
             "precision": lambda p: p if p is not None else Precision(), "offload_optimizer": float}.get(
         name, lambda v: v)(default)  # fmt: skip
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -250,11 +251,74 @@ def frozen_leaves(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, [next(floats) if k else True for k in keep])
 
 
+def matrix_leaves(tx: optax.GradientTransformation, params: PyTree) -> dict[str, tuple[str, ...]]:
+    """The parameters whose update multiplies the matrix by itself (Muon's
+    Newton-Schulz iteration, Shampoo's and SOAP's Gram matrices), as
+    ``ZeroPolicy`` arguments: ``whole_matrices`` (every such leaf: never cut
+    across a matrix) and ``matrix_stacks`` (those that are stacks of matrices
+    on dimension 0, each multiplied alone: cut along the stack). Use them as
+    ``ZeroPolicy(stage, mesh, **zj.matrix_leaves(tx, params))``.
+
+    Read off the traced update (:func:`zero_jax._base.jaxpr.matrix_products`),
+    not the optimizer's name, so it holds for any composition
+    (``optax.contrib.muon``'s own split, ``multi_transform``, chains). It is
+    conservative: a transformation that scales every leaf by one global value
+    (``clip_by_global_norm`` before Muon) may also name a leaf of the same
+    size as a multiplied matrix, and a stack whose leading axis the walk
+    cannot follow is reported as a single matrix (kept whole).
+
+    >>> import jax, optax, zero_jax as zj
+    >>> params = {"w": jax.ShapeDtypeStruct((64, 32), "float32"), "b": jax.ShapeDtypeStruct((32,), "float32")}
+    >>> zj.matrix_leaves(optax.contrib.muon(1e-2), params)
+    {'whole_matrices': ('w',), 'matrix_stacks': ()}
+    """
+    parts = sharded_parts(tx)
+    tx = parts.inner if parts is not None else _checked(tx, None, needs_policy=False)
+    pairs, _ = jax.tree_util.tree_flatten_with_path(params)
+    keep = _float_flags([x for _, x in pairs])
+    shown = hide_non_float(params, keep)
+    state = jax.eval_shape(tx.init, jax.tree.map(_jaxpr.abstract, shown))
+    found = _jaxpr.matrix_products(lambda g, s, p: tx.update(g, s, p)[0], shown, state, shown)
+    multiplied, stacked = iter(found.multiplied), iter(found.stacked)
+    flags = [(next(multiplied), next(stacked)) if k else (False, False) for k in keep]
+    paths = [path_str(p) for p, _ in pairs]
+    return {
+        "whole_matrices": tuple(path for path, (m, _) in zip(paths, flags, strict=True) if m),
+        "matrix_stacks": tuple(path for path, (_, k) in zip(paths, flags, strict=True) if k),
+    }
+
+
+#: ``shard_optimizer``'s init: the optimizer multiplies leaves the policy cuts.
+MATRIX_LEAVES_CUT = (
+    "shard_optimizer: the optimizer multiplies {leaves} by itself (Muon's Newton-Schulz, a Gram matrix), but "
+    "{policy} cuts them, so the compiler all-reduces matrix-sized products inside every step (2-4x the "
+    "communication of the stage's theory). Cut them only between whole matrices: ZeroPolicy(..., "
+    "**zj.matrix_leaves(tx, params)) (stacks of matrices cut on the stack axis, single matrices kept whole)."
+)
+
+
+def warn_cut_matrices(
+    tx: optax.GradientTransformation, params: PyTree, layouts: TreeLayouts, policy: ZeroPolicy
+) -> None:
+    """Warn (:data:`MATRIX_LEAVES_CUT`) about every leaf ``tx`` multiplies by
+    itself whose optimizer state ``policy`` cuts."""
+    if not policy.partitions_opt_state:
+        return
+    found = matrix_leaves(tx, params)
+    stacks = set(found["matrix_stacks"])
+    pairs = jax.tree_util.tree_flatten_with_path(layouts.tree(), is_leaf=is_layout)[0]
+    cut = {path_str(p) for p, lay in pairs if lay.dim is not None and not (lay.dim == 0 and path_str(p) in stacks)}
+    bad = [path for path in found["whole_matrices"] if path in cut]
+    if bad:
+        warnings.warn(MATRIX_LEAVES_CUT.format(leaves=", ".join(repr(b) for b in bad), policy=policy), stacklevel=4)
+
+
 # -- the transformation --------------------------------------------------------------------
 
 
-def _checked(tx: Any, policy: Any) -> optax.GradientTransformation:
-    """The plain optax transformation to wrap, or an error saying what to pass."""
+def _checked(tx: Any, policy: Any, *, needs_policy: bool = True) -> optax.GradientTransformation:
+    """The plain optax transformation to wrap, or an error saying what to pass
+    (``needs_policy=False``: only the transformation is checked)."""
     parts = sharded_parts(tx)
     if parts is not None:
         raise TypeError(
@@ -268,7 +332,7 @@ def _checked(tx: Any, policy: Any) -> optax.GradientTransformation:
             f"shard_optimizer: expected an optax.GradientTransformation, got {type(tx).__name__}. "
             "Pass an optax optimizer such as optax.adamw(1e-3)."
         )
-    if not isinstance(policy, ZeroPolicy):
+    if needs_policy and not isinstance(policy, ZeroPolicy):
         raise TypeError(f"shard_optimizer: policy must be a ZeroPolicy, got {type(policy).__name__}.")
     return tx
 
@@ -319,6 +383,7 @@ def shard_optimizer(
 
     def init(params: PyTree) -> ShardedOptState:
         record = TreeLayouts.of(policy.layouts(params))
+        warn_cut_matrices(tx, params, record, policy)
         with policy.program_mesh():
             inner = tx.init(hide_non_float(params, _float_flags(record.layouts)))
             layouts = policy.state_layouts(inner, params)
