@@ -218,10 +218,27 @@ def _dot_axes(eqn: Any, lhs: Axes, rhs: Axes, mixed: set[int]) -> Axes:
     return _merge(out_l, out_r)
 
 
+def scan_counts(eqn: Any) -> tuple[int, int] | None:
+    """A ``scan`` equation's numbers of constants and carried values (its
+    other inputs are the scanned ones), or None where its parameters say
+    neither: jax <= 0.11 names them (``num_consts``, ``num_carry``), jax 0.12
+    groups its inputs (``ft_in``: constants, carry, scanned)."""
+    params = eqn.params
+    if "num_consts" in params and "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    groups = params.get("ft_in")  # a jax FlatTree: unpacked as jax's own scan rules unpack it
+    try:
+        consts, carry, scanned = (list(g) for g in groups.update(list(range(len(eqn.invars)))).unpack())
+    except (AttributeError, TypeError, ValueError, AssertionError):
+        return None
+    return (len(consts), len(carry)) if len(consts) + len(carry) + len(scanned) == len(eqn.invars) else None
+
+
 def _loop_axes(eqn: Any, ins: list[Axes], mixed: set[int], multiplied: set[int], sizes: Sequence[int]) -> list[Axes]:
     """A ``scan``'s outputs: its body walked with the carry followed to a fixed point."""
-    body = eqn.params["jaxpr"].jaxpr
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)  # a ClosedJaxpr up to jax 0.11, a Jaxpr in 0.12
+    nc, nk = scan_counts(eqn) or (0, 0)
     xs = [_moved(m, lambda a: a - 1 if a > 0 else LOST) for m in ins[nc + nk :]]
     carry = list(ins[nc : nc + nk])
     outs: list[Axes] = []
@@ -238,7 +255,7 @@ def _eqn_axes(eqn: Any, ins: list[Axes], mixed: set[int], multiplied: set[int], 
     """Where each tracked input's axis is in each output of one equation."""
     name, n_out = eqn.primitive.name, len(eqn.outvars)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-    out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+    out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ())) if eqn.outvars else ()  # jax 0.12: calls with none
     if name == "dot_general":
         # An input a side reads only through a reduction (a global norm's scale) is not multiplied there.
         common = {i for i in set(ins[0]) & set(ins[1]) if ins[0][i] != UNIFORM and ins[1][i] != UNIFORM}
@@ -248,7 +265,7 @@ def _eqn_axes(eqn: Any, ins: list[Axes], mixed: set[int], multiplied: set[int], 
     inner = called(eqn)
     if inner is not None:
         return _walk(inner, ins, mixed, multiplied, sizes)
-    if name == "scan":
+    if name == "scan" and scan_counts(eqn) is not None:
         return _loop_axes(eqn, ins, mixed, multiplied, sizes)
     if name in ELEMENTWISE:  # operands of the output's rank (size-1 dimensions broadcast) or scalars
         same = lambda s: len(s) == len(out_shape) or not s  # noqa: E731
