@@ -22,6 +22,7 @@ from zero_jax._layout.leaf import is_float
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.state import TrainState, full_params, init_state
 from zero_jax._step.train import make_train_step
+from zero_jax.adapters._axis_names import specs_for_mesh
 from zero_jax.adapters._blocks import Blocks, describe_group, group_pattern, repeated_groups
 from zero_jax.adapters._scope import adapter_scope, count_scan, current
 
@@ -112,10 +113,23 @@ class Adapted(NamedTuple):
         return make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)
 
     def policy(self, stage: int, mesh: jax.sharding.Mesh, axis: str | Sequence[str] = "data", **kwargs: Any):
-        """``zj.ZeroPolicy(stage, mesh, axis, stacked=self.stacked, **kwargs)``."""
+        """``zj.ZeroPolicy(stage, mesh, axis, stacked=self.stacked, param_specs=..., **kwargs)``.
+
+        ``param_specs`` defaults to :attr:`param_specs` placed on ``mesh``: a data-parallel name
+        (``"fsdp"``, ``"data"``, ``"dp"``, ...) or a ZeRO axis is dropped (ZeRO partitions over its own axis), a
+        tensor-parallel name (``"tp"``, ``"model"``, ...) is the mesh's model axis (none on a data-only mesh),
+        a model axis stays (``zero_jax.adapters._specs.specs_for_mesh``); another name is an error naming the
+        leaf and the fix. An explicit ``param_specs=`` (``None`` included) wins."""
         stacked = kwargs.pop("stacked", ())
         extra = (stacked,) if isinstance(stacked, str) else tuple(stacked)
-        return ZeroPolicy(stage, mesh, axis, stacked=self.stacked + extra, **kwargs)
+        policy = ZeroPolicy(stage, mesh, axis, stacked=self.stacked + extra, **kwargs)
+        if "param_specs" in kwargs or self.param_specs is None:
+            return policy
+        zero_axes = policy.axes + policy.replica_axes
+        specs = specs_for_mesh(self.param_specs, zero_axes, policy.model_axes, "adapted.policy")
+        if not policy.model_axes:  # a data-only mesh: nothing is model-sharded
+            return policy
+        return ZeroPolicy(stage, mesh, axis, stacked=self.stacked + extra, param_specs=specs, **kwargs)
 
 
 def params_of(state_or_params: Any) -> PyTree:
