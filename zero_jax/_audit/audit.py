@@ -280,6 +280,12 @@ def _param_infos(facts: StepFacts, state: Any) -> list[ParamInfo]:
     ]
 
 
+def _frozen_bytes(leaves: list[LeafBytes], params: list[ParamInfo]) -> int:
+    """Bytes per device of the frozen parameters (each leaf's most on a device, summed)."""
+    frozen = {f"params/{p.path}" for p in params if p.frozen}
+    return sum(leaf.per_device for leaf in leaves if leaf.category == "params" and leaf.path in frozen)
+
+
 def _grad_bytes(leaves: list[LeafBytes], params: list[ParamInfo]) -> float:
     g = [leaf for leaf in leaves if leaf.category == "grads" and is_float(leaf.dtype)]
     phi = sum(math.prod(p.layout.shape) for p in params)
@@ -447,7 +453,7 @@ def audit(
             abstract=abstract, layers=layers, wire=policy.wire, wire_roles=roles,
             compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
             fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
-            estimate=estimate,
+            estimate=estimate, frozen_bytes=_frozen_bytes(leaves, params),
         )  # fmt: skip
 
 
