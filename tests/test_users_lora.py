@@ -131,3 +131,13 @@ def test_the_frozen_base_is_partitioned_at_stage_3_and_lora_trains_like_optax(fo
     report = zj.audit(step, state, batches[0], min_shard_size=0)
     assert report.frozen_bytes == base_bytes // N
     assert "\n    of which frozen (no gradient, no optimizer state) 6.35 KiB\n" in str(report)
+
+
+def test_a_lora_filter_that_matches_nothing_is_one_line_naming_the_fix() -> None:
+    plain = nnx.Linear(D, D, rngs=nnx.Rngs(0))  # no LoRA layers: nnx.LoRAParam matches nothing
+    with pytest.raises(ValueError) as e:
+        zj.adapters.from_nnx(plain, lambda m, b: jnp.mean(m(b["x"]) ** 2), trainable=nnx.LoRAParam)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("zj.adapters.from_nnx: trainable=")
+    assert "LoRAParam" in text and "matches no variable of the model (its variables are ['Param'])" in text
+    assert "nnx.LoRA / nnx.LoRALinear" in text

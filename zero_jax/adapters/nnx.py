@@ -191,6 +191,13 @@ _NOT_FLOAT = (
 )
 
 
+_NOTHING_TRAINABLE = (
+    "{where}: trainable={filter!r} matches no variable of the model (its variables are {kinds}). Name a Variable "
+    "type the model holds: nnx.Param for the whole model, nnx.LoRAParam for LoRA (after wrapping its layers with "
+    "nnx.LoRA / nnx.LoRALinear, or qwix's LoRA provider)."
+)
+
+
 def _frozen_base(path: Any, x: Any) -> bool:
     """A float ``nnx.Param`` (the filter that adds the frozen base to what ``trainable=`` selects)."""
     del path
@@ -519,6 +526,9 @@ def from_nnx(
     _check_inputs(model, loss, state_updates)
     prefixes = normalize_prefixes(stacked, _WHERE)
     trained = {keys for keys, _ in nnx.to_flat_state(nnx.state(model, trainable))}
+    if not trained:
+        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(nnx.state(model))})
+        raise ValueError(_NOTHING_TRAINABLE.format(where=_WHERE, filter=trainable, kinds=kinds))
     trainable = nnx.Any(trainable, _frozen_base)  # from here on: what params holds, the frozen base included
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
