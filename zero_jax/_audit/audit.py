@@ -127,7 +127,7 @@ from zero_jax._audit.violations import (
 from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_any
 from zero_jax._base.units import is_whole_number
 from zero_jax._layerwise.schedule import read_only_options, schedule_for
-from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
+from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_codes, is_float, is_layout
 from zero_jax._policy.placement import place_batch
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.optimizer import frozen_leaves
@@ -276,7 +276,7 @@ def _param_infos(facts: StepFacts, state: Any) -> list[ParamInfo]:
             policy.comm.cast,
         )  # fmt: skip
         for (p, lay), leaf, fz in zip(layout_pairs, param_leaves, frozen, strict=True)
-        if is_float(lay.dtype)
+        if is_float(lay.dtype) or is_codes(lay.dtype)
     ]
 
 
