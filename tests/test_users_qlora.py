@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from _models import make_mesh
+from flax import nnx
 
 import zero_jax as zj
 
@@ -114,3 +115,59 @@ def test_a_quantized_base_is_partitioned_at_stage_3_and_lora_trains_like_optax(s
         gathered = {c.dtype for c in report.collectives if c.kind == "all-gather"}
         assert gathered == {"f32", "s8"}, gathered
         assert report.layers is not None and report.layers.max_alive <= 2
+
+
+class QLoRALinear(nnx.Module):
+    """A quantized base the NNX way: int8 codes and float32 scales in ``nnx.Param``s, LoRA beside them."""
+
+    def __init__(self, w: np.ndarray, rngs: nnx.Rngs) -> None:
+        base = _quantize(w)
+        self.codes, self.scale = nnx.Param(base["codes"]), nnx.Param(base["scale"])
+        self.a = nnx.LoRAParam(jax.random.normal(rngs.params(), (D, RANK)) / 8)
+        self.b = nnx.LoRAParam(jnp.zeros((RANK, D)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(x @ (self.codes[...].astype(jnp.float32) * self.scale[...] + self.a[...] @ self.b[...]))
+
+
+class QNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        rng = np.random.default_rng(0)
+        self.blocks = nnx.List([QLoRALinear(rng.normal(size=(D, D)) / 8, rngs) for _ in range(DEPTH)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.slow
+def test_a_quantized_nnx_base_frozen_by_lora_param_is_partitioned_at_stage_3() -> None:
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    adapted = zj.adapters.from_nnx(QNet(nnx.Rngs(0)), loss, trainable=nnx.LoRAParam, layers="auto")
+    assert adapted.frozen["blocks"][0] == {"codes": True, "scale": True, "a": False, "b": False}
+    policy = adapted.policy(3, make_mesh(N), min_shard_size=0)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state, step = adapted.init_state(tx, policy), adapted.make_train_step(tx, policy)
+    batches, losses = _batches(), []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    base = [x for blk in state.params["blocks"].values() for k, x in blk.items() if k in ("codes", "scale")]
+    assert _per_device(base) == DEPTH * (D * D + D * 4) // N  # 1/N of codes and scales per device
+
+    graphdef, lora, rest = nnx.split(QNet(nnx.Rngs(0)), nnx.LoRAParam, ...)
+    ref_tx = optax.adam(1e-2)
+    opt, ref_losses = ref_tx.init(lora), []
+    for b in batches:
+        value, g = jax.value_and_grad(lambda lo, b=b: loss(nnx.merge(graphdef, lo, rest), b))(lora)
+        updates, opt = ref_tx.update(g, opt, lora)
+        lora = optax.apply_updates(lora, updates)
+        ref_losses.append(float(value))
+    ref = nnx.to_pure_dict(lora)
+    full = zj.full_params(state)
+    for i in range(DEPTH):  # fp32, Adam lr 1e-2, 2 steps: reduction order only
+        for k in ("a", "b"):
+            np.testing.assert_allclose(np.asarray(full["blocks"][i][k]), np.asarray(ref["blocks"][i][k]), rtol=1e-5,
+                                       atol=1e-6)  # fmt: skip
+    assert losses == pytest.approx(ref_losses, rel=1e-5)

@@ -72,7 +72,7 @@ from flax import nnx
 from zero_jax._base.tree import PyTree, key_names, path_str
 from zero_jax._layerwise.blocks import LayerChain
 from zero_jax._layerwise.pieces import gather
-from zero_jax._layout.leaf import is_float
+from zero_jax._layout.leaf import is_codes, is_float
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,
@@ -199,9 +199,10 @@ _NOTHING_TRAINABLE = (
 
 
 def _frozen_base(path: Any, x: Any) -> bool:
-    """A float ``nnx.Param`` (the filter that adds the frozen base to what ``trainable=`` selects)."""
+    """An ``nnx.Param`` holding floats or the 8-bit integer codes of a quantized weight (QLoRA's base): the
+    filter that adds the frozen base to what ``trainable=`` selects."""
     del path
-    return isinstance(x, nnx.Param) and is_float(x.get_value())
+    return isinstance(x, nnx.Param) and (is_float(x.get_value()) or is_codes(x.get_value()))
 
 
 def _frozen_mask(param_state: nnx.State, params: PyTree, trained: set[tuple[Any, ...]]) -> PyTree | None:
@@ -212,6 +213,11 @@ def _frozen_mask(param_state: nnx.State, params: PyTree, trained: set[tuple[Any,
         return None
     pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
     return jax.tree.unflatten(treedef, [flags[key_names(p)] for p, _ in pairs])
+
+
+def _trained_only(params: PyTree, frozen: PyTree) -> PyTree:
+    """``params`` without its frozen leaves (those may be integer codes)."""
+    return jax.tree.map(lambda x, f: None if f else x, params, frozen)
 
 
 def _check_trainable_floats(params: PyTree) -> None:
@@ -532,8 +538,8 @@ def from_nnx(
     trainable = nnx.Any(trainable, _frozen_base)  # from here on: what params holds, the frozen base included
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
-    _check_trainable_floats(params)
     frozen = _frozen_mask(param_state, params, trained)
+    _check_trainable_floats(params if frozen is None else _trained_only(params, frozen))
     specs = nnx_specs(param_state, params, check_rules(logical_axis_rules, _WHERE), prefixes, _WHERE)
     check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
