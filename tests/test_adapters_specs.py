@@ -224,6 +224,7 @@ def _tp_mesh(names: tuple[str, str] = ("data", "model")) -> jax.sharding.Mesh:
     return jax.make_mesh((4, 2), names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+@pytest.mark.slow
 def test_fsdp_and_tp_names_are_placed_by_adapted_policy_and_train_like_optax() -> None:
     import optax
 

@@ -5,8 +5,8 @@ loops over the blocks (as gemma's Transformer is written), ``nn.remat`` around t
 Before: at ``prefetch=1`` the chain gathered block i + 1 from the step's values, outside ``nn.jit``'s trace, which
 ``nn.jit`` caches by its arguments' structure: the first step raised UnexpectedTracerError, and after a
 ``prefetch=0`` run in the same process a ``prefetch=1`` step silently ran the cached prefetch-0 trace. The child
-process below runs prefetch 0 then 1 then 0 again on one model class (one ``nn.jit`` cache), so a trace that depends
-on what ran before shows up as the wrong number of whole layers alive."""
+process below runs prefetch 0 then 1 on one model class (one ``nn.jit`` cache), so a trace that depends on what ran
+before shows up as the wrong number of whole layers alive."""
 
 from __future__ import annotations
 
@@ -81,8 +81,7 @@ def reference(adapted):
 
 out = {}
 for name, make, pf in [("nn.jit", lambda pf: linen(Jitted, pf), 0), ("nn.jit", lambda pf: linen(Jitted, pf), 1),
-                       ("nn.jit", lambda pf: linen(Jitted, pf), 0), ("nn.remat", lambda pf: linen(Rematted, pf), 1),
-                       ("nnx.jit", njitted, 1)]:
+                       ("nn.remat", lambda pf: linen(Rematted, pf), 1), ("nnx.jit", njitted, 1)]:
     adapted = make(pf)
     policy = adapted.policy(3, mesh, min_shard_size=0)
     tx = zj.shard_optimizer(optax.adam(1e-2), policy)
@@ -122,8 +121,7 @@ def test_blocks_inside_a_jitted_model_call_train_like_optax_at_every_prefetch() 
             assert r["gap"] <= 1e-5, (name, r["prefetch"], r["gap"])
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), name
     jitted = result["nn.jit"]
-    assert [r["prefetch"] for r in jitted] == [0, 1, 0]
-    # Prefetch moves when a gather is issued, not what it computes: prefetch 0 and 1 train bitwise alike, and the
-    # second prefetch-0 run (after a prefetch-1 run on the same nn.jit cache) is the first one again.
-    assert jitted[0]["params"] == jitted[1]["params"] == jitted[2]["params"]
-    assert jitted[0]["losses"] == jitted[1]["losses"] == jitted[2]["losses"]
+    assert [r["prefetch"] for r in jitted] == [0, 1]
+    # Prefetch moves when a gather is issued, not what it computes: prefetch 0 and 1 train bitwise alike.
+    assert jitted[0]["params"] == jitted[1]["params"]
+    assert jitted[0]["losses"] == jitted[1]["losses"]
