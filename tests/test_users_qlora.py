@@ -107,6 +107,13 @@ def test_a_quantized_base_is_partitioned_at_stage_3_and_lora_trains_like_optax(s
         for k in ("a", "b"):  # fp32, Adam lr 1e-2, 2 steps: reduction order only. Measured <= 4e-8 absolute.
             np.testing.assert_allclose(np.asarray(blk[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+    # The formula counts the base with the parameters (frozen: no gradient, no optimizer state).
+    lora_elems = DEPTH * 2 * D * RANK
+    frozen_elems = DEPTH * (D * D + D)
+    formula = zj.model_state_bytes(lora_elems, N, stage, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                                   frozen_params=frozen_elems, frozen_bytes=whole / frozen_elems)  # fmt: skip
+    assert formula.params == pytest.approx(_per_device(jax.tree.leaves(state.params)))
+    assert formula.optimizer == pytest.approx(8 * lora_elems / N)  # Adam's moments of the LoRA pairs only
     # The audit counts the codes as parameters (frozen: gathered, never reduced): communication at the theory,
     # codes and scales gathered together block by block, the frozen base reported apart.
     report = zj.audit(step, state, batches[0], min_shard_size=0).check()
