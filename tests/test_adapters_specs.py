@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import train_adapted
+from _models import make_mesh, train_adapted
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -191,3 +191,91 @@ def test_bad_layouts_are_one_error_naming_each_leaf_and_the_fix() -> None:
     assert "its mesh has axes ('data',)" in text
     with pytest.raises(TypeError, match=r"sequence of \(logical_name, mesh_axis\) pairs.*got 'mlp', \('embed', 3\)"):
         _linen(LinenMLP(), logical_axis_rules=["mlp", ("embed", 3)])
+
+
+# -- names as tunix and MaxText write them (issue 40, item 4) ----------------------------------------------------
+
+
+class TunixMLP(nnx.Module):
+    """tunix's spelling: every parameter names its axes by role, ('fsdp', 'tp') (Flax remaps tunix's
+    ``sharding=`` to ``out_sharding``)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Param(init(rngs.params(), (IN, HIDDEN)), out_sharding=("fsdp", "tp"))
+        self.bias = nnx.Param(jnp.zeros((HIDDEN,)), out_sharding=("tp",))
+        self.down = nnx.Param(init(rngs.params(), (HIDDEN, IN)), out_sharding=("tp", "fsdp"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(x @ self.up + self.bias) @ self.down
+
+
+def _tunix(**kwargs: Any) -> zj.adapters.Adapted:
+    with nnx.use_eager_sharding(False):
+        model = TunixMLP(nnx.Rngs(0))
+    return zj.adapters.from_nnx(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), **kwargs)
+
+
+TUNIX = {"up": P("fsdp", "tp"), "bias": P("tp"), "down": P("tp", "fsdp")}
+PLACED = {"up": P(None, "model"), "bias": P("model"), "down": P("model", None)}  # on a (data, model) mesh
+
+
+def _tp_mesh(names: tuple[str, str] = ("data", "model")) -> jax.sharding.Mesh:
+    return jax.make_mesh((4, 2), names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.slow
+def test_fsdp_and_tp_names_are_placed_by_adapted_policy_and_train_like_optax() -> None:
+    import optax
+
+    adapted = _tunix()
+    assert adapted.param_specs == TUNIX  # read as declared; no rule needed for role names
+    policy = adapted.policy(3, _tp_mesh(), min_shard_size=0)
+    assert policy.param_specs == PLACED  # 'fsdp' is ZeRO's own cut, 'tp' the model axis
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    state, step = adapted.init_state(tx, policy), adapted.make_train_step(tx, policy)
+    assert state.params["up"].sharding.spec == P("data", "model")  # ZeRO over data on the free dim, TP over model
+    rng = np.random.default_rng(0)
+    batches = [{"x": jnp.asarray(rng.normal(size=(16, IN)), jnp.float32),
+                "y": jnp.asarray(rng.normal(size=(16, IN)), jnp.float32)} for _ in range(2)]  # fmt: skip
+    params, ref_tx = adapted.params, optax.adam(1e-2)
+    opt = ref_tx.init(params)
+    for b in batches:
+        state, metrics = step(state, b)
+        loss, g = jax.value_and_grad(adapted.loss_fn)(params, b)
+        updates, opt = ref_tx.update(g, opt, params)
+        params = optax.apply_updates(params, updates)
+        # fp32: the same loss up to the reduction order over 4 x 2 devices.
+        assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+    for k, ref in params.items():  # fp32, Adam lr 1e-2, 2 steps: reduction order only (measured < 1e-6)
+        np.testing.assert_allclose(np.asarray(zj.full_params(state)[k]), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_role_names_on_other_meshes_and_rules_that_override_them() -> None:
+    adapted = _tunix()
+    # The mesh named as tunix names it: ZeRO over 'fsdp', 'tp' is a mesh axis.
+    on_own = adapted.policy(3, _tp_mesh(("fsdp", "tp")), axis="fsdp", min_shard_size=0)
+    assert on_own.param_specs == {"up": P(None, "tp"), "bias": P("tp"), "down": P("tp", None)}
+    assert adapted.policy(3, make_mesh(8), min_shard_size=0).param_specs is None  # data-only: no model axis
+    assert adapted.policy(3, _tp_mesh(), min_shard_size=0, param_specs=None).param_specs is None  # explicit wins
+    # A rule wins over the default: 'tp' left unsharded.
+    ruled = _tunix(logical_axis_rules=[("tp", None)])
+    assert ruled.param_specs == {"up": P("fsdp", None), "bias": P(None), "down": P(None, "fsdp")}
+    assert ruled.policy(3, _tp_mesh(), min_shard_size=0).param_specs == {
+        "up": P(None, None), "bias": P(None), "down": P(None, None)}  # fmt: skip
+    # Linen's nn.with_partitioning with the same names reads and places alike.
+    linen = _linen(LinenMLP((("embed", "fsdp"), ("mlp", "tp"))))
+    assert linen.param_specs == {"up": {"kernel": P("fsdp", "tp"), "bias": P("tp")},
+                                 "down": {"kernel": P("tp", "fsdp"), "bias": P()}}  # fmt: skip
+    assert linen.policy(3, _tp_mesh(), min_shard_size=0).param_specs == MEGATRON
+
+
+def test_an_unknown_axis_name_is_one_line_naming_the_leaf_and_the_fix() -> None:
+    adapted = _nnx({"mlp": "hidden_units"})  # neither a mesh axis nor a role name
+    with pytest.raises(ValueError) as e:
+        adapted.policy(3, _tp_mesh(), min_shard_size=0)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("adapted.policy: ")
+    assert "'up/kernel' names 'hidden_units' (in P(None, 'hidden_units'))" in text
+    assert "'down/kernel' names 'hidden_units'" in text and "'up/bias' names 'hidden_units'" in text
+    assert "logical_axis_rules=[(name, mesh_axis or None), ...] in from_nnx / from_linen" in text

@@ -128,7 +128,7 @@ from zero_jax._audit.violations import (
 from zero_jax._base.tree import PyTree, check_live, key_name, path_str, under_any
 from zero_jax._base.units import is_whole_number
 from zero_jax._layerwise.schedule import read_only_options, schedule_for
-from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_float, is_layout
+from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, is_codes, is_float, is_layout
 from zero_jax._policy.placement import place_batch
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._step.optimizer import frozen_leaves
@@ -277,8 +277,14 @@ def _param_infos(facts: StepFacts, state: Any) -> list[ParamInfo]:
             policy.comm.cast,
         )  # fmt: skip
         for (p, lay), leaf, fz in zip(layout_pairs, param_leaves, frozen, strict=True)
-        if is_float(lay.dtype)
+        if is_float(lay.dtype) or is_codes(lay.dtype)
     ]
+
+
+def _frozen_bytes(leaves: list[LeafBytes], params: list[ParamInfo]) -> int:
+    """Bytes per device of the frozen parameters (each leaf's most on a device, summed)."""
+    frozen = {f"params/{p.path}" for p in params if p.frozen}
+    return sum(leaf.per_device for leaf in leaves if leaf.category == "params" and leaf.path in frozen)
 
 
 def _grad_bytes(leaves: list[LeafBytes], params: list[ParamInfo]) -> float:
@@ -449,6 +455,7 @@ def audit(
             compiled=compiled_comm(program, colls, comm.theory, policy), overlap=layer_overlap(program, params, policy),
             fragmentation=fragmentation, buffers=buffers, schedule=schedule_for(policy).describe(),
             estimate=estimate, whole_matrices=tuple("/".join(p) for p in sorted(whole_paths(params))),
+            frozen_bytes=_frozen_bytes(leaves, params),
         )  # fmt: skip
 
 

@@ -39,7 +39,7 @@ from zero_jax._audit.hlo import DTYPE_BYTES, Collective, ring_bytes
 from zero_jax._audit.model_axes import is_model_only, local_shape
 from zero_jax._audit.report import COMM_OVER_THEORY, WIDE_WIRE, Communication, ParamInfo, Violation
 from zero_jax._base.units import fmt_bytes
-from zero_jax._layout.leaf import piece_elements
+from zero_jax._layout.leaf import is_real_float, piece_elements
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax._theory.wire import block_size, num_blocks, wire_bytes
 
@@ -291,12 +291,15 @@ def _leaf_theory(p: ParamInfo, policy: ZeroPolicy, rb: int, reduces: int, gather
         out += (1 if policy.optimizer_over_replicas else 2) * ring_replica * stored / n * rb
     if policy.optimizer_over_replicas and not policy.partitions_params:
         return out + ring_all * stored * itemsize  # all-gather of the update over both axes
-    gather_pass = wire_pass if wire.weights is not None and policy.partitions_params else ring * stored * itemsize
+    if p.frozen and not policy.partitions_params:
+        return out  # stages 1-2 all-gather updated parameters only: a frozen one never changes
+    # A quantized base's integer codes travel as they are, whatever the wire does to float weights.
+    quantized = wire.weights is not None and policy.partitions_params and is_real_float(p.dtype)
+    gather_pass = wire_pass if quantized else ring * stored * itemsize
     if policy.secondary_axis:
         # hpZ: the forward gather crosses every axis (in two steps, the same bytes as one); the backward
         # re-gathers only within the node, (S - 1) of its S secondary pieces: A = N/S primary pieces each.
         s = policy.num_secondary_shards
-        quantized = wire.weights is not None
         within = gather_pass / (n - 1) * (s - 1) * (n // s) if quantized else (s - 1) / s * stored * itemsize
         forward = max(1, gathers // 2)
         return out + gather_pass * forward + within * (gathers - forward)

@@ -632,6 +632,10 @@ class AuditReport:
       host_bytes: category -> bytes per device kept in ``pinned_host``
         memory (offloaded leaves; empty without offload).
       state_bytes_min: category -> the least (devices should be balanced).
+      frozen_bytes: of ``state_bytes["params"]``, the bytes per device of
+        frozen parameters (a LoRA base: no gradient, no optimizer state, no
+        gradient communication; stage 3 partitions them like the rest), the
+        sum over those leaves of the most any device holds.
       formula: category -> :func:`zero_jax.model_state_bytes` for this Φ, N,
         stage and the run's bytes per parameter (``bytes_per_param``); with
         model axes, for one model shard: each leaf counts its elements / how
@@ -732,6 +736,7 @@ class AuditReport:
     schedule: str = ""
     estimate: StepEstimate | None = None
     whole_matrices: tuple[str, ...] = ()
+    frozen_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -818,6 +823,9 @@ class AuditReport:
                 f = self.formula.get(cat)
                 ratio = f" / {fmt_bytes(f)} = {self.state_bytes[cat] / f:.4f}" if f else ""
                 lines.append(f"  {cat:<10} {fmt_bytes(self.state_bytes[cat]):>12}{ratio}")
+                if cat == "params" and self.frozen_bytes:
+                    frozen = fmt_bytes(self.frozen_bytes)
+                    lines.append(f"    of which frozen (no gradient, no optimizer state) {frozen}")
         if self.host_bytes:
             lines.append(
                 "offloaded to pinned_host per device: "

@@ -258,7 +258,7 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
     if layout.dim is None:
         return to_varying(x, axis)
     x = cast_for_wire(x, axis)
-    if _axes(axis).wire.weights is not None:
+    if _axes(axis).wire.weights is not None and is_real_float(x):  # a quantized base's codes travel as they are
         return _quantized_gather_for_use(x, layout, _axes(axis))
     if _axes(axis).secondary:
         return gather_secondary(secondary_piece(x, layout, axis), layout, axis)
@@ -297,7 +297,7 @@ def secondary_piece(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arr
     if layout.dim is None:
         return x
     across = _name(axes.across)
-    if axes.wire.weights is not None:
+    if axes.wire.weights is not None and is_real_float(x):
         q, scale = quantize_blocks(x, axes.wire.block)
         return Int8Pieces(jax.lax.all_gather(q, across), jax.lax.all_gather(scale, across), x.shape, x.dtype)  # pyright: ignore[reportReturnType] - the int8 wire hands its pieces on
     return per_model_shard(lambda p: jax.lax.all_gather(p, across, axis=layout.dim, tiled=True), layout, x)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim

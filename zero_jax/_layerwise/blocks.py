@@ -31,7 +31,7 @@ Stages 0–1 (and ``policy=None``): a plain ``jax.checkpoint``-ed call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -221,11 +221,23 @@ class LayerChain:
     ``keep_gathered`` (an int k or a byte budget: :mod:`zero_jax._layerwise.keep`)
     keeps the gathered parameters of blocks ``count - k`` … ``count - 1`` for
     their backward pass (stage 3; :attr:`kept` is k).
+
+    ``pinned``: each block's parameters belong to the trace they were handed
+    in (here, or later by :meth:`see`), and a block is prefetched only from
+    the parameters of the trace in progress. A transform the model wraps
+    around several blocks (Flax's ``nn.jit`` on a ``__call__`` that loops
+    over them) caches its trace by its arguments' structure: a gather of the
+    next block made from the enclosing trace's values would be closed over by
+    that cached trace, and the next trace of the loss would meet a stale
+    tracer. Unpinned (the default), a block is prefetched from the parameters
+    as last handed in, whatever trace they belong to: right where every
+    transform between them is traced afresh (the NNX and Equinox stand-ins
+    are static data hashed by identity, new in every trace of the loss).
     """
 
     def __init__(
         self, policy: ZeroPolicy | None, layers: Sequence[PyTree], prefetch: int = 1, where: str = "zj.apply_layers",
-        offload_activations: bool | None = None, keep_gathered: Any = 0,
+        offload_activations: bool | None = None, keep_gathered: Any = 0, pinned: bool = False,
     ) -> None:  # fmt: skip
         self.policy = policy
         self.where = where
@@ -244,6 +256,19 @@ class LayerChain:
         self._last: _Call | None = None
         self._hosted: list[tuple[Any, list[Any]]] = []  # (trace, host copies) of blocks whose copies nothing waits for
         self.calls = 0
+        self.pinned = pinned
+        self._traces = [get_opaque_trace_state()] * len(self.layers)  # the trace each block's parameters belong to
+
+    def see(self, layers: Mapping[int, PyTree]) -> None:
+        """Blocks' parameters (by index) as the trace in progress holds them:
+        what a lifted transform around their calls passes in."""
+        trace = get_opaque_trace_state()
+        for i, params in layers.items():
+            self.layers[i], self._traces[i] = params, trace
+
+    def _prefetchable(self, index: int, trace: Any) -> bool:
+        """Whether block ``index`` may be gathered ahead from the trace ``trace`` (see ``pinned``)."""
+        return not self.pinned or self._traces[index] == trace
 
     @property
     def _gathers(self) -> bool:
@@ -266,7 +291,7 @@ class LayerChain:
         trace = get_opaque_trace_state()
         wholes, regather_from = self._forward_wholes(index, block, trace, args)
         for ahead in range(index + 1, min(index + 1 + self.prefetch, len(self.layers))) if self._gathers else ():
-            if ahead not in self._queue:
+            if ahead not in self._queue and self._prefetchable(ahead, trace):
                 nxt = _Block.of(ahead, self.layers[ahead])
                 self._queue[ahead] = (
                     trace,

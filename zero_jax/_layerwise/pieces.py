@@ -50,21 +50,33 @@ class Sharded:
     is a zero piece (in the reduce dtype) whose gradient is the parameter's
     reduce-scattered gradient. Use ``zj.gather(node, policy)`` to get the
     parameter. ``policy`` is the step's policy and ``path`` the parameter's
-    key path, for errors (both static).
+    key path, for errors (both static). ``context`` (static, hashable) is
+    what else the trace of code using the piece depends on: it is part of the
+    node's structure, so a transform that caches its trace by its arguments'
+    structure (Flax's ``nn.jit`` around a model's call) traces again when it
+    changes (the Linen adapter puts its layer-wise options there:
+    :meth:`with_context`).
     """
 
-    def __init__(self, arrays: tuple[jax.Array, ...], layout: LeafLayout, policy: ZeroPolicy, path: str = "") -> None:
+    def __init__(
+        self, arrays: tuple[jax.Array, ...], layout: LeafLayout, policy: ZeroPolicy, path: str = "", context: Any = ()
+    ) -> None:
         self.arrays = tuple(arrays)
         self.layout = layout
         self.policy = policy
         self.path = path
+        self.context = context
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[LeafLayout, ZeroPolicy, str]]:
-        return self.arrays, (self.layout, self.policy, self.path)
+    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[LeafLayout, ZeroPolicy, str, Any]]:
+        return self.arrays, (self.layout, self.policy, self.path, self.context)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[LeafLayout, ZeroPolicy, str], arrays: Any) -> Sharded:
+    def tree_unflatten(cls, aux: tuple[LeafLayout, ZeroPolicy, str, Any], arrays: Any) -> Sharded:
         return cls(tuple(arrays), *aux)
+
+    def with_context(self, context: Any) -> Sharded:
+        """The same piece with another ``context`` (hashable)."""
+        return Sharded(self.arrays, self.layout, self.policy, self.path, context)
 
     @property
     def stage(self) -> int:

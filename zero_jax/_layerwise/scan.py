@@ -209,7 +209,7 @@ def scan_layers(
     check_parameter_pieces(stacked_params, policy, "zj.scan_layers")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked_params, is_leaf=_is_sharded)
     nodes = [
-        Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.policy, x.path) if _is_sharded(x) else x
+        Sharded(x.arrays, _layer_layout(x.layout, path_str(p)), x.policy, x.path, x.context) if _is_sharded(x) else x
         for p, x in paths_leaves
     ]
     # Stage 2 gathers nothing, so there is nothing to prefetch (and a queue

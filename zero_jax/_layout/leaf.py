@@ -148,7 +148,8 @@ def leaf_layout(
 ) -> LeafLayout:
     """The layout of one leaf cut into ``num_shards`` pieces.
 
-    The rule: non-float leaves and leaves below ``min_shard_size`` elements
+    The rule: non-float leaves (except the 8-bit integer codes of a quantized
+    weight: :func:`is_codes`) and leaves below ``min_shard_size`` elements
     stay whole. Otherwise cut the largest dimension that divides
     ``num_shards``; if none does, cut the dimension whose padding wastes the
     least (ties go to the larger dimension). ``skip_leading`` excludes
@@ -177,7 +178,7 @@ def leaf_layout(
     shape = tuple(int(d) for d in shape)
     dtype = np.dtype(dtype)
     model = tuple(model)
-    if not is_float(dtype):
+    if not is_float(dtype) and not is_codes(dtype):
         return LeafLayout(shape, dtype, None, reason=REASON_NOT_FLOAT, model=model)
     if math.prod(shape) < min_shard_size:
         return LeafLayout(shape, dtype, None, reason=REASON_BELOW_THRESHOLD, model=model)
@@ -269,6 +270,24 @@ def is_float(x: Any) -> bool:
         return dtype is not None and bool(jnp.issubdtype(np.dtype(dtype), jnp.inexact))
     except TypeError:  # not a dtype (a string that names none)
         return False
+
+
+def is_codes(x: Any) -> bool:
+    """Whether a leaf holds the integer codes of a quantized weight: an 8-bit (or narrower) integer dtype
+    (``int8``, ``uint8``). Such a leaf is never trained, but it is cut like a float leaf, so stage 3 partitions
+    a quantized base (QLoRA: codes beside float scales) instead of keeping it whole on every device. Wider
+    integers (``int32`` counters, indices) stay whole, untouched.
+
+    >>> import numpy as np
+    >>> is_codes(np.zeros(2, np.int8)), is_codes("uint8"), is_codes(np.int32), is_codes(np.float32), is_codes(bool)
+    (True, True, False, False, False)
+    """
+    dtype = getattr(x, "dtype", x if isinstance(x, (np.dtype, type, str)) else None)
+    try:
+        dtype = np.dtype(dtype) if dtype is not None else None
+    except TypeError:  # not a dtype (a string that names none)
+        return False
+    return dtype is not None and bool(np.issubdtype(dtype, np.integer)) and dtype.itemsize == 1
 
 
 def is_real_float(x: Any) -> bool:

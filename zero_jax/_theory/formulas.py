@@ -72,6 +72,8 @@ def model_state_bytes(
     offload_params: bool = False,
     model_parallel: int = 1,
     secondary: int = 0,
+    frozen_params: float = 0.0,
+    frozen_bytes: float = 2.0,
 ) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state on one device.
 
@@ -134,6 +136,14 @@ def model_state_bytes(
 
     >>> zj.model_state_bytes(1e9, 8, 3).params / 1e9, zj.model_state_bytes(1e9, 8, 3, secondary=4).params / 1e9
     (0.25, 0.75)
+
+    A frozen base (``frozen_params`` parameters of ``frozen_bytes`` each: LoRA's base, or QLoRA's int8 codes
+    at 1 byte) counts with the parameters (divided by N in stage 3, like them) and adds no gradient and no
+    optimizer state; ``num_params`` is then the trained parameters. QLoRA, a 7B int8 base and 40M LoRA
+    parameters on 8 devices, stage 3 (parameters, gradients, optimizer):
+
+    >>> [round(x / 1e9, 3) for x in zj.model_state_bytes(40e6, 8, 3, frozen_params=7e9, frozen_bytes=1)]
+    [0.885, 0.01, 0.06]
     """
     psi = check_params(num_params, "model_state_bytes")
     n = check_devices(num_devices, "model_state_bytes")
@@ -152,10 +162,12 @@ def model_state_bytes(
     if offload_params and stage < 3:
         raise ValueError(f"model_state_bytes: offload_params needs stage 3 (got stage {stage}).")
     s = _check_secondary(secondary, n, stage, "model_state_bytes")
-    params = p * psi / m / (n if stage >= 3 else 1)
+    frozen = check_nonneg(frozen_params, "model_state_bytes: frozen_params") * check_nonneg(
+        frozen_bytes, "model_state_bytes: frozen_bytes")  # fmt: skip
+    params = (p * psi + frozen) / m / (n if stage >= 3 else 1)
     optimizer = k * psi / (finer if stage >= 1 else m)
     return ModelStateBytes(
-        params=(0.0 if offload_params else params) + (p * psi / m / s if s else 0.0),
+        params=(0.0 if offload_params else params) + ((p * psi + frozen) / m / s if s else 0.0),
         grads=g * psi / (finer if stage >= 2 else m),
         optimizer=optimizer * (1 - f),
     )

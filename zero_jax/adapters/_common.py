@@ -20,8 +20,10 @@ from zero_jax._layerwise.scan import scan_layers
 from zero_jax._layerwise.scope import current_scope
 from zero_jax._layout.leaf import is_float
 from zero_jax._policy.policy import ZeroPolicy
+from zero_jax._step.optimizer import frozen_leaves, shard_optimizer, sharded_parts
 from zero_jax._step.state import TrainState, full_params, init_state
 from zero_jax._step.train import make_train_step
+from zero_jax.adapters._axis_names import specs_for_mesh
 from zero_jax.adapters._blocks import Blocks, describe_group, group_pattern, repeated_groups
 from zero_jax.adapters._scope import adapter_scope, count_scan, current
 
@@ -71,6 +73,13 @@ class Adapted(NamedTuple):
         Equinox, which has no layout metadata: pass ``param_specs=`` to the
         policy yourself).
 
+      frozen: ``True`` for each leaf of ``params`` the adapter's ``trainable=`` filter left out (the frozen base
+        of ``from_nnx(model, loss, trainable=nnx.LoRAParam)``), in the structure of ``params``; ``None`` when
+        every leaf trains. Frozen leaves are partitioned like parameters (stage 3: 1/N per device, gathered on
+        use) and get no gradient, no optimizer state and no gradient communication: :meth:`init_state` and
+        :meth:`make_train_step` route them to ``optax.set_to_zero`` (:meth:`optimizer`; on the plain path pass
+        ``tx = adapted.optimizer(tx)`` to ``zj.init_state`` and ``zj.make_train_step``).
+
     With ``layers`` set, :meth:`make_train_step` builds a ``gather="manual"``
     step unless told otherwise: an explicit ``gather="all"`` wins (the step
     hands whole parameters and every block runs as a plain call, as without
@@ -99,23 +108,60 @@ class Adapted(NamedTuple):
     stateful: bool = False
     layers: Blocks | None = None
     param_specs: PyTree = None
+    frozen: PyTree = None
+
+    def optimizer(self, tx: Any) -> Any:
+        """``tx`` (a ``zj.shard_optimizer`` transformation) with the :attr:`frozen` leaves routed to
+        ``optax.set_to_zero`` (``shard_optimizer(..., trainable=)``), unless it freezes them already; ``tx``
+        itself when nothing is frozen."""
+        if self.frozen is None:
+            return tx
+        parts = sharded_parts(tx)
+        if parts is None:
+            raise TypeError(NOT_SHARDED_TX.format(kind=type(tx).__name__))
+        already = frozen_leaves(parts.inner, self.params)
+        flags = zip(jax.tree.leaves(self.frozen), jax.tree.leaves(already), strict=True)
+        if all(done for frozen, done in flags if frozen):
+            return tx
+        trainable = jax.tree.map(lambda frozen: not frozen, self.frozen)
+        return shard_optimizer(parts.inner, parts.policy, trainable=trainable)
 
     def init_state(self, tx: Any, policy: ZeroPolicy) -> TrainState:
-        """``zj.init_state(self.params, tx, policy, model_state=self.model_state)``."""
-        return init_state(self.params, tx, policy, model_state=self.model_state)
+        """``zj.init_state(self.params, self.optimizer(tx), policy, model_state=self.model_state)``."""
+        return init_state(self.params, self.optimizer(tx), policy, model_state=self.model_state)
 
     def make_train_step(self, tx: Any, policy: ZeroPolicy, **kwargs: Any) -> Any:
-        """``zj.make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)``, with
-        ``gather="manual"`` by default when :attr:`layers` is set (an explicit ``gather=`` wins)."""
+        """``zj.make_train_step(self.loss_fn, self.optimizer(tx), policy, stateful=self.stateful, **kwargs)``,
+        with ``gather="manual"`` by default when :attr:`layers` is set (an explicit ``gather=`` wins)."""
         if self.layers is not None:
             kwargs.setdefault("gather", "manual")
-        return make_train_step(self.loss_fn, tx, policy, stateful=self.stateful, **kwargs)
+        return make_train_step(self.loss_fn, self.optimizer(tx), policy, stateful=self.stateful, **kwargs)
 
     def policy(self, stage: int, mesh: jax.sharding.Mesh, axis: str | Sequence[str] = "data", **kwargs: Any):
-        """``zj.ZeroPolicy(stage, mesh, axis, stacked=self.stacked, **kwargs)``."""
+        """``zj.ZeroPolicy(stage, mesh, axis, stacked=self.stacked, param_specs=..., **kwargs)``.
+
+        ``param_specs`` defaults to :attr:`param_specs` placed on ``mesh``: a data-parallel name
+        (``"fsdp"``, ``"data"``, ``"dp"``, ...) or a ZeRO axis is dropped (ZeRO partitions over its own axis), a
+        tensor-parallel name (``"tp"``, ``"model"``, ...) is the mesh's model axis (none on a data-only mesh),
+        a model axis stays (``zero_jax.adapters._specs.specs_for_mesh``); another name is an error naming the
+        leaf and the fix. An explicit ``param_specs=`` (``None`` included) wins."""
         stacked = kwargs.pop("stacked", ())
         extra = (stacked,) if isinstance(stacked, str) else tuple(stacked)
-        return ZeroPolicy(stage, mesh, axis, stacked=self.stacked + extra, **kwargs)
+        policy = ZeroPolicy(stage, mesh, axis, stacked=self.stacked + extra, **kwargs)
+        if "param_specs" in kwargs or self.param_specs is None:
+            return policy
+        zero_axes = policy.axes + policy.replica_axes
+        specs = specs_for_mesh(self.param_specs, zero_axes, policy.model_axes, "adapted.policy")
+        if not policy.model_axes:  # a data-only mesh: nothing is model-sharded
+            return policy
+        return ZeroPolicy(stage, mesh, axis, stacked=self.stacked + extra, param_specs=specs, **kwargs)
+
+
+NOT_SHARDED_TX = (
+    "adapted: the model has frozen parameters (adapted.frozen), so tx must be a zj.shard_optimizer(...) "
+    "transformation, whose frozen leaves the adapter routes to optax.set_to_zero; got {kind}. Pass "
+    "zj.shard_optimizer(tx, policy)."
+)
 
 
 def params_of(state_or_params: Any) -> PyTree:

@@ -47,9 +47,9 @@ class Interceptor:
         arrays, rebuild = split_arrays(args, kwargs)
         if any(batched_by_vmap(a) for a in arrays):
             raise ValueError(UNDER_NN_VMAP.format(where=self.where, block="/".join(module.path)))
-        # The block's parameters as it sees them: the step's pieces, or inside a lifted transform
-        # (nn.remat, nn.jit) the same pieces as that transform passed them in.
-        self.chain.layers[i] = scope.variables()[self.collection]
+        # The blocks' parameters as this call sees them: the step's pieces, or inside a lifted transform
+        # (nn.remat, nn.jit around the block or around the loop) the same pieces as that transform passed them in.
+        self.chain.see({**self._visible(scope), i: scope.variables()[self.collection]})
         state = {c: v for c, v in scope.variables().items() if c != self.collection}
         mutable = [c for c in state if scope.is_mutable_collection(c)]
         keys = {n: scope.make_rng(n) for n in sorted(getattr(scope, "rngs", {})) if n != "params"}
@@ -75,6 +75,24 @@ class Interceptor:
                 if name not in borrowed:
                     scope.put_variable(collection, name, value)
         return out
+
+    def _visible(self, scope: Any) -> dict[int, PyTree]:
+        """The blocks whose parameters the innermost lifted transform around this call holds (its root scope:
+        the whole model without one), as that transform passed them in: the next blocks' prefetch reads them,
+        not the enclosing trace's values, which a transform caching its trace (nn.jit) must not close over."""
+        root = scope.root
+        base, tree = tuple(root.path), root.variables().get(self.collection)
+        found = {i: _subtree(tree, keys[len(base):]) for keys, i in self.index.items() if keys[: len(base)] == base}
+        return {i: params for i, params in found.items() if params is not None}
+
+
+def _subtree(tree: Any, keys: tuple[str, ...]) -> Any:
+    """The node of a nested variables dict at ``keys``, or None."""
+    for k in keys:
+        if not isinstance(tree, Mapping) or k not in tree:
+            return None
+        tree = tree[k]
+    return tree
 
 
 def _borrowed(module: nn.Module, scope: Any) -> dict[str, Any]:

@@ -20,6 +20,12 @@ context's); then every name needs one (a mesh axis named directly: the pair
 leave the leading layer axis unnamed (``ScanLayers`` vmaps a block's init): it
 is never model-sharded.
 
+Names as tunix and MaxText write them (``nnx.Param(..., sharding=("fsdp", "tp"))``) need no rule: a name
+that means data parallelism (``"fsdp"``, ``"data"``, ``"dp"``, ``"batch"``, ...) is ZeRO's own cut and one
+that means tensor parallelism (``"tp"``, ``"model"``, ...) the mesh's model axis, placed by
+``adapted.policy()`` (:mod:`zero_jax.adapters._axis_names`); a rule in ``logical_axis_rules=`` for such a name
+wins.
+
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> from zero_jax.adapters._specs import linen_specs
 >>> dense = nn.Dense(8, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))
@@ -40,10 +46,21 @@ from flax.core import meta
 from jax.sharding import PartitionSpec
 
 from zero_jax._base.tree import PyTree, key_names, path_str, split_prefix, under_any
+from zero_jax.adapters._axis_names import DATA_PARALLEL_NAMES, TENSOR_PARALLEL_NAMES
 
 Rules = tuple[tuple[str, Any], ...]
 
-__all__ = ["check_rules", "linen_layout", "linen_specs", "nnx_specs", "rebox", "resolve", "unbox"]
+__all__ = [
+    "check_rules",
+    "linen_layout",
+    "linen_specs",
+    "nnx_specs",
+    "rebox",
+    "resolve",
+    "unbox",
+]
+
+_KNOWN_NAMES = DATA_PARALLEL_NAMES | TENSOR_PARALLEL_NAMES
 
 
 class Declared(NamedTuple):
@@ -132,8 +149,10 @@ def _problem(d: Declared, convert: Callable[[tuple[Any, ...], Rules], PartitionS
     else:
         known = {logical for logical, _ in d.rules}
         passed = [any(n not in known for n in _axes(entry)) for entry in names]
-        if any(passed) and not d.passthrough:
-            return "rule", (d, [n for entry in names for n in _axes(entry) if n not in known])
+        # A data- or tensor-parallel name needs no rule (specs_for_mesh places it); any other does.
+        missing = [n for entry in names for n in _axes(entry) if n not in known and n not in _KNOWN_NAMES]
+        if missing and not d.passthrough:
+            return "rule", (d, missing)
         try:
             spec = convert(tuple(None if p else e for p, e in zip(passed, names, strict=True)), d.rules)
         except ValueError as e:
@@ -305,3 +324,4 @@ def nnx_specs(
     pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs = resolve([by_path[key_names(p)] for p, _ in pairs], where, _nnx_convert)
     return jax.tree.unflatten(treedef, specs)
+

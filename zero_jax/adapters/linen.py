@@ -424,7 +424,12 @@ class _Runner:
             with explain_unscanned_pieces(params, self.prefixes, _WHERE, "zj.adapters.linen.ScanLayers"):
                 return run(_box(params, self.prefixes))
         params = gather_outside(params, self.blocks, _WHERE, keep=self.prefixes)
-        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch, keep_gathered=self.keep_gathered)
+        # The trace of a block depends on these options besides the policy: in the pieces' structure, a transform
+        # caching its trace by it (nn.jit around the model's loop) traces again when they change.
+        options = (_WHERE, self.prefetch, self.keep_gathered, self.blocks.paths)
+        params = jax.tree.map(lambda x: x.with_context(options) if is_sharded(x) else x, params, is_leaf=is_sharded)
+        chain = LayerChain(policy, block_params(params, self.blocks), self.prefetch, keep_gathered=self.keep_gathered,
+                           pinned=True)  # fmt: skip
         index = {tuple(split_prefix(p)): i for i, p in enumerate(self.blocks.paths)}
         with (
             nn.intercept_methods(Interceptor(chain, index, self.collection, _WHERE)),

@@ -5,7 +5,12 @@ default) become ``params``, a nested dict of arrays keyed by attribute path (``l
 (``nnx.BatchStat``, RNG keys and counts, any other ``nnx.Variable``) is ``non_trainable``. ``loss_fn(params,
 batch)`` merges a fresh model from both (``nnx.merge``) and calls ``loss(model, batch)``.
 
-Non-trainable state is never trained and never partitioned: every device holds it whole. A loss that *updates* it
+A ``trainable=`` filter that leaves some ``nnx.Param`` out (``trainable=nnx.LoRAParam``: LoRA the NNX way) leaves
+a *frozen base*: those float parameters are in ``params`` too, marked ``adapted.frozen``, so a policy partitions
+them like any parameter (stage 3: 1/N per device, gathered on use) while they get no gradient, no optimizer state
+and no gradient communication (``adapted.init_state`` / ``adapted.make_train_step`` route them to
+``optax.set_to_zero``: :meth:`~zero_jax.adapters.Adapted.optimizer`). Other non-trainable state is never trained
+and never partitioned: every device holds it whole. A loss that *updates* it
 (batch norm in training mode updating its running statistics, ``nnx.Dropout`` advancing the model's RNG counts) has
 its updates carried from step to step (``state_updates="carry"``, the default): the non-trainable arrays (every one
 but RNG keys, which NNX never changes) are the adapter's ``model_state``, held in ``TrainState.model_state``, and
@@ -64,10 +69,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zero_jax._base.tree import PyTree, path_str
+from zero_jax._base.tree import PyTree, key_names, path_str
 from zero_jax._layerwise.blocks import LayerChain
 from zero_jax._layerwise.pieces import gather
-from zero_jax._layout.leaf import is_float
+from zero_jax._layout.leaf import is_codes, is_float
 from zero_jax.adapters._blocks import (
     Blocks,
     block_params,
@@ -184,6 +189,35 @@ _NOT_FLOAT = (
     "{where}: {leaves}. Only floating-point arrays can be trained: wrap them in another nnx.Variable type (not "
     "nnx.Param) or narrow the trainable= filter."
 )
+
+
+_NOTHING_TRAINABLE = (
+    "{where}: trainable={filter!r} matches no variable of the model (its variables are {kinds}). Name a Variable "
+    "type the model holds: nnx.Param for the whole model, nnx.LoRAParam for LoRA (after wrapping its layers with "
+    "nnx.LoRA / nnx.LoRALinear, or qwix's LoRA provider)."
+)
+
+
+def _frozen_base(path: Any, x: Any) -> bool:
+    """An ``nnx.Param`` holding floats or the 8-bit integer codes of a quantized weight (QLoRA's base): the
+    filter that adds the frozen base to what ``trainable=`` selects."""
+    del path
+    return isinstance(x, nnx.Param) and (is_float(x.get_value()) or is_codes(x.get_value()))
+
+
+def _frozen_mask(param_state: nnx.State, params: PyTree, trained: set[tuple[Any, ...]]) -> PyTree | None:
+    """``True`` for each leaf of ``params`` the ``trainable=`` filter left out (the frozen base), in its structure;
+    None when every leaf trains."""
+    flags = {tuple(str(k) for k in keys): keys not in trained for keys, _ in nnx.to_flat_state(param_state)}
+    if not any(flags.values()):
+        return None
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return jax.tree.unflatten(treedef, [flags[key_names(p)] for p, _ in pairs])
+
+
+def _trained_only(params: PyTree, frozen: PyTree) -> PyTree:
+    """``params`` without its frozen leaves (those may be integer codes)."""
+    return jax.tree.map(lambda x, f: None if f else x, params, frozen)
 
 
 def _check_trainable_floats(params: PyTree) -> None:
@@ -497,9 +531,15 @@ def from_nnx(
     """
     _check_inputs(model, loss, state_updates)
     prefixes = normalize_prefixes(stacked, _WHERE)
+    trained = {keys for keys, _ in nnx.to_flat_state(nnx.state(model, trainable))}
+    if not trained:
+        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(nnx.state(model))})
+        raise ValueError(_NOTHING_TRAINABLE.format(where=_WHERE, filter=trainable, kinds=kinds))
+    trainable = nnx.Any(trainable, _frozen_base)  # from here on: what params holds, the frozen base included
     graphdef, param_state, rest = nnx.split(model, trainable, ...)
     params = nnx.to_pure_dict(param_state)
-    _check_trainable_floats(params)
+    frozen = _frozen_mask(param_state, params, trained)
+    _check_trainable_floats(params if frozen is None else _trained_only(params, frozen))
     specs = nnx_specs(param_state, params, check_rules(logical_axis_rules, _WHERE), prefixes, _WHERE)
     check_not_unscanned(params, prefixes, _WHERE)
     check_stacked(params, nnx.to_pure_dict(rest), prefixes, _WHERE, _DEPTH_FIX)
@@ -552,6 +592,7 @@ def from_nnx(
         stateful,
         layers=lw.blocks,
         param_specs=specs,
+        frozen=frozen,
     )
 
 
