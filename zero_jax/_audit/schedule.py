@@ -31,7 +31,7 @@ from zero_jax._audit.compiled import CompiledCollective, CompiledProgram, Instru
 from zero_jax._audit.hlo import Collective, replica_group
 from zero_jax._audit.model_axes import model_shard_layout
 from zero_jax._audit.report import BlockSchedule, LayerSchedule, Overlap, OverlapRow, ParamInfo
-from zero_jax._comm.collectives import joined_layout
+from zero_jax._comm.collectives import GRAD_REDUCTION_SCOPE, joined_layout
 from zero_jax._layerwise.keep import KEPT_SCOPE
 from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, shard_shape
@@ -466,7 +466,11 @@ def layer_overlap(program: str | CompiledProgram, params: list[ParamInfo], polic
 
 def _role(c: CompiledCollective, policy: ZeroPolicy, gathered: set[tuple[int, ...]],
           pieces: set[tuple[int, ...]]) -> str:  # fmt: skip
-    """A compiled collective's row in :func:`layer_overlap`."""
+    """A compiled collective's row in :func:`layer_overlap` (a gradient
+    reduce-scatter made of ``ppermute`` or ``all_to_all`` steps, the schedule's
+    ``grad_reduction``, is a layer reduction by its name scope)."""
+    if policy.partitions_grads and GRAD_REDUCTION_SCOPE in c.op_name:
+        return LAYER_REDUCTION
     scope = _scope(c.kind, c.op_name)
     if c.kind == "all-gather" and policy.partitions_params:
         named = scope is not None and scope[1] != "reduce"

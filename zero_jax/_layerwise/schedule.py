@@ -247,6 +247,9 @@ class Schedule(NamedTuple):
     #: A layer's partitioned leaves of at most this many bytes (whole, as stored) move together: one all-gather
     #: and one reduce-scatter per dtype for all of them (0: each leaf its own).
     together_bytes: int = 0
+    #: How the layer-wise backward reduce-scatters each layer's gradient: one of
+    #: ``_comm.collectives.REDUCE_SCATTERS`` (``"ring"``: a ring of ``ppermute`` steps).
+    grad_reduction: str = "psum_scatter"
     #: The compiler (and its version) this entry was measured on, e.g. ``"libtpu 0.0.42.1"``.
     compiler: str = ""
     #: Option sets tried in turn when the compiler refuses ``compiler_options`` on a device kind (probed once:
