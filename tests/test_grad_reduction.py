@@ -158,3 +158,49 @@ def test_the_int8_wire_keeps_its_all_to_all() -> None:
         assert "all-to-all" in kinds and "collective-permute" not in kinds, how
     same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), *(zj.full_params(s) for s, _ in runs.values()))
     assert all(jax.tree.leaves(same))
+
+
+# -- the TPU compiler (deviceless, v5p:2x2x2): one pass, async and overlapped -------------------------------------
+
+TPU_SHAPES = {"w1": (256, 512), "w2": (512, 256)}
+TPU_DEPTH = 3
+
+
+@functools.cache
+def _tpu_audit(how: str | None) -> zj.AuditReport:
+    """Layer-wise stage 3 (``scan_layers``, prefetch 1) compiled for v5p:2x2x2 with the seam's schedule
+    (``how=None``) or another ``grad_reduction``, audited."""
+    mesh = zj.topology_mesh("v5p:2x2x2", axis_types=(jax.sharding.AxisType.Auto,))
+    policy = zj.ZeroPolicy(3, mesh, stacked="layers")
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    params = {"layers": {k: f32((TPU_DEPTH, *s)) for k, s in TPU_SHAPES.items()}}
+    block = lambda p, x: x + jnp.tanh(x @ p["w1"]) @ p["w2"]  # noqa: E731
+    loss = lambda p, b: jnp.mean(zj.scan_layers(block, p["layers"], b["x"], policy, prefetch=1) ** 2)  # noqa: E731
+    tx = zj.shard_optimizer(optax.adam(1e-3), policy)
+    with zj.measure.trying_schedule(**({"grad_reduction": how} if how else {})):
+        step = zj.make_train_step(loss, tx, policy, gather="manual")
+        batch = {"x": jax.ShapeDtypeStruct((2 * mesh.size, 256), jnp.float32, sharding=policy.batch_sharding())}
+        return zj.audit(step, zj.init_state(params, tx, policy), batch, grads=False)
+
+
+@pytest.mark.slow
+def test_on_v5p_the_seams_ring_sends_the_gradients_once_and_overlaps_them() -> None:
+    # libtpu 0.0.42.1 and 0.0.52 alike: psum_scatter runs as all-reduce + dynamic-slice (two passes, synchronous);
+    # the ring as N - 1 = 7 async collective-permutes per leaf and layer, one pass, with compute in flight.
+    ring, plain = _tpu_audit(None), _tpu_audit("psum_scatter")
+    assert zj.measure.schedule_for(zj.ZeroPolicy(3, zj.topology_mesh("v5p:2x2x2"))).grad_reduction == "ring"
+    reductions = TPU_DEPTH * len(TPU_SHAPES)
+    grads = reductions * 256 * 512 * 4  # float32 gradients, whole
+    rs = plain.compiled.kind("reduce-scatter")
+    assert (rs.executions, rs.decomposed, rs.ring_bytes) == (reductions, reductions, 2 * 7 / 8 * grads)
+    assert plain.overlap.row("layer reduction").overlapped == 0
+    assert ring.compiled.kind("reduce-scatter") is None
+    cp = ring.compiled.kind("collective-permute")
+    assert (cp.executions, cp.async_executions, cp.ring_bytes) == (7 * reductions, 7 * reductions, 7 / 8 * grads)
+    row = ring.overlap.row("layer reduction")
+    assert row.executions == 7 * reductions and row.overlapped_bytes / row.bytes > 0.9
+    assert ring.compiled.ring_bytes == pytest.approx(plain.compiled.ring_bytes - 7 / 8 * grads)
+    assert [(b.layers, b.weights, b.reduces_per_weight) for b in ring.layers.blocks] == [(TPU_DEPTH, 2, 1.0)]
+    gathers = [r.overlap.row("layer all-gather") for r in (ring, plain)]
+    assert gathers[0][1:] == gathers[1][1:]  # the layer gathers overlap as they did
+    assert ring.check() is ring and plain.check() is plain

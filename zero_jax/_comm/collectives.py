@@ -20,6 +20,7 @@ collective runs inside a ``shard_map`` nested over the leaf's model axes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -194,8 +195,10 @@ def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName, how: st
 
 #: How :func:`scatter_sum` may reduce-scatter a gradient (the schedule's ``grad_reduction``).
 REDUCE_SCATTERS = ("psum_scatter", "ring", "bidirectional_ring", "all_to_all")
-#: The name scope of a gradient reduce-scatter made of other collectives (the audit reads it as one).
+#: The name scope of a gradient reduce-scatter made of other collectives (the audit reads it as one), and of
+#: its first collective, which the audit counts as the reduction (a ring has N - 1 steps each way).
 GRAD_REDUCTION_SCOPE = "zj_grad_reduction"
+GRAD_REDUCTION_FIRST = "zj_grad_reduction_first"
 UNKNOWN_REDUCE_SCATTER = "grad_reduction={how!r}: a gradient is reduce-scattered by one of {known}."
 
 
@@ -221,7 +224,9 @@ def all_to_all_reduce_scatter(g: jax.Array, over: Any, dim: int) -> jax.Array:
     of every device's ``g``: (N - 1) / N of ``g`` sent, one pass) and a sum
     in device order on the receiver."""
     pieces = _cut_into_pieces(g, dim, jax.lax.axis_size(over))
-    return jnp.sum(jax.lax.all_to_all(pieces, over, 0, 0), axis=0)
+    with jax.named_scope(GRAD_REDUCTION_FIRST):
+        received = jax.lax.all_to_all(pieces, over, 0, 0)
+    return jnp.sum(received, axis=0)
 
 
 def ring_reduce_scatter(g: jax.Array, over: Any, dim: int, *, bidirectional: bool = True) -> jax.Array:
@@ -241,19 +246,22 @@ def ring_reduce_scatter(g: jax.Array, over: Any, dim: int, *, bidirectional: boo
     me = jax.lax.axis_index(over)
     if bidirectional and pieces.shape[1 + dim] % 2 == 0:
         halves = jnp.split(pieces, 2, axis=1 + dim)
-        return jnp.concatenate([_ring(halves[0], over, n, me, 1), _ring(halves[1], over, n, me, -1)], axis=dim)
+        one_way = _ring(halves[0], over, n, me, 1)
+        return jnp.concatenate([one_way, _ring(halves[1], over, n, me, -1, first=False)], axis=dim)
     return _ring(pieces, over, n, me, 1)
 
 
-def _ring(pieces: jax.Array, over: Any, n: int, me: jax.Array, step: int) -> jax.Array:
+def _ring(pieces: jax.Array, over: Any, n: int, me: jax.Array, step: int, *, first: bool = True) -> jax.Array:
     """One direction of :func:`ring_reduce_scatter`: device i ends with the sum
     over devices of ``pieces[i]``. Each device starts with the piece that
     reaches its owner after n - 1 hops (``me - step``), and adds to what it
-    receives its own piece of the same index."""
+    receives its own piece of the same index. ``first``: its first step is
+    named the reduction's (:data:`GRAD_REDUCTION_FIRST`)."""
     perm = [(i, (i + step) % n) for i in range(n)]
     acc = jax.lax.dynamic_index_in_dim(pieces, (me - step) % n, 0, keepdims=False)
     for s in range(1, n):
-        acc = jax.lax.ppermute(acc, over, perm)
+        with jax.named_scope(GRAD_REDUCTION_FIRST) if s == 1 and first else contextlib.nullcontext():
+            acc = jax.lax.ppermute(acc, over, perm)
         acc = acc + jax.lax.dynamic_index_in_dim(pieces, (me - step * (s + 1)) % n, 0, keepdims=False)
     return acc
 
