@@ -154,9 +154,9 @@ from here.
     ways round (``"bidirectional_ring"``) overlaps as well and allocates
     more; one ``all_to_all`` and a sum (``"all_to_all"``) is one pass too but
     synchronous. ``psum_scatter`` on XLA:CPU (every collective synchronous
-    there) and GPU, not measured with the others. The head's and the
-    embedding's gradients, reduced after the backward pass, keep
-    ``psum_scatter``. The libtpu 0.0.46.3 entry takes the ring unmeasured.
+    there) and GPU, not measured with the others. The leaves a layer-wise
+    step gathers outside the layers (``zj.gather``: the embedding, the head)
+    reduce the same way. The libtpu 0.0.46.3 entry takes the ring unmeasured.
     ``benchmarks/grad_reduction.py`` re-measures it
     (``benchmarks/results/grad_reduction.txt``).
 ``compiler_options``
