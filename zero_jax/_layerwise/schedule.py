@@ -156,7 +156,10 @@ from here.
     synchronous. ``psum_scatter`` on XLA:CPU (every collective synchronous
     there) and GPU, not measured with the others. The leaves a layer-wise
     step gathers outside the layers (``zj.gather``: the embedding, the head)
-    reduce the same way. The libtpu 0.0.46.3 entry takes the ring unmeasured.
+    keep ``psum_scatter``: by the ring too, the 1B class on v5p-8 sent 0.975x
+    the theory instead of 1.02x but allocated 12% more HBM
+    (``results/grad_reduction_outside_layers.json``). The libtpu 0.0.46.3
+    entry takes the ring unmeasured.
     ``benchmarks/grad_reduction.py`` re-measures it
     (``benchmarks/results/grad_reduction.txt``).
 ``compiler_options``
