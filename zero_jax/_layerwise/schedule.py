@@ -147,10 +147,12 @@ from here.
     (``"ring"``: N - 1 steps of 1/N of the gradient, each adding what it
     receives), which libtpu keeps as async collective-permutes overlapped
     with the backward pass's matmuls: one pass, and (v5p:2x2x2, the reference
-    transformer at dim 256, depth 4, stage 3 layer-wise) the step's compiled
-    bytes 1.01x the theory against 1.32x, 98% of the reductions' bytes
-    overlapped against none, on both versions; scanned, the allocation
-    grows by 4-5% (0.0.52 unscanned: 1% less, the live peak 18% less). Both
+    transformer, stage 3 layer-wise) the step's compiled bytes 1.02x the
+    theory against 1.31x at the 1B class scanned, 99% of the reductions'
+    bytes overlapped against none, in the same HBM (libtpu 0.0.42.1); at
+    dim 256, depth 4, 1.01x against 1.32x, 98% overlapped, on both
+    versions, the allocation 4-5% more scanned (0.0.52 unscanned: 1% less,
+    the live peak 18% less). Both
     ways round (``"bidirectional_ring"``) overlaps as well and allocates
     more; one ``all_to_all`` and a sum (``"all_to_all"``) is one pass too but
     synchronous. ``psum_scatter`` on XLA:CPU (every collective synchronous
