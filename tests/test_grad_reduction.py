@@ -122,23 +122,26 @@ def _as_blocks(params: dict) -> dict:
 
 
 CASES = [("flat", True, "ring"), ("flat", False, "bidirectional_ring"), ("flat", True, "all_to_all"),
-         ("hybrid", False, "ring")]  # fmt: skip
+         ("hybrid", False, "ring"), ("hpz", True, "ring")]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("mesh", "stacked", "how"), CASES)
 def test_layerwise_stage3_trains_like_plain_optax(mesh: str, stacked: bool, how: str) -> None:
     # Partition dims 1 and 0, padded; scan_layers and apply_layers; on the hybrid mesh (HSDP) the ring runs
-    # over the 4 shards and the 1/4 pieces are all-reduced over the 2 replicas.
+    # over the 4 shards and the 1/4 pieces are all-reduced over the 2 replicas; with hpZ a ring over each axis.
     kw = {"stacked": "layers"} if stacked else {}
     if mesh == "flat":
         policy = zj.ZeroPolicy(3, make_mesh(8), min_shard_size=64, **kw)
+    elif mesh == "hpz":  # ZeRO++'s hpZ: reduced within each node (4 chips), then across the 2 nodes
+        policy = zj.ZeroPolicy(3, make_mesh(8, ("node", "chip"), (2, 4)), ("node", "chip"), secondary_axis="chip",
+                               min_shard_size=64, **kw)  # fmt: skip
     else:
         policy = zj.ZeroPolicy(3, make_mesh(8, ("replica", "data"), (2, 4)), "data", replica_axis="replica",
                                min_shard_size=64, **kw)  # fmt: skip
     layouts = jax.tree.leaves(policy.layouts(_params(stacked)), is_leaf=lambda x: hasattr(x, "padding"))
     cuts = {(lay.shape[-2:], lay.dim - stacked, lay.padding) for lay in layouts if len(lay.shape) > 1 + stacked}
-    w1 = ((12, 102), 1, 2) if mesh == "flat" else ((12, 102), 0, 0)  # 12 rows divide 4 shards, not 8
+    w1 = ((12, 102), 0, 0) if mesh == "hybrid" else ((12, 102), 1, 2)  # 12 rows divide 4 shards, not 8
     assert cuts == {w1, ((102, 6), 0, 2)}
     state, step = _train(policy, how)
     errors = relative_update_error(_as_blocks(zj.full_params(state)), _reference(), _params(False))
