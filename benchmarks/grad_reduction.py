@@ -114,7 +114,9 @@ collective kind (reduce-scatter: the psum_scatters left, the head's and embeddin
 schedule does not reduce); the layer reductions (executions per step; a ring's steps each count), how many are
 async and how many have compute between start and done, and the share of their bytes overlapped; the share of the
 layer all-gathers' bytes overlapped; the allocated
-HBM (buffer assignment) and XLA's live peak; compile seconds."""
+HBM (buffer assignment) and XLA's live peak; compile seconds. The model line of the record is the last run's: each
+row's case names its dim, depth and seq (vocab 512 and 4 heads at dim 256; vocab 32000 and 16 heads at dim 1024
+and 2048, the 1B class); each version's own commands are the runs of the JSON."""
 
 
 def main(argv: list[str] | None = None) -> None:
