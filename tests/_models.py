@@ -8,6 +8,7 @@ import runpy
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +17,23 @@ import optax
 from flax import linen as nn
 
 import zero_jax as zj
+from zero_jax._layerwise import schedule as zj_schedule
 
 
 def make_mesh(n: int, names: tuple[str, ...] = ("data",), shape: tuple[int, ...] | None = None) -> jax.sharding.Mesh:
     """A mesh over the first ``n`` of the 8 simulated devices."""
     devices = np.asarray(jax.devices()[:n]).reshape(shape or (n,))
     return jax.sharding.Mesh(devices, names)
+
+
+@contextlib.contextmanager
+def reduced_by_psum_scatter() -> Iterator[None]:
+    """The schedule seam's TPU entries with the layer gradients reduced by ``psum_scatter``, for tests whose
+    facts are that collective's (libtpu's all-reduce + dynamic-slice, its combiner): the seam's own TPU
+    reduction is a ring of ppermutes (``grad_reduction``, tests/test_grad_reduction.py)."""
+    pinned = {"tpu": tuple(e._replace(grad_reduction="psum_scatter") for e in zj_schedule.MEASURED["tpu"])}
+    with mock.patch.dict(zj_schedule.MEASURED, pinned):
+        yield
 
 
 IN, HIDDEN, OUT = 12, 100, 6  # 100 and 6 do not divide 8: exercises padding

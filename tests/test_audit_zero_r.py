@@ -25,11 +25,20 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
+from _models import reduced_by_psum_scatter  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from zero_jax import measure  # noqa: E402
 from zero_jax._audit import report as _report  # noqa: E402
 from zero_jax._base.units import fmt_bytes  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reduced_by_psum_scatter():
+    """The per-block facts here are of layer gradients reduced by ``psum_scatter``; with the seam's TPU
+    ring the program has its N - 1 ppermute steps per weight instead."""
+    with reduced_by_psum_scatter():
+        yield
 
 DIM, DEPTH = 128, 2
 WHOLE_WEIGHT = DIM * 2 * DIM * 4  # bytes of w1 (and w2) gathered whole

@@ -20,10 +20,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
+from _models import reduced_by_psum_scatter  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
 from zero_jax._audit import report as _report  # noqa: E402
 from zero_jax._cli import cli  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reduced_by_psum_scatter():
+    """The combiner facts here are of layer gradients reduced by ``psum_scatter`` (libtpu combines their
+    all-reduces); the seam's TPU reduction, a ring of ppermutes, is combined by no combiner."""
+    with reduced_by_psum_scatter():
+        yield
 
 DIM, DEPTH = 128, 3
 WEIGHT = DIM * 2 * DIM * 4  # bytes of w1 (and of w2): 128 KiB

@@ -31,7 +31,7 @@ from zero_jax._audit.compiled import CompiledCollective, CompiledProgram, Instru
 from zero_jax._audit.hlo import Collective, replica_group
 from zero_jax._audit.model_axes import model_shard_layout
 from zero_jax._audit.report import BlockSchedule, LayerSchedule, Overlap, OverlapRow, ParamInfo
-from zero_jax._comm.collectives import joined_layout
+from zero_jax._comm.collectives import GRAD_REDUCTION_FIRST, GRAD_REDUCTION_SCOPE, joined_layout
 from zero_jax._layerwise.keep import KEPT_SCOPE
 from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layout.leaf import LeafLayout, shard_shape
@@ -282,7 +282,9 @@ def _count(
 ) -> tuple[dict[int, list[int]], dict[str, list[int]]]:
     """Per named block [weights, forward, backward, reduces, bytes, elements,
     weights, bytes, kept] and per group [forward, backward, reduces, kept]:
-    all-gather / reduce-scatter arrays per step (weights, bytes, elements: of
+    all-gather / reduce-scatter arrays per step (a reduce-scatter made of
+    other collectives, the schedule's ``grad_reduction``: its first one,
+    shaped like the piece one way round a ring; weights, bytes, elements: of
     one forward gather; the next two: of one reduction, whole; kept: forward
     gathers named kept, ``keep_gathered``). On a quantized wire an
     int8 all-gather is a gather, an int8 all-to-all a reduction, its float32
@@ -298,6 +300,10 @@ def _count(
             arrays = [a for a in joined_arrays(ins) if not (is_float_dtype(a[0]) and a[1] in heads)]
             int8 = bool(arrays) and all(dt == "s8" for dt, _, _ in arrays)
             op = ins.op.removesuffix("-start")
+            if GRAD_REDUCTION_SCOPE in ins.op_name:  # a reduce-scatter made of other collectives: its first one
+                if GRAD_REDUCTION_FIRST not in ins.op_name or op not in ("collective-permute", "all-to-all"):
+                    continue
+                op, int8 = "reduce-scatter", False
             if not arrays or op not in ("all-gather", "reduce-scatter", "all-to-all"):
                 continue
             k, scope = trips.get(comp, 1), _scope(op, ins.op_name)
@@ -466,7 +472,11 @@ def layer_overlap(program: str | CompiledProgram, params: list[ParamInfo], polic
 
 def _role(c: CompiledCollective, policy: ZeroPolicy, gathered: set[tuple[int, ...]],
           pieces: set[tuple[int, ...]]) -> str:  # fmt: skip
-    """A compiled collective's row in :func:`layer_overlap`."""
+    """A compiled collective's row in :func:`layer_overlap` (a gradient
+    reduce-scatter made of ``ppermute`` or ``all_to_all`` steps, the schedule's
+    ``grad_reduction``, is a layer reduction by its name scope)."""
+    if policy.partitions_grads and GRAD_REDUCTION_SCOPE in c.op_name:
+        return LAYER_REDUCTION
     scope = _scope(c.kind, c.op_name)
     if c.kind == "all-gather" and policy.partitions_params:
         named = scope is not None and scope[1] != "reduce"

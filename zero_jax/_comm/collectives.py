@@ -20,7 +20,9 @@ collective runs inside a ``shard_map`` nested over the leaf's model axes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -165,11 +167,13 @@ def sum_all_reduce_leaf(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax
     return per_model_shard(lambda g: sum_all_reduce(g, axis), layout, x)
 
 
-def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
+def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName, how: str = "psum_scatter") -> jax.Array:
     """Sum a whole per-device gradient over the shard axes and keep this
     device's piece of it (stored, padded form). A leaf the policy keeps whole
     is all-reduced (over every batch axis) instead. On a hybrid mesh the
-    piece still differs per replica: :func:`reduce_across_replicas` finishes."""
+    piece still differs per replica: :func:`reduce_across_replicas` finishes.
+    ``how``: by which collectives (:func:`scatter_sum`; the schedule's
+    ``grad_reduction``); int8 wires (qgZ) keep their all-to-all."""
     if layout.dim is None:
         return sum_all_reduce_leaf(x, layout, axis)
     axes = _axes(axis)
@@ -183,10 +187,83 @@ def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.
             if axes.wire.grads is not None:
                 g = _quantized_reduce_scatter(g, over, layout.dim, block)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
             else:
-                g = jax.lax.psum_scatter(g, over, scatter_dimension=layout.dim, tiled=True)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
+                g = scatter_sum(g, over, layout.dim, how)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
         return g
 
     return per_model_shard(scatter, layout, x)
+
+
+#: How :func:`scatter_sum` may reduce-scatter a gradient (the schedule's ``grad_reduction``).
+REDUCE_SCATTERS = ("psum_scatter", "ring", "bidirectional_ring", "all_to_all")
+#: The name scope of a gradient reduce-scatter made of other collectives (the audit reads it as one), and of
+#: its first collective, which the audit counts as the reduction (a ring has N - 1 steps each way).
+GRAD_REDUCTION_SCOPE = "zj_grad_reduction"
+GRAD_REDUCTION_FIRST = "zj_grad_reduction_first"
+UNKNOWN_REDUCE_SCATTER = "grad_reduction={how!r}: a gradient is reduce-scattered by one of {known}."
+
+
+def scatter_sum(g: jax.Array, over: Any, dim: int, how: str = "psum_scatter") -> jax.Array:
+    """``psum_scatter(g, over, scatter_dimension=dim, tiled=True)``: ``g``
+    summed over ``over`` and cut along ``dim``, this device's slice; ``how``
+    (:data:`REDUCE_SCATTERS`) says by which collectives: ``psum_scatter``
+    itself, a ring of ``ppermute`` steps (:func:`ring_reduce_scatter`, one
+    or both ways round), or one ``all_to_all`` of the N slices and a local
+    sum (:func:`all_to_all_reduce_scatter`)."""
+    if how == "psum_scatter":
+        return jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+    if how not in REDUCE_SCATTERS:
+        raise ValueError(UNKNOWN_REDUCE_SCATTER.format(how=how, known=REDUCE_SCATTERS))
+    with jax.named_scope(GRAD_REDUCTION_SCOPE):
+        if how == "all_to_all":
+            return all_to_all_reduce_scatter(g, over, dim)
+        return ring_reduce_scatter(g, over, dim, bidirectional=how == "bidirectional_ring")
+
+
+def all_to_all_reduce_scatter(g: jax.Array, over: Any, dim: int) -> jax.Array:
+    """:func:`scatter_sum` as one ``all_to_all`` (device j receives slice j
+    of every device's ``g``: (N - 1) / N of ``g`` sent, one pass) and a sum
+    in device order on the receiver."""
+    pieces = _cut_into_pieces(g, dim, jax.lax.axis_size(over))
+    with jax.named_scope(GRAD_REDUCTION_FIRST):
+        received = jax.lax.all_to_all(pieces, over, 0, 0)
+    return jnp.sum(received, axis=0)
+
+
+def ring_reduce_scatter(g: jax.Array, over: Any, dim: int, *, bidirectional: bool = True) -> jax.Array:
+    """:func:`scatter_sum` as a ring of ``ppermute`` steps: N - 1 steps, each
+    sending one 1/N slice to the next device and adding the slice it
+    receives to its own, so the bytes on the wire are (N - 1) / N of ``g``,
+    one pass (a compiler may run a ``psum_scatter`` as an all-reduce and a
+    slice: two). ``bidirectional``: half of each slice goes each way round
+    the ring (both links of a torus axis busy, half the bytes each; one way
+    when the slice does not halve). The sums run in ring order, not the
+    collective's: equal to float rounding. ``over``: an axis name or a tuple
+    of them (devices in ``axis_index`` order)."""
+    n = jax.lax.axis_size(over)
+    if n == 1:
+        return g
+    pieces = _cut_into_pieces(g, dim, n)  # (n, *piece)
+    me = jax.lax.axis_index(over)
+    if bidirectional and pieces.shape[1 + dim] % 2 == 0:
+        halves = jnp.split(pieces, 2, axis=1 + dim)
+        one_way = _ring(halves[0], over, n, me, 1)
+        return jnp.concatenate([one_way, _ring(halves[1], over, n, me, -1, first=False)], axis=dim)
+    return _ring(pieces, over, n, me, 1)
+
+
+def _ring(pieces: jax.Array, over: Any, n: int, me: jax.Array, step: int, *, first: bool = True) -> jax.Array:
+    """One direction of :func:`ring_reduce_scatter`: device i ends with the sum
+    over devices of ``pieces[i]``. Each device starts with the piece that
+    reaches its owner after n - 1 hops (``me - step``), and adds to what it
+    receives its own piece of the same index. ``first``: its first step is
+    named the reduction's (:data:`GRAD_REDUCTION_FIRST`)."""
+    perm = [(i, (i + step) % n) for i in range(n)]
+    acc = jax.lax.dynamic_index_in_dim(pieces, (me - step) % n, 0, keepdims=False)
+    for s in range(1, n):
+        with jax.named_scope(GRAD_REDUCTION_FIRST) if s == 1 and first else contextlib.nullcontext():
+            acc = jax.lax.ppermute(acc, over, perm)
+        acc = acc + jax.lax.dynamic_index_in_dim(pieces, (me - step * (s + 1)) % n, 0, keepdims=False)
+    return acc
 
 
 def _quantized_reduce_scatter(g: jax.Array, shard: Any, dim: int, block: int) -> jax.Array:
@@ -401,7 +478,8 @@ def gather_together(pieces: list[jax.Array], layouts: list[LeafLayout], axis: Ax
     return [to_varying(unpad(w, lay), axis) for w, lay in zip(wholes, layouts, strict=True)]
 
 
-def reduce_scatter_together(grads: list[jax.Array], layouts: list[LeafLayout], axis: AxisName) -> list[jax.Array]:
+def reduce_scatter_together(grads: list[jax.Array], layouts: list[LeafLayout], axis: AxisName,
+                            how: str = "psum_scatter") -> list[jax.Array]:  # fmt: skip
     """:func:`sum_reduce_scatter` of several whole gradients (one dtype, each
     :func:`can_move_together`) by one reduce-scatter: the transpose of
     :func:`gather_together`, so each device keeps its pieces."""
@@ -411,7 +489,7 @@ def reduce_scatter_together(grads: list[jax.Array], layouts: list[LeafLayout], a
         n = jax.lax.axis_size(shard)
         cut = [_cut_into_pieces(pad(g, lay), lay.dim, n) for g, lay in zip(gs, layouts, strict=True)]  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
         rows = jnp.concatenate([c.reshape(n, -1) for c in cut], axis=1)
-        mine = jax.lax.psum_scatter(rows, shard, scatter_dimension=0, tiled=True)[0]
+        mine = scatter_sum(rows, shard, 0, how)[0]
         pieces, start = [], 0
         for c in cut:
             size = math.prod(c.shape[1:])
@@ -449,10 +527,12 @@ def gather_leaves(pieces: list[Any], layouts: list[LeafLayout], axis: AxisName,
 
 
 def reduce_scatter_leaves(grads: list[Any], layouts: list[LeafLayout], axis: AxisName,
-                          together: Sequence[Sequence[int]] = ()) -> list[Any]:  # fmt: skip
+                          together: Sequence[Sequence[int]] = (), how: str = "psum_scatter") -> list[Any]:  # fmt: skip
     """:func:`sum_reduce_scatter` of each gradient (``None`` stays ``None``),
-    grouped as :func:`gather_leaves` groups the gathers."""
-    return _by_groups(grads, layouts, axis, together, reduce_scatter_together, sum_reduce_scatter)
+    grouped as :func:`gather_leaves` groups the gathers (``how``: by which
+    collectives, :func:`scatter_sum`)."""
+    joined = functools.partial(reduce_scatter_together, how=how)
+    return _by_groups(grads, layouts, axis, together, joined, functools.partial(sum_reduce_scatter, how=how))
 
 
 def fetch(source: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool) -> jax.Array:
@@ -462,11 +542,13 @@ def fetch(source: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool
 
 
 def fetch_with_grad_slot(
-    source: jax.Array, slot: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool
-) -> jax.Array:
+    source: jax.Array, slot: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool,
+    how: str = "psum_scatter",
+) -> jax.Array:  # fmt: skip
     """:func:`fetch` ``source`` for the forward pass; in the backward pass send
-    its cotangent, cast to ``slot``'s dtype and reduce-scattered, to ``slot``
-    (a per-device zero piece the caller differentiates against).
+    its cotangent, cast to ``slot``'s dtype and reduce-scattered (``how``:
+    :func:`scatter_sum`'s), to ``slot`` (a per-device zero piece the caller
+    differentiates against).
 
     This is how ZeRO-2 and ZeRO-3 keep gradients partitioned: each parameter's
     gradient is reduced the moment the backward pass produces it, in the
@@ -487,7 +569,7 @@ def fetch_with_grad_slot(
         return zero_jax_fetch(src, slot), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
-        return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis)
+        return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis, how)
 
     zero_jax_fetch.defvjp(fwd, bwd)
     return zero_jax_fetch(source, slot)

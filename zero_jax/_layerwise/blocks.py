@@ -456,7 +456,8 @@ def _run_block(  # house: one custom VJP's forward and backward read as one unit
         g_ws, g_plain, g_args, g_consts = vjp(ct_out)
         with jax.named_scope(f"zj_block{index}_reduce"):
             cast = [None if dt is None else g.astype(dt) for g, dt in zip(g_ws, slot_dtypes, strict=True)]
-            reduced = coll.reduce_scatter_leaves(cast, list(block.layouts), axis, block.together(policy))  # pyright: ignore[reportArgumentType] - a gathered block's layouts are all set
+            how = schedule_for(policy).grad_reduction
+            reduced = coll.reduce_scatter_leaves(cast, list(block.layouts), axis, block.together(policy), how)  # pyright: ignore[reportArgumentType] - a gathered block's layouts are all set
             g_slots = [r for r, dt in zip(reduced, slot_dtypes, strict=True) if dt is not None]
         # The block before this one runs its backward pass only once this
         # block's gradient is reduce-scattered (and its whole gradient freed).

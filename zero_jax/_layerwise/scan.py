@@ -328,7 +328,8 @@ def _reduce_layer(plan: _ScanPlan, g_layer: PyTree) -> list[Any]:
     gs = jax.tree_util.tree_flatten(g_layer)[0]
     cast = [g.astype(dt) if s and dt is not None else None for s, dt, g in zip(plan.sharded, plan.slot_dtypes, gs,
                                                                                 strict=True)]  # fmt: skip
-    reduced = coll.reduce_scatter_leaves(cast, plan.layouts, plan.axis, plan.together)  # pyright: ignore[reportArgumentType] - a gathered layer's layouts are all set
+    how = plan.schedule.grad_reduction
+    reduced = coll.reduce_scatter_leaves(cast, plan.layouts, plan.axis, plan.together, how)  # pyright: ignore[reportArgumentType] - a gathered layer's layouts are all set
     return [r if s else g for s, r, g in zip(plan.sharded, reduced, gs, strict=True)]
 
 

@@ -138,6 +138,32 @@ from here.
     (``benchmarks/gpu_aot.py``'s ``3/all`` rows, ``benchmarks/results/gpu_aot.txt``).
     Off on XLA:CPU and TPU, where the re-gather is what keeps stage 3
     below stage 1.
+``grad_reduction``
+    How the layer-wise backward reduce-scatters each layer's gradient
+    (``_comm.collectives.scatter_sum``). libtpu (0.0.42.1 and 0.0.52) runs
+    an explicit ``psum_scatter`` on v5p as an all-reduce of the whole
+    gradient + a dynamic-slice: two passes of the bytes, synchronous under
+    every option set tried. On TPU it is a ring of ``ppermute`` steps
+    (``"ring"``: N - 1 steps of 1/N of the gradient, each adding what it
+    receives), which libtpu keeps as async collective-permutes overlapped
+    with the backward pass's matmuls: one pass, and (v5p:2x2x2, the reference
+    transformer, stage 3 layer-wise) the step's compiled bytes 1.02x the
+    theory against 1.31x at the 1B class scanned, 99% of the reductions'
+    bytes overlapped against none, in the same HBM (libtpu 0.0.42.1); at
+    dim 256, depth 4, 1.01x against 1.32x, 98% overlapped, on both
+    versions, the allocation 4-5% more scanned (0.0.52 unscanned: 1% less,
+    the live peak 18% less). Both
+    ways round (``"bidirectional_ring"``) overlaps as well and allocates
+    more; one ``all_to_all`` and a sum (``"all_to_all"``) is one pass too but
+    synchronous. ``psum_scatter`` on XLA:CPU (every collective synchronous
+    there) and GPU, not measured with the others. The leaves a layer-wise
+    step gathers outside the layers (``zj.gather``: the embedding, the head)
+    keep ``psum_scatter``: by the ring too, the 1B class on v5p-8 sent 0.975x
+    the theory instead of 1.02x but allocated 12% more HBM
+    (``results/grad_reduction_outside_layers.json``). The libtpu 0.0.46.3
+    entry takes the ring unmeasured.
+    ``benchmarks/grad_reduction.py`` re-measures it
+    (``benchmarks/results/grad_reduction.txt``).
 ``compiler_options``
     Options the step compiles with: on TPU, libtpu's async all-gather
     (:data:`TPU_ASYNC_ALL_GATHER`); with libtpu's defaults every gather is
@@ -247,6 +273,9 @@ class Schedule(NamedTuple):
     #: A layer's partitioned leaves of at most this many bytes (whole, as stored) move together: one all-gather
     #: and one reduce-scatter per dtype for all of them (0: each leaf its own).
     together_bytes: int = 0
+    #: How the layer-wise backward reduce-scatters each layer's gradient: one of
+    #: ``_comm.collectives.REDUCE_SCATTERS`` (``"ring"``: a ring of ``ppermute`` steps).
+    grad_reduction: str = "psum_scatter"
     #: The compiler (and its version) this entry was measured on, e.g. ``"libtpu 0.0.42.1"``.
     compiler: str = ""
     #: Option sets tried in turn when the compiler refuses ``compiler_options`` on a device kind (probed once:
@@ -428,7 +457,7 @@ CPU_READ_ONLY = (("xla_backend_optimization_level", 0), ("xla_cpu_use_fusion_emi
 #: running one is older than all), and says so (:meth:`Schedule.describe`, printed by ``zj.audit``). Backends
 #: without an entry take XLA:CPU's.
 _TPU = Schedule("tpu", prefetch_across_trips=False, prefetch_blocks=False, hold_host_copies=1,
-                compiler_options=TPU_ASYNC_ALL_GATHER, together_bytes=2**16)  # fmt: skip
+                compiler_options=TPU_ASYNC_ALL_GATHER, together_bytes=2**16, grad_reduction="ring")  # fmt: skip
 MEASURED: dict[str, tuple[Schedule, ...]] = {
     "cpu": (
         Schedule("cpu", compiler="jaxlib 0.10.2", read_only_options=CPU_READ_ONLY),
