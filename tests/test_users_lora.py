@@ -67,11 +67,7 @@ def _reference(batches: list[dict]) -> tuple[dict, dict, list[float]]:
 
 def _per_device(leaves: list[jax.Array]) -> int:
     """The largest bytes any device holds of ``leaves``."""
-    held: dict = {}
-    for x in leaves:
-        for shard in x.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return max(held.values())
+    return max(zj.measure.resident_bytes(leaves).values())
 
 
 def _paths(tree: dict) -> list[str]:
