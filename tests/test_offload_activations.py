@@ -221,12 +221,13 @@ def test_tpu_program_keeps_the_saved_inputs_in_host_memory(tpu_pair) -> None:
     assert m_off.host_temp_size_in_bytes == 0
     # libtpu 0.0.42.1 keeps this loop's stacked inputs twice (measured: 2 MiB of host temp for 1 MiB; once
     # for the reference transformer, benchmarks/results/offload_activations.txt); on the device they were
-    # twice too: the temp drops by more than their size. libtpu 0.0.52's device temp drops by 0.78 of it
-    # (3.85 -> 3.03 MB, measured 2026-12-07): its buffer assignment had packed part of them already.
+    # twice too: the temp drops by more than their size. libtpu 0.0.52's device temp drops by 0.72 of it
+    # (4.06 -> 3.31 MB with the seam's ring reductions; 3.85 -> 3.03 MB, 0.78, with psum_scatter; measured
+    # 2026-12-07): its buffer assignment had packed part of them already.
     assert saved <= m_on.host_temp_size_in_bytes <= 2 * saved, (m_on.host_temp_size_in_bytes, saved)
     drop = m_off.temp_size_in_bytes - m_on.temp_size_in_bytes
     old_libtpu = zj.measure.compiler_version("tpu")[1] < (0, 0, 46)
-    assert drop >= (saved if old_libtpu else 0.75 * saved), (m_off.temp_size_in_bytes, m_on.temp_size_in_bytes, saved)
+    assert drop >= (saved if old_libtpu else 0.7 * saved), (m_off.temp_size_in_bytes, m_on.temp_size_in_bytes, saved)
 
 
 def test_on_tpu_each_blocks_output_waits_for_the_host_copy_of_the_inputs_before() -> None:
