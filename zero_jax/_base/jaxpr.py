@@ -343,8 +343,9 @@ def matrix_products(fn: Callable[..., Any], *args: PyTree) -> MatrixProducts:
     """
     closed = jax.make_jaxpr(fn)(*jax.tree.map(abstract, args))
     invars = closed.jaxpr.invars
-    sizes = [math.prod(v.aval.shape) for v in invars]
-    start = [{i: 0} if v.aval.shape else {} for i, v in enumerate(invars)]
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in invars]  # jax 0.12 types avals as AbstractValue
+    sizes = [math.prod(shape) for shape in shapes]
+    start = [{i: 0} if shape else {} for i, shape in enumerate(shapes)]
     mixed: set[int] = set()
     multiplied: set[int] = set()
     _walk(closed.jaxpr, start, mixed, multiplied, sizes)
