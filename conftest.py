@@ -37,6 +37,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The key must hold the ops' names: the audit reads each block's collectives by their name scopes, and two
 # programs that differ only there would otherwise share one executable (and the first one's names).
 os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")
+# ... but not the source lines: with no traceback frames in the ops' locations, the same program built by two
+# tests (the plain optax reference, a stage's step of a shared model) is one cache entry, where the lines of each
+# test's own closure made two (6 training files, 249 tests: 477 -> 400 CPU s; persistent-cache hits 349 -> 626).
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 
 import jax  # noqa: E402
 
@@ -61,15 +65,32 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# The fast tier is chosen by measurement (tools/pick_slow.py writes the list);
-# tests that are slow by nature are also marked in their files.
+# Three tiers, chosen by measurement (tools/pick_tiers.py writes the lists; CONTRIBUTING.md): the fast tier
+# (-m "not slow"; tests/slow.txt lists what it leaves out, besides the tests marked slow in their files), the CI
+# tier (the README's test command: every test not in tests/full.txt) and the full tier (--full: everything).
 SLOW_LIST = Path(__file__).parent / "tests" / "slow.txt"
+FULL_LIST = Path(__file__).parent / "tests" / "full.txt"
 
 
-# The files longest first (tests/file_seconds.txt, measured by tools/pick_slow.py): --dist loadfile hands the two
+# The files longest first (tests/file_seconds.txt, measured by tools/pick_tiers.py): --dist loadfile hands the two
 # workers whole files in collection order, so the longest start first and the short ones fill the gaps at the end
 # (longest-processing-time first), not one worker running a long file alone while the other idles.
 FILE_SECONDS = Path(__file__).parent / "tests" / "file_seconds.txt"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full", action="store_true",
+        help="run the full tier too: the tests tests/full.txt lists (the other cases of each matrix and the "
+        "end-to-end runs; before a release, on both ends of the supported range)",
+    )  # fmt: skip
+
+
+def listed(path: Path) -> set[str]:
+    """The node ids a tier list names (``#`` comments)."""
+    if os.environ.get("ZERO_JAX_IGNORE_TIER_LISTS") or not path.exists():
+        return set()
+    return {line.strip() for line in path.read_text().splitlines() if line.strip() and line[0] != "#"}
 
 
 def file_seconds() -> dict[str, float]:
@@ -83,9 +104,12 @@ def file_seconds() -> dict[str, float]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seconds = file_seconds()
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: a file keeps its order
-    if os.environ.get("ZERO_JAX_IGNORE_SLOW_LIST") or not SLOW_LIST.exists():
-        return
-    listed = {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip() and line[0] != "#"}
+    slow, full = listed(SLOW_LIST), listed(FULL_LIST)
     for item in items:
-        if item.nodeid in listed:
+        if item.nodeid in slow or item.nodeid in full:
             item.add_marker(pytest.mark.slow)
+    if not config.getoption("--full"):
+        left_out = [item for item in items if item.nodeid in full]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.nodeid not in full]
