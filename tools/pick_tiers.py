@@ -149,10 +149,10 @@ def pick_ci(costs: dict[str, dict], fast: set[str], budget: float, min_rate: flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("costs", type=Path, nargs="+", help="test_costs.py's files (one per xdist worker)")
-    parser.add_argument("--fast-budget", type=float, default=200.0, help="CPU seconds of the fast tier")
-    parser.add_argument("--ci-budget", type=float, default=900.0, help="CPU seconds of the CI tier")
+    parser.add_argument("--fast-budget", type=float, default=80.0, help="CPU seconds of the fast tier")
+    parser.add_argument("--ci-budget", type=float, default=500.0, help="CPU seconds of the CI tier")
     parser.add_argument(
-        "--min-rate", type=float, default=0.2,
+        "--min-rate", type=float, default=0.5,
         help="new lines per CPU second below which a test is not added to the CI tier for its lines alone",
     )  # fmt: skip
     parser.add_argument("--machine", default="2 idle cores, Python 3.13, jax 0.12.1")
