@@ -93,16 +93,16 @@ def listed(path: Path) -> set[str]:
     return {line.strip() for line in path.read_text().splitlines() if line.strip() and line[0] != "#"}
 
 
-def file_seconds() -> dict[str, float]:
-    """Measured seconds per test file (``path seconds`` lines; ``#`` comments)."""
+def file_seconds(full: bool) -> dict[str, float]:
+    """Measured seconds per test file in the CI tier, or the full tier (``path ci full`` lines; ``#`` comments)."""
     if not FILE_SECONDS.exists():
         return {}
     rows = (line.split() for line in FILE_SECONDS.read_text().splitlines() if line.strip() and line[0] != "#")
-    return {path: float(seconds) for path, seconds in rows}
+    return {row[0]: float(row[2] if full and len(row) > 2 else row[1]) for row in rows}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    seconds = file_seconds()
+    seconds = file_seconds(config.getoption("--full"))
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: a file keeps its order
     slow, full = listed(SLOW_LIST), listed(FULL_LIST)
     for item in items:

@@ -48,8 +48,9 @@ FILES = ROOT / "tests" / "file_seconds.txt"
 ALWAYS_CI = ("tests/test_notebooks.py::",)
 HEAVY_SETUP = 1.0  # CPU seconds of fixtures that make a test function one unit
 FILES_HEADER = (
-    "# Measured CPU seconds per test file (the test process and its children), longest first: conftest.py collects\n"
-    "# the files in this order so that -n 2's workers start on the longest. Written by tools/pick_tiers.py.\n"
+    "# Measured CPU seconds per test file (the test process and its children) in the CI tier, then in the full tier:\n"
+    "# conftest.py collects the files longest first (by the tier it runs): -n 2's workers start on the longest.\n"
+    "# Written by tools/pick_tiers.py.\n"
 )
 SLOW_HEADER = (
     "# Tests the fast tier (pytest -m 'not slow') leaves out, chosen by measurement: written by tools/pick_tiers.py\n"
@@ -88,6 +89,8 @@ def unmarked() -> list[str]:
         [sys.executable, "-m", "pytest", "-q", "--co", "-n", "0", "-m", "not slow", "--full"],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "ZERO_JAX_IGNORE_TIER_LISTS": "1"},
     )  # fmt: skip
+    if run.returncode != 0:
+        raise SystemExit(f"collecting the suite failed:\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
     return [line.strip() for line in run.stdout.splitlines() if "::" in line]
 
 
@@ -182,11 +185,13 @@ def main() -> None:
         )
         + "".join(f"{n}\n" for n in full)
     )
-    per_file: dict[str, float] = collections.defaultdict(float)
-    for node in ci:
-        per_file[node.split("::")[0]] += costs[node]["cost"]
-    ranked = sorted(per_file.items(), key=lambda kv: (-kv[1], kv[0]))
-    FILES.write_text(FILES_HEADER + "".join(f"{path} {s:.1f}\n" for path, s in ranked))
+    in_ci: dict[str, float] = collections.defaultdict(float)
+    in_full: dict[str, float] = collections.defaultdict(float)
+    for node, c in costs.items():
+        in_full[node.split("::")[0]] += c["cost"]
+        in_ci[node.split("::")[0]] += c["cost"] if node in ci else 0.0
+    ranked = sorted(in_full, key=lambda path: (-in_ci[path], -in_full[path], path))
+    FILES.write_text(FILES_HEADER + "".join(f"{path} {in_ci[path]:.1f} {in_full[path]:.1f}\n" for path in ranked))
     print(f"fast tier: {len(fast)} tests, {cost(fast):.0f} CPU s; CI tier: {len(ci)} tests, {cost(ci):.0f} CPU s "
           f"({len({function(n) for n in ci})} of {len(functions)} test functions); full: {len(costs)} tests, "
           f"{total:.0f} CPU s); lines only the full tier runs: {sorted(uncovered) or 'none'}")  # fmt: skip
