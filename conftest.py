@@ -101,7 +101,20 @@ def file_seconds(full: bool) -> dict[str, float]:
     return {row[0]: float(row[2] if full and len(row) > 2 else row[1]) for row in rows}
 
 
+STALE = (
+    "{path} names {count} tests the suite does not have (renamed or removed?): {names}. Pick the tiers again "
+    "(CONTRIBUTING.md: tools/test_costs.py, then tools/pick_tiers.py) or delete those lines."
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the whole suite is in items when no path was given
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        ids = {item.nodeid for item in items}
+        for path in (SLOW_LIST, FULL_LIST):
+            stale = sorted(listed(path) - ids)
+            if stale:
+                raise pytest.UsageError(STALE.format(path=path.name, count=len(stale), names=stale[:5]))
     seconds = file_seconds(config.getoption("--full"))
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: a file keeps its order
     slow, full = listed(SLOW_LIST), listed(FULL_LIST)

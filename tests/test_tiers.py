@@ -1,13 +1,11 @@
-"""The suite's tiers (conftest.py, tools/pick_tiers.py): the lists name tests that exist, the CI tier leaves out
-exactly what tests/full.txt lists, and a test named on the command line runs whatever its tier."""
+"""The suite's tiers (conftest.py, tools/pick_tiers.py): a test named on the command line runs whatever its tier.
+(That the lists name tests that exist, conftest.py checks whenever the whole suite is collected.)"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,16 +22,6 @@ def collected(*args: str) -> list[str]:
 def listed(name: str) -> set[str]:
     lines = (ROOT / "tests" / name).read_text().splitlines()
     return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
-
-
-@pytest.mark.slow
-def test_the_lists_name_tests_that_exist_and_ci_leaves_out_exactly_the_full_list() -> None:
-    everything = set(collected("--full"))
-    full, slow = listed("full.txt"), listed("slow.txt")
-    # A renamed test would leave a stale line here and run in a tier nobody chose for it.
-    assert full <= everything, sorted(full - everything)[:5]
-    assert slow <= everything, sorted(slow - everything)[:5]
-    assert set(collected()) == everything - full
 
 
 def test_a_test_named_on_the_command_line_runs_whatever_its_tier() -> None:
