@@ -124,7 +124,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.getoption("--full"):
         # A test named on the command line (path::name) runs whatever its tier; the rest of the full tier waits.
         named = tuple(arg for arg in config.args if "::" in arg)
-        left_out = [item for item in items if item.nodeid in full and not item.nodeid.startswith(named or ("\0",))]
+        left_out = [item for item in items if item.nodeid in full and not (named and item.nodeid.startswith(named))]
         if left_out:
             config.hook.pytest_deselected(items=left_out)
             items[:] = [item for item in items if item.nodeid not in full]

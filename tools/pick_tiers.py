@@ -25,9 +25,9 @@ Three tiers, each containing the one before:
   runs whose code paths the CI tier runs otherwise.
 
 It also writes ``tests/file_seconds.txt``, by which ``conftest.py`` orders the
-files (longest first, for ``-n 2``'s workers). Tests that share a module
-fixture are costed as measured (the first one pays for it). Rerun after a
-change that adds or slows tests (stdlib only).
+files (longest first, for ``-n 2``'s workers). The cases of a test function
+one of which built fixtures of over ``HEAVY_SETUP`` CPU seconds stay or go
+together. Rerun after a change that adds or slows tests (stdlib only).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,8 +105,9 @@ def function(node: str) -> str:
 
 
 def units(costs: dict[str, dict], nodes: set[str]) -> list[tuple[str, ...]]:
-    """What stays or goes together: the cases of a test function one of which built a fixture of over a CPU
-    second (leaving out the case that built it only moves the cost to the next case); any other test alone."""
+    """What stays or goes together: the cases of a test function one of which built fixtures of over
+    ``HEAVY_SETUP`` CPU seconds (leaving out the case that built them only moves the cost to the next case); any
+    other test alone."""
     heavy = {function(n) for n in nodes if costs[n]["setup"] > HEAVY_SETUP}
     grouped: dict[str, list[str]] = collections.defaultdict(list)
     for node in sorted(nodes):
@@ -113,11 +115,15 @@ def units(costs: dict[str, dict], nodes: set[str]) -> list[tuple[str, ...]]:
     return [tuple(group) for group in grouped.values()]
 
 
+def cost_of(costs: dict[str, dict], nodes: Iterable[str]) -> float:
+    return sum(costs[n]["cost"] for n in nodes)
+
+
 def pick_fast(costs: dict[str, dict], candidates: set[str], budget: float) -> set[str]:
     """The cheapest units of candidates until their costs reach ``budget``."""
     fast, spent = set(), 0.0
-    for unit in sorted(units(costs, candidates), key=lambda u: (sum(costs[n]["cost"] for n in u), u)):
-        cost = sum(costs[n]["cost"] for n in unit)
+    for unit in sorted(units(costs, candidates), key=lambda u: (cost_of(costs, u), u)):
+        cost = cost_of(costs, unit)
         if spent + cost > budget:
             break
         fast |= set(unit)
@@ -133,7 +139,7 @@ def pick_ci(costs: dict[str, dict], fast: set[str], budget: float, min_rate: flo
     ci |= {n for u in rest if set(u) & ci for n in u}  # a unit the fast tier started goes whole
     rest = [u for u in rest if not set(u) <= ci]
     lines = {u: set().union(*(costs[n]["lines"] for n in u)) for u in rest}
-    cost = {u: sum(costs[n]["cost"] for n in u) for u in rest}
+    cost = {u: cost_of(costs, u) for u in rest}
     covered = set().union(*(costs[n]["lines"] for n in ci))
     everything = set().union(*(c["lines"] for c in costs.values()))
     while covered != everything:
@@ -143,7 +149,7 @@ def pick_ci(costs: dict[str, dict], fast: set[str], budget: float, min_rate: flo
         ci |= set(best)
         rest.remove(best)
         covered |= lines[best]
-    spent = sum(costs[n]["cost"] for n in ci)
+    spent = cost_of(costs, ci)
     chosen_functions = {function(n) for n in ci}
     for unit in sorted(rest, key=lambda u: (cost[u], u)):
         if {function(n) for n in unit} <= chosen_functions or spent + cost[unit] > budget:
@@ -166,27 +172,28 @@ def main() -> None:
     parser.add_argument("--machine", default="2 idle cores, Python 3.13, jax 0.12.1")
     args = parser.parse_args()
     costs = read_costs(args.costs)
-    missing = [n for n in unmarked() if n not in costs]
+    candidates = set(unmarked())
+    missing = sorted(candidates - set(costs))
     if missing:
         raise SystemExit(f"{len(missing)} tests have no measured cost (run the whole suite with --full): {missing[:5]}")
-    fast = pick_fast(costs, {n for n in unmarked() if n in costs}, args.fast_budget)
+    fast = pick_fast(costs, candidates, args.fast_budget)
     ci = pick_ci(costs, fast, args.ci_budget, args.min_rate)
     total = sum(c["cost"] for c in costs.values())
     everything = set().union(*(c["lines"] for c in costs.values()))
     uncovered = everything - set().union(*(costs[n]["lines"] for n in ci))
-    cost = lambda nodes: sum(costs[n]["cost"] for n in nodes)  # noqa: E731
     slow, full = sorted(set(costs) - fast), sorted(set(costs) - ci)
     SLOW.write_text(
-        SLOW_HEADER.format(total=total, machine=args.machine, kept=len(fast), kept_s=cost(fast))
+        SLOW_HEADER.format(total=total, machine=args.machine, kept=len(fast), kept_s=cost_of(costs, fast))
         + "".join(f"{n}\n" for n in slow)
     )
     functions = {function(n) for n in costs}
     FULL.write_text(
         FULL_HEADER.format(
-            total=total, machine=args.machine, ci=len(ci), ci_s=cost(ci), functions=len({function(n) for n in ci}),
+            total=total, machine=args.machine, ci=len(ci), ci_s=cost_of(costs, ci),
+            functions=len({function(n) for n in ci}),
             all_functions=len(functions), lines=len(everything), covered=len(everything - uncovered),
             uncovered=", ".join(sorted(uncovered)) or "none",
-            count=len(full), full_s=cost(full),
+            count=len(full), full_s=cost_of(costs, full),
         )
         + "".join(f"{n}\n" for n in full)
     )
@@ -197,7 +204,8 @@ def main() -> None:
         in_ci[node.split("::")[0]] += c["cost"] if node in ci else 0.0
     ranked = sorted(in_full, key=lambda path: (-in_ci[path], -in_full[path], path))
     FILES.write_text(FILES_HEADER + "".join(f"{path} {in_ci[path]:.1f} {in_full[path]:.1f}\n" for path in ranked))
-    print(f"fast tier: {len(fast)} tests, {cost(fast):.0f} CPU s; CI tier: {len(ci)} tests, {cost(ci):.0f} CPU s "
+    print(f"fast tier: {len(fast)} tests, {cost_of(costs, fast):.0f} CPU s; "
+          f"CI tier: {len(ci)} tests, {cost_of(costs, ci):.0f} CPU s "
           f"({len({function(n) for n in ci})} of {len(functions)} test functions); full: {len(costs)} tests, "
           f"{total:.0f} CPU s); lines only the full tier runs: {sorted(uncovered) or 'none'}")  # fmt: skip
 
