@@ -51,6 +51,9 @@ TRIALS: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("unroll_layers 2", {"unroll_layers": 2}, ("scan",)),
     ("in place, unroll_layers 2", {"prefetch_across_trips": False, "unroll_layers": 2}, ("scan",)),
     ("together_bytes 64 KiB", {"together_bytes": 2**16}, ("scan", "apply")),
+    # the layer gradients reduced by a ring of ppermutes (the TPU entry's grad_reduction) instead of psum_scatter
+    ("grad_reduction ring", {"grad_reduction": "ring"}, ("scan", "apply")),
+    ("grad_reduction bidirectional", {"grad_reduction": "bidirectional_ring"}, ("scan", "apply")),
 ]
 
 

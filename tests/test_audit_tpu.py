@@ -402,6 +402,82 @@ def test_a_collective_offloaded_to_sparsecore_is_one_async_all_gather_overlapped
     assert c.op_name.endswith("zj_block1_gather)/all_gather")
 
 
+# The same two programs as an XLA dump (``xla_dump_to``: how a program another tool compiled is read, e.g.
+# ``benchmarks/maxtext.py``'s) writes them, libtpu 0.0.46.3: the offload is an ``async-start`` whose ``calls``
+# computation ``call``-s the gather's, and a tuple's element is ``%t#k`` in place of a get-tuple-element.
+SPARSECORE_DUMPED = (
+    SPARSECORE.replace("custom-call-start(), ", "async-start(), ")
+    .replace('custom_call_target="sc", called_computations={%called_computation.15}', "calls=%async_computation.15")
+    .replace("custom-call-update(", "async-update(")
+    .replace("custom-call-done(", "async-done(")
+    .replace(
+        '}, execution_thread="sparsecore"',
+        '}, execution_thread="sparsecore"\n'
+        "%async_computation.15 (param_0.1: bf16[64,256]) -> bf16[512,256] {\n"
+        "  %param_0.1 = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(0)\n"
+        "  ROOT %all-gather.47.cloned = bf16[512,256]{1,0:T(8,128)(2,1)} call(%param_0.1), "
+        "to_apply=%called_computation.15\n"
+        '}, execution_thread="sparsecore"',
+    )
+)
+DECOMPOSED_DUMPED = "\n".join(
+    line for line in DECOMPOSED.replace("%get-tuple-element.108", "%all-reduce.12#0")
+    .replace("%get-tuple-element.109", "%all-reduce.12#1").splitlines() if "get-tuple-element(" not in line
+)
+
+
+def test_an_xla_dump_reads_as_the_compiled_text_reads() -> None:
+    assert "get-tuple-element(" not in DECOMPOSED_DUMPED and "async-start(" in SPARSECORE_DUMPED
+    for text, dumped in ((SPARSECORE, SPARSECORE_DUMPED), (DECOMPOSED, DECOMPOSED_DUMPED)):
+        fields = ("kind", "op", "spelling", "shape", "bytes", "trips", "decomposed", "compute", "op_name")
+        read = [[getattr(c, f) for f in fields] for c in measure.read_compiled(text, 8).collectives]
+        assert [[getattr(c, f) for f in fields] for c in measure.read_compiled(dumped, 8).collectives] == read
+    (gather,) = measure.read_compiled(SPARSECORE_DUMPED, 8).collectives
+    assert (gather.spelling, gather.done, gather.overlapped) == (_compiled.OFFLOADED, "all-gather.47.call-done", True)
+    assert [c.kind for c in measure.read_compiled(DECOMPOSED_DUMPED, 8).collectives] == ["reduce-scatter"] * 2
+
+
+# A windowed einsum's loop as the SPMD partitioner writes it (it steps by 2: each trip runs two ring steps), with a
+# collective-permute in its body, in the two spellings: compiled.as_text()'s get-tuple-element and an XLA dump's
+# ``%t#k`` (the post-SPMD program the audit reads is a dump). 8 / 2 = 4 trips either way, not 8.
+STEP_BY_TWO = hlo(
+    "%cond (p: (s32[], f32[8])) -> pred[] {",
+    "  %p = (s32[], f32[8]) parameter(0)",
+    "  %i = s32[] get-tuple-element(%p), index=0",
+    "  %k = s32[] constant(8)",
+    "  ROOT %lt = pred[] compare(%i, %k), direction=LT",
+    "}",
+    "%body (p.1: (s32[], f32[8])) -> (s32[], f32[8]) {",
+    "  %p.1 = (s32[], f32[8]) parameter(0)",
+    "  %i.1 = s32[] get-tuple-element(%p.1), index=0",
+    "  %two = s32[] constant(2)",
+    "  %next = s32[] add(%i.1, %two)",
+    "  %x = f32[8] get-tuple-element(%p.1), index=1",
+    "  %cp = f32[8] collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}",
+    "  ROOT %t = (s32[], f32[8]) tuple(%next, %cp)",
+    "}",
+    "ENTRY %main (x0: f32[8]) -> (s32[], f32[8]) {",
+    "  %zero = s32[] constant(0)",
+    "  %x0 = f32[8] parameter(0)",
+    "  %init = (s32[], f32[8]) tuple(%zero, %x0)",
+    "  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body",
+    "}",
+)
+STEP_BY_TWO_DUMPED = "\n".join(
+    line.replace("(%p)", "").replace("(%p.1)", "") for line in STEP_BY_TWO
+    .replace("compare(%i, %k)", "compare(%p#0, %k)").replace("add(%i.1, %two)", "add(%p.1#0, %two)")
+    .replace("collective-permute(%x)", "collective-permute(%p.1#1)").splitlines() if "get-tuple-element(" not in line
+)
+
+
+def test_a_dumped_loop_stepping_by_two_counts_its_trips_as_the_compiled_text_does() -> None:
+    assert "get-tuple-element(" not in STEP_BY_TWO_DUMPED and "%p.1#0" in STEP_BY_TWO_DUMPED
+    for text in (STEP_BY_TWO, STEP_BY_TWO_DUMPED):
+        (cp,) = measure.parse_collectives(text, 2)
+        assert (cp.kind, cp.trips) == ("collective-permute", 4)
+        assert _hlo.trip_counts(text)["body"] == 4
+
+
 def test_overlap_counts_layer_gathers_exposed_when_synchronous_and_overlapped_when_async() -> None:
     policy = zj.ZeroPolicy(3, jax.make_mesh((8,), ("data",)))
     overlapped = _schedule.layer_overlap(measure.read_compiled(CONTINUATION, 8), [], policy)

@@ -3,16 +3,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from _models import make_mesh, reference_run, relative_update_error
 
 import zero_jax as zj
-from zero_jax.models import LlamaConfig, llama_init_params, make_llama_loss_fn, synthetic_batch, unstack_params
+from zero_jax.models import (
+    LlamaConfig,
+    llama_block,
+    llama_init_params,
+    make_llama_loss_fn,
+    synthetic_batch,
+    unstack_params,
+)
 
 CFG = LlamaConfig(vocab=64, dim=32, depth=2, heads=4, kv_heads=2, seq=16)
 STEPS = 3
@@ -102,8 +111,48 @@ def test_llama_parameter_count_is_the_formula() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "words"),
-    [({"dim": 30, "heads": 4}, r"2 \* heads"), ({"heads": 4, "kv_heads": 3}, "kv_heads"), ({"depth": 0}, "positive")],
+    [({"dim": 30, "heads": 4}, r"2 \* heads"), ({"heads": 4, "kv_heads": 3}, "kv_heads"), ({"depth": 0}, "positive"),
+     ({"seq": 64, "attention": "chunked", "attention_chunk": 48}, "divisor of seq"),
+     ({"attention": "flash"}, "not one of")],
 )
 def test_llama_config_refuses_bad_sizes(kw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         LlamaConfig(**kw)
+
+
+def test_chunked_attention_is_the_default_attention_and_its_gradient() -> None:
+    # float32: the chunked scores are the same dot products as the default's, summed in the same order; what
+    # differs is the softmax's max and sum over a chunk's rows (the same rows) and XLA's fusion: a few ulps.
+    cfg = dataclasses.replace(CFG, seq=64)
+    chunked = dataclasses.replace(cfg, attention="chunked", attention_chunk=16)
+    layer = jax.tree.map(lambda a: a[0], llama_init_params(cfg, jax.random.key(0))["layers"])
+    x = jax.random.normal(jax.random.key(1), (2, cfg.seq, cfg.dim))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def loss_and_grads(layer, x, c):
+        def loss(layer, x):
+            out = llama_block(layer, x, heads=c.heads, kv_heads=c.kv_heads, attention=c.attention,
+                              attention_chunk=c.attention_chunk)  # fmt: skip
+            return jnp.sum(jnp.sin(out))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(layer, x)
+
+    (got_loss, got_grads), (want_loss, want_grads) = loss_and_grads(layer, x, chunked), loss_and_grads(layer, x, cfg)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        # (entries near zero: within 1e-5 of the leaf's largest gradient entry, a few float32 ulps of it)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.slow
+def test_chunked_attention_trains_like_optax_at_stage_3() -> None:
+    # Layer-wise stage 3 with chunked attention against plain optax with the default attention: FP32_RTOL above.
+    chunked = dataclasses.replace(CFG, attention="chunked", attention_chunk=4)
+    policy = zj.ZeroPolicy(3, make_mesh(8), stacked="layers", min_shard_size=64)
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy)
+    step = zj.make_train_step(make_llama_loss_fn(chunked, policy), tx, policy, gather="manual")
+    state, losses = zj.init_state(_params(), tx, policy), []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    _assert_trains_like_optax(state, losses)

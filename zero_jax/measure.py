@@ -20,7 +20,10 @@ data-parallel step).
   point of the schedule, ``HloLiveRange``, and the buffers alive there) from
   the ``*live-range.txt`` report of an ``xla_dump_to`` folder; beside the
   allocated memory it shows fragmentation (``zj.audit``'s
-  ``report.fragmentation``).
+  ``report.fragmentation``); :func:`hbm_bytes_from_dump`: the device memory
+  the buffer assignment allocates, from the same folder (a program compiled
+  elsewhere, e.g. a peer's own tool run with ``XLA_FLAGS=--xla_dump_to=DIR``,
+  is read like a zero_jax step).
 * :func:`layers_alive` / :func:`scheduled_computations`: the schedule of a
   compiled program.
 * :func:`read_compiled`: the compiled program's collectives however the
@@ -71,6 +74,7 @@ from zero_jax._audit.hlo import (
 from zero_jax._audit.memory import (
     LIVE_RANGE_GLOB,
     LivePeak,
+    hbm_bytes_from_dump,
     live_peak,
     live_peak_from_dump,
     memory,
@@ -98,6 +102,7 @@ __all__ = [
     "compile_with_dump",
     "compile_with_hlo",
     "compiler_version",
+    "hbm_bytes_from_dump",
     "layers_alive",
     "live_peak",
     "live_peak_from_dump",

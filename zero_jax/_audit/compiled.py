@@ -34,7 +34,11 @@ collective it is (:class:`CompiledCollective`):
   ``custom-call-start`` (``call-start`` on 0.0.46.3) with
   ``async_execution_thread="sparsecore"`` whose ``called_computations``
   hold the collective, then ``custom-call-update`` (reading its operand)
-  and ``custom-call-done``; the TensorCore computes between start and done;
+  and ``custom-call-done``; the TensorCore computes between start and done.
+  An XLA dump of the same program (``xla_dump_to``: how a peer's program is
+  read) spells it ``async-start`` / ``async-update`` / ``async-done`` with
+  ``async_execution_thread="sparsecore"``, its ``calls`` computation
+  ``call``-ing the collective's;
 * a reduce-scatter *done as all-reduce*: an ``all-reduce`` of the whole
   operand whose result feeds a ``dynamic-slice`` (bare or inside a fusion) of
   1/N of it. Pass ``reduce-scatter-decomposer`` does this to every
@@ -104,7 +108,15 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from zero_jax._audit.hlo import COMPUTATION, OP_NAME, array_bytes, replica_group, ring_bytes_of, trip_counts
+from zero_jax._audit.hlo import (
+    COMPUTATION,
+    OP_NAME,
+    array_bytes,
+    expand_tuple_elements,
+    replica_group,
+    ring_bytes_of,
+    trip_counts,
+)
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 #: What counts as compute between a collective's start and its done (the overlap read off the schedule).
@@ -143,7 +155,9 @@ class Instruction:
 def scheduled_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str, dict[str, int]]:
     """Each computation's instructions in order (``is_scheduled=true``: the
     order they run in), the entry computation's name, and how many times each
-    computation runs per step (loops' trip counts multiplied)."""
+    computation runs per step (loops' trip counts multiplied). An XLA dump's
+    text is read as ``compiled.as_text()``'s (:func:`~zero_jax._audit.hlo.expand_tuple_elements`)."""
+    hlo = expand_tuple_elements(hlo)
     comps: dict[str, list[Instruction]] = {}
     current, entry = None, ""
     for line in hlo.splitlines():
@@ -278,14 +292,27 @@ def _inner(ins: Instruction, comps: Mapping[str, list[Instruction]], key: str = 
     return next((j for j in comps.get(callee or "", []) if j.op in KINDS), None)
 
 
+def _offloaded(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> Instruction | None:
+    """The collective a SparseCore offload's start runs: in its called computation (``as_text()``'s
+    ``custom-call-start`` / ``call-start``), or one ``call`` further down (an XLA dump's ``async-start``
+    whose ``calls`` computation calls the collective's)."""
+    for key in ("called_computations", "to_apply", "calls"):
+        for j in comps.get(_callee(ins, key) or "", []):
+            if j.op in KINDS:
+                return j
+            if j.op == "call" and (inner := _inner(j, comps, "to_apply")) is not None:
+                return inner
+    return None
+
+
 def _kind(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> tuple[str, str, Instruction] | None:
     """(kind, spelling, the instruction that holds the collective's own line) of a start, else None."""
     if ins.op in KINDS:
         return ins.op, SYNC, ins
     if ins.op.endswith("-start") and ins.op[: -len("-start")] in KINDS:
         return ins.op[: -len("-start")], START_DONE, ins
-    if ins.op in _OFFLOAD_OPS["start"] and "sparsecore" in ins.attrs:
-        inner = _inner(ins, comps, "called_computations") or _inner(ins, comps, "to_apply")
+    if (ins.op in _OFFLOAD_OPS["start"] or ins.op == "async-start") and "sparsecore" in ins.attrs:
+        inner = _offloaded(ins, comps)
         return (inner.op, OFFLOADED, inner) if inner is not None else None
     if ins.op in ("async-start", "fusion") and (inner := _inner(ins, comps)) is not None:
         if ins.op == "async-start":

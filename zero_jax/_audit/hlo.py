@@ -193,7 +193,7 @@ def _call_graph(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[tuple[st
     """
     comps: dict[str, list[str]] = {}
     current = None
-    for line in hlo.splitlines():
+    for line in expand_tuple_elements(hlo).splitlines():
         m = COMPUTATION.match(line)
         if m:
             current = m.group(1)
@@ -225,6 +225,41 @@ def _condition_bound(condition: str, comps: Mapping[str, list[str]]) -> int:
 
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+([\w\-]+)\((.*)$")
+
+
+_ELEMENT = re.compile(r"%([\w.\-]+)#(\d+)")
+
+
+def expand_tuple_elements(hlo: str) -> str:
+    """``hlo`` with an XLA dump's shorthand ``%t#k`` (element ``k`` of tuple
+    ``t``, written in place of an operand) spelled as ``compiled.as_text()``
+    spells it: a ``get-tuple-element`` instruction (``%t.element.k``) just
+    before the first instruction that reads it. A program dumped with
+    ``xla_dump_to`` (a peer's own tool's, e.g.) then reads as the compiled
+    text does: loop induction variables, a reduce-scatter done as all-reduce.
+
+    >>> print(expand_tuple_elements(chr(10).join(["ENTRY %m (p: (s32[], f32[2])) -> f32[2] {",
+    ...     "  %p = (s32[], f32[2]) parameter(0)", "  ROOT %r = f32[2] negate(%p#1)", "}"])))
+    ENTRY %m (p: (s32[], f32[2])) -> f32[2] {
+      %p = (s32[], f32[2]) parameter(0)
+      %p.element.1 = () get-tuple-element(%p), index=1
+      ROOT %r = f32[2] negate(%p.element.1)
+    }
+    """
+    if "#" not in hlo:
+        return hlo
+    out: list[str] = []
+    written: set[tuple[str, str]] = set()
+    for line in hlo.splitlines():
+        found = _ELEMENT.findall(line.split(", metadata=")[0]) if _DEF.match(line) else []
+        if COMPUTATION.match(line):
+            written = set()
+        for name, index in dict.fromkeys(found):
+            if (name, index) not in written:
+                written.add((name, index))
+                out.append(f"  %{name}.element.{index} = () get-tuple-element(%{name}), index={index}")
+        out.append(_ELEMENT.sub(r"%\1.element.\2", line) if found else line)
+    return "\n".join(out)
 
 
 def _defs(lines: list[str]) -> dict[str, tuple[str, list[str], str]]:
@@ -376,6 +411,7 @@ def _feeds(hlo: str) -> dict[str, tuple[str, ...]]:
 
 def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
     """Every collective in an HLO module's text, with loop trip counts."""
+    hlo = expand_tuple_elements(hlo)  # a dump's text (the post-SPMD program is one) as the compiled text reads
     trips = trip_counts(hlo)
     feeds = _feeds(hlo)
     out = []

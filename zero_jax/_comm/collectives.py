@@ -542,11 +542,12 @@ def fetch(source: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool
 
 
 def fetch_with_grad_slot(
-    source: jax.Array, slot: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool
-) -> jax.Array:
+    source: jax.Array, slot: jax.Array, layout: LeafLayout, axis: AxisName, *, gather: bool,
+    how: str = "psum_scatter",
+) -> jax.Array:  # fmt: skip
     """:func:`fetch` ``source`` for the forward pass; in the backward pass send
-    its cotangent, cast to ``slot``'s dtype and reduce-scattered
-    (``psum_scatter``), to ``slot`` (a per-device zero piece the caller
+    its cotangent, cast to ``slot``'s dtype and reduce-scattered (by ``how``:
+    :func:`scatter_sum`), to ``slot`` (a per-device zero piece the caller
     differentiates against).
 
     This is how ZeRO-2 and ZeRO-3 keep gradients partitioned: each parameter's
@@ -568,7 +569,7 @@ def fetch_with_grad_slot(
         return zero_jax_fetch(src, slot), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
-        return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis)
+        return None, sum_reduce_scatter(ct.astype(slot.dtype), layout, axis, how)
 
     zero_jax_fetch.defvjp(fwd, bwd)
     return zero_jax_fetch(source, slot)

@@ -26,6 +26,7 @@ import jax
 from zero_jax._base.jaxpr import direct_uses
 from zero_jax._base.tree import PyTree, path_str
 from zero_jax._comm import collectives as coll
+from zero_jax._layerwise.schedule import schedule_for
 from zero_jax._layerwise.scope import active_policy
 from zero_jax._layout.leaf import LeafLayout, is_layout
 from zero_jax._layout.trees import leaf_values
@@ -120,7 +121,8 @@ class Sharded:
         if len(self.arrays) == 1:  # frozen: forward only
             return coll.fetch(source, self.layout, axis, gather=self.gathers)
         slot = self.arrays[1]
-        return coll.fetch_with_grad_slot(source, slot, self.layout, axis, gather=self.gathers)
+        how = schedule_for(self.policy).grad_reduction_outside
+        return coll.fetch_with_grad_slot(source, slot, self.layout, axis, gather=self.gathers, how=how)
 
 
 def _is_sharded(x: Any) -> bool:

@@ -156,12 +156,17 @@ from here.
     ways round (``"bidirectional_ring"``) overlaps as well and allocates
     more; one ``all_to_all`` and a sum (``"all_to_all"``) is one pass too but
     synchronous. ``psum_scatter`` on XLA:CPU (every collective synchronous
-    there) and GPU, not measured with the others. The leaves a layer-wise
+    there) and on GPU, where the rings lose: at the 1B class scanned on
+    1 x 8 H100 XLA:GPU's schedule estimates the step at 70 ms with the ring
+    and 84 ms both ways round against 48 ms with NCCL's reduce-scatter
+    (``benchmarks/gpu_schedule.py --model 1B``,
+    ``results/gpu_schedule_1b.txt``). The leaves a layer-wise
     step gathers outside the layers (``zj.gather``: the embedding, the head)
     keep ``psum_scatter``: by the ring too, the 1B class on v5p-8 sent 0.975x
     the theory instead of 1.02x but allocated 12% more HBM
-    (``results/grad_reduction_outside_layers.json``). The libtpu 0.0.46.3
-    entry takes the ring unmeasured.
+    (``results/grad_reduction_outside_layers.json``). On libtpu 0.0.46.3
+    the ring was measured beside MaxText (``benchmarks/maxtext.py``,
+    ``results/maxtext.txt``).
     ``benchmarks/grad_reduction.py`` re-measures it
     (``benchmarks/results/grad_reduction.txt``).
 ``compiler_options``
@@ -276,6 +281,8 @@ class Schedule(NamedTuple):
     #: How the layer-wise backward reduce-scatters each layer's gradient: one of
     #: ``_comm.collectives.REDUCE_SCATTERS`` (``"ring"``: a ring of ``ppermute`` steps).
     grad_reduction: str = "psum_scatter"
+    #: The same for the leaves a layer-wise step gathers outside the layers (``zj.gather``: the embedding, head).
+    grad_reduction_outside: str = "psum_scatter"
     #: The compiler (and its version) this entry was measured on, e.g. ``"libtpu 0.0.42.1"``.
     compiler: str = ""
     #: Option sets tried in turn when the compiler refuses ``compiler_options`` on a device kind (probed once:

@@ -38,6 +38,8 @@ from zero_jax._policy.policy import ZeroPolicy
 from zero_jax.models.transformer import check_sizes, next_token_loss_fn, project_head, run_layers, scaled_normal
 
 Params = dict[str, Any]
+#: The attention implementations of :class:`LlamaConfig` (its docstring).
+ATTENTIONS = ("default", "chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,15 @@ class LlamaConfig:
     """The llama model's shape. ``kv_heads`` defaults to ``heads`` (multi-head
     attention; fewer is grouped-query attention); ``mlp`` (the SwiGLU hidden
     width) to 8/3 × ``dim`` rounded up to a multiple of 8; ``rope_base`` is the
-    rotary frequency base (llama-2's 10000)."""
+    rotary frequency base (llama-2's 10000). ``attention``: ``"default"``,
+    ``jax.nn.dot_product_attention``'s own choice (XLA's, which holds the whole
+    (heads, seq, seq) score matrix, on CPU and TPU; cuDNN's flash attention
+    where it applies on GPU), or ``"chunked"``: the queries in chunks of
+    ``attention_chunk`` (a divisor of ``seq``) run one after another, each
+    chunk's scores recomputed in the backward pass, so at most (heads,
+    ``attention_chunk``, seq) scores are alive on any backend (the memory a
+    flash-attention kernel saves, as MaxText's on TPU, in plain JAX; the same
+    FLOPs as ``"default"`` plus the recompute)."""
 
     vocab: int = 256
     dim: int = 128
@@ -55,6 +65,8 @@ class LlamaConfig:
     kv_heads: int | None = None
     mlp: int | None = None
     rope_base: float = 10000.0
+    attention: str = "default"
+    attention_chunk: int = 512
 
     @property
     def mlp_dim(self) -> int:
@@ -78,6 +90,13 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig: heads={self.heads} must divide by kv_heads={self.kv_heads} (each key/value head "
                 "serves a whole group of query heads); pick kv_heads among the divisors of heads."
+            )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"LlamaConfig: attention={self.attention!r} is not one of {ATTENTIONS}.")
+        if self.attention == "chunked" and (self.attention_chunk < 1 or self.seq % self.attention_chunk):
+            raise ValueError(
+                f"LlamaConfig: attention='chunked' needs attention_chunk={self.attention_chunk} to divide "
+                f"seq={self.seq}; pick a divisor of seq (e.g. {math.gcd(self.seq, 512)})."
             )
         if not self.rope_base > 0:
             raise ValueError(f"LlamaConfig: rope_base={self.rope_base!r} must be positive (llama-2 uses 10000).")
@@ -129,19 +148,49 @@ def _rotate(x: jax.Array, base: float) -> jax.Array:
     return x * cos + jnp.concatenate([-second, first], axis=-1) * sin
 
 
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str, chunk: int) -> jax.Array:
+    """Causal attention of (batch, seq, heads, channels) queries over keys and values with ``heads`` or fewer
+    (grouped-query) heads, by ``attention`` (:data:`ATTENTIONS`)."""
+    if attention == "default":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    b, t, h, c = q.shape
+    kv = k.shape[2]
+    positions = jnp.arange(t)
+
+    @jax.checkpoint  # the backward pass recomputes one chunk's scores at a time
+    def one(qi: jax.Array, start: jax.Array) -> jax.Array:
+        grouped = qi.reshape(b, chunk, kv, h // kv, c)  # each key/value head serves h / kv query heads
+        scores = jnp.einsum("bqkgc,bskc->bkgqs", grouped, k, preferred_element_type=jnp.float32) / math.sqrt(c)
+        causal = (start + positions[:chunk])[:, None] >= positions[None, :]
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgqs,bskc->bqkgc", probs, v).reshape(b, chunk, h, c)
+
+    chunks = q.reshape(b, t // chunk, chunk, h, c).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: one(*xs), (chunks, jnp.arange(0, t, chunk)))
+    return out.swapaxes(0, 1).reshape(b, t, h, c)
+
+
 def llama_block(
-    layer: Params, x: jax.Array, *, heads: int, kv_heads: int | None = None, rope_base: float = 10000.0
+    layer: Params,
+    x: jax.Array,
+    *,
+    heads: int,
+    kv_heads: int | None = None,
+    rope_base: float = 10000.0,
+    attention: str = "default",
+    attention_chunk: int = 512,
 ) -> jax.Array:
     """One llama block on ``x`` of shape (batch, seq, dim). The attention is
-    ``jax.nn.dot_product_attention`` (causal; its default implementation:
-    XLA's on CPU and TPU, cuDNN's flash attention where it applies on GPU)."""
+    causal, by ``attention`` and ``attention_chunk`` (:class:`LlamaConfig`'s:
+    ``"default"``, ``jax.nn.dot_product_attention``; ``"chunked"``, the
+    queries a chunk at a time)."""
     b, t, d = x.shape
     c = d // heads
     h = _rms_norm(x, layer["attn_norm"])
     q = _rotate((h @ layer["attn_q"]).reshape(b, t, heads, c), rope_base)
     k = _rotate((h @ layer["attn_k"]).reshape(b, t, kv_heads or heads, c), rope_base)
     v = (h @ layer["attn_v"]).reshape(b, t, kv_heads or heads, c)
-    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+    attn = _attend(q, k, v, attention, attention_chunk).reshape(b, t, d)
     x = x + attn @ layer["attn_out"]
     h = _rms_norm(x, layer["mlp_norm"])
     return x + (jax.nn.silu(h @ layer["mlp_gate"]) * (h @ layer["mlp_up"])) @ layer["mlp_down"]
@@ -160,7 +209,8 @@ def llama_apply(
     ``policy``, ``prefetch`` and ``keep_gathered`` as in the reference
     transformer's (each parameter gathered just before use)."""
     x = gather(params["embed"], policy)[tokens]
-    one = functools.partial(llama_block, heads=config.heads, kv_heads=config.kv_heads, rope_base=config.rope_base)
+    one = functools.partial(llama_block, heads=config.heads, kv_heads=config.kv_heads, rope_base=config.rope_base,
+                            attention=config.attention, attention_chunk=config.attention_chunk)  # fmt: skip
     x = run_layers(one, params, x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
     return project_head(_rms_norm(x, gather(params["final_norm"], policy)), params["head"], policy)
 
