@@ -174,7 +174,7 @@ def maxtext_flags(package: str) -> list[str]:
     for line in recipe.read_text().splitlines():
         if line.startswith("export LIBTPU_INIT_ARGS="):
             return shlex.split(line.split("=", 1)[1])[0].split()
-    raise Unusable(f"{recipe} sets no LIBTPU_INIT_ARGS: MaxText's recipe moved; name another with --maxtext-recipe")
+    raise Unusable(f"{recipe} sets no LIBTPU_INIT_ARGS: MaxText's v5p recipe moved; point MAXTEXT_V5P_RECIPE at it")
 
 
 def compile_maxtext(python: str, package: str, model: Model, chips: int, flags: list[str], timeout: int,
