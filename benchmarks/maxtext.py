@@ -178,13 +178,15 @@ def maxtext_flags(package: str) -> list[str]:
 
 
 def compile_maxtext(python: str, package: str, model: Model, chips: int, flags: list[str], timeout: int,
-                    dump: str) -> dict[str, Any]:  # fmt: skip
-    """Compile MaxText's train step with its own tool, dumping it to ``dump``, and read the dump."""
+                    dump: str, variant: str = "scan") -> dict[str, Any]:  # fmt: skip
+    """Compile MaxText's train step with its own tool, dumping it to ``dump``, and read the dump. ``variant``:
+    ``scan`` (its scanned decoder) or ``apply`` (``scan_layers=false``: its layers unrolled)."""
     topology = SLICES[chips][1]
+    common = [o if variant == "scan" or o != "scan_layers=true" else "scan_layers=false" for o in COMMON]
     shutil.rmtree(dump, ignore_errors=True)
     with tempfile.TemporaryDirectory() as d:
         argv = [python, "-m", "maxtext.trainers.pre_train.train_compile", str(Path(package) / "configs/base.yml"),
-                f"compile_topology={topology}", f"max_target_length={model.config.seq}", *COMMON, *model.maxtext,
+                f"compile_topology={topology}", f"max_target_length={model.config.seq}", *common, *model.maxtext,
                 f"base_output_directory={d}", "run_name=zero_jax_benchmark"]  # fmt: skip
         env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", LIBTPU_INIT_ARGS=" ".join(flags),
                    XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*")  # fmt: skip
@@ -207,7 +209,8 @@ def zero_jax_step(model: Model, chips: int, variant: str = "scan") -> tuple[Any,
     abstract batch, policy)."""
     scanned, compute_copy = variant != "apply", variant == "scan+copy"
     cfg = dataclasses.replace(model.config, attention="default" if variant == "scan+dense" else "chunked",
-                              attention_chunk=math.gcd(model.config.seq, 512))  # fmt: skip
+                              attention_chunk=math.gcd(model.config.seq, 512),
+                              head_chunks=0 if variant == "scan+logits" else HEAD_CHUNKS)  # fmt: skip
     mesh = zj.topology_mesh(SLICES[chips][0])
     if variant == "scan@topology":
         own = topologies.get_topology_desc(topology_name=SLICES[chips][0], platform="tpu").devices
@@ -218,8 +221,9 @@ def zero_jax_step(model: Model, chips: int, variant: str = "scan") -> tuple[Any,
     policy = zj.ZeroPolicy(3, mesh, stacked="layers" if scanned else (),
                            precision=zj.Precision(compute_dtype=jnp.bfloat16, compute_copy=compute_copy))  # fmt: skip
     tx = zj.shard_optimizer(optax.adamw(1e-4), policy)
-    # The targets picked by a one-hot mask, as MaxText's cross-entropy does (and tpu_aot.py advises for TPU): the
-    # same gradient bits as take_along_axis, whose backward is a scatter through two float32 logit-sized buffers.
+    # scan+logits: the targets picked by a one-hot mask, as MaxText's cross-entropy does (and tpu_aot.py advises for
+    # TPU): the same gradient bits as take_along_axis, whose backward is a scatter through two float32 logit-sized
+    # buffers. (The other variants' chunked head picks each target from its chunk's logits.)
     step = zj.make_train_step(make_llama_loss_fn(cfg, policy, one_hot_labels=True), tx, policy, gather="manual")
     tokens = jax.ShapeDtypeStruct((mesh.size, cfg.seq + 1), jnp.int32, sharding=policy.batch_sharding())
     return step, zj.init_state(params, tx, policy), {"tokens": tokens}, policy
@@ -230,7 +234,6 @@ def compile_zero_jax(model: Model, chips: int, variant: str, flags: list[str] | 
     these options instead of the seam's, ``[]`` libtpu's defaults) and read the dump with :func:`read_dump`."""
     switches = {} if flags is None else {"compiler_options": [f.lstrip("-").split("=", 1) for f in flags],
                                          "fallback_options": ()}  # fmt: skip
-    switches |= SWITCHES.get(variant, {})
     t = time.perf_counter()
     shutil.rmtree(dump, ignore_errors=True)
     with zj.measure.trying_schedule(**switches):
@@ -251,28 +254,32 @@ def compile_zero_jax(model: Model, chips: int, variant: str, flags: list[str] | 
 #: ``scan+dense``: XLA's attention, the whole score matrix (``attention="default"``); ``scan@topology``: the mesh's
 #: devices in the slice's own order (``get_topology_desc(...).devices``) instead of ``zj.topology_mesh``'s
 #: (``jax.make_mesh``'s ring order): libtpu 0.0.46.3 overlaps the SparseCore-offloaded gathers over one order on 8
-#: chips and the other on 64.
-VARIANTS = ("scan", "apply", "scan+copy", "scan+dense", "scan+ring", "scan@topology")
-#: Schedule switches of a variant (``zj.measure.trying_schedule``): ``scan+ring`` reduces the embedding's and the
-#: head's gradients by a ring too (``grad_reduction_outside``), not only the layers'.
-SWITCHES: dict[str, dict[str, Any]] = {"scan+ring": {"grad_reduction_outside": "ring"}}
+#: chips and the other on 64. Every variant looks the token embedding up from its pieces (``zj.embedding_lookup``)
+#: and runs the head with the cross-entropy in :data:`HEAD_CHUNKS` vocabulary chunks (``zj.head_cross_entropy``)
+#: but ``scan+logits``: the head gathered whole, the whole logits, then the loss (what zero_jax's llama did before).
+VARIANTS = ("scan", "apply", "scan+copy", "scan+dense", "scan@topology", "scan+logits")
+#: The vocabulary chunks of zero_jax's head (``LlamaConfig(head_chunks=...)``).
+HEAD_CHUNKS = 8
 
 
 def rows_of(case: str) -> list[tuple[str, str, str]]:
     """(side, variant, flags) of one case ``MODEL:CHIPS``: each side with libtpu's defaults and its own flags, the
-    other variants where they answer a question (unscanned and zero_jax under MaxText's flags at 1B on 8 chips: an
-    unrolled step on 64 chips or at 8B takes too long to compile here)."""
+    other variants where they answer a question (unscanned on both sides and zero_jax under MaxText's flags at 1B
+    on 8 chips: an unrolled step on 64 chips or at 8B takes too long to compile here; the whole-logits head where it
+    decided HBM)."""
     model, chips = case.split(":")[0], int(case.split(":")[1])
     rows = [("MaxText", "scan", "libtpu defaults"), ("MaxText", "scan", "MaxText v5p flags"),
-            ("zero_jax", "scan", "libtpu defaults"), ("zero_jax", "scan", "zero_jax seam"),
-            ("zero_jax", "scan+ring", "zero_jax seam")]  # fmt: skip
+            ("zero_jax", "scan", "libtpu defaults"), ("zero_jax", "scan", "zero_jax seam")]  # fmt: skip
     if chips == 64:
         rows.append(("zero_jax", "scan@topology", "zero_jax seam"))
     if model == "1B":
         rows.append(("zero_jax", "scan+copy", "zero_jax seam"))
+    if (model, chips) in (("1B", 8), ("8B", 64)):
+        rows.append(("zero_jax", "scan+logits", "zero_jax seam"))
     if model == "1B" and chips == 8:
-        rows += [("zero_jax", "scan", "MaxText v5p flags"), ("zero_jax", "scan+dense", "zero_jax seam"),
-                 ("zero_jax", "apply", "libtpu defaults"), ("zero_jax", "apply", "zero_jax seam")]  # fmt: skip
+        rows += [("MaxText", "apply", "MaxText v5p flags"), ("zero_jax", "scan", "MaxText v5p flags"),
+                 ("zero_jax", "scan+dense", "zero_jax seam"), ("zero_jax", "apply", "libtpu defaults"),
+                 ("zero_jax", "apply", "zero_jax seam")]  # fmt: skip
     return rows
 
 
@@ -359,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.strftime('%H:%M:%S')}] {key}", flush=True)
             if side == "MaxText":
                 row = compile_maxtext(args.maxtext_python, theirs["path"], model, chips,
-                                      flags if how != "libtpu defaults" else [], args.timeout, dump)  # fmt: skip
+                                      flags if how != "libtpu defaults" else [], args.timeout, dump,
+                                      variant)  # fmt: skip
             else:
                 chosen = {"libtpu defaults": [], "zero_jax seam": None, "MaxText v5p flags": flags}[how]
                 row = compile_zero_jax(model, chips, variant, chosen, dump)
@@ -379,10 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         "zero_jax: layer-wise stage 3 of zero_jax.models' llama (the same shape and parameter count), bf16 compute "
         "over fp32 master, AdamW, prefetch 1; scan = scan_layers, apply = apply_layers over a list of blocks, both "
         "with fp32 weights only (compute_copy=False, as MaxText) and chunked attention (attention='chunked', 512 "
-        "queries a chunk), targets picked by a one-hot mask (as MaxText's cross-entropy); "
+        "queries a chunk), the token embedding looked up from its pieces (zj.embedding_lookup), the head and the "
+        f"cross-entropy in {HEAD_CHUNKS} vocabulary chunks (zj.head_cross_entropy); "
         "scan+copy = zero_jax's default precision (a bf16 copy kept between steps); scan+dense = "
-        "XLA's attention (the whole score matrix); scan+ring = the embedding's and head's gradients reduced by a ring "
-        "too (grad_reduction_outside='ring'); scan@topology = the mesh's devices in the slice's own order",
+        "XLA's attention (the whole score matrix); scan@topology = the mesh's devices in the slice's own order; "
+        "scan+logits = the head gathered whole and the whole logits, targets picked by a one-hot mask (as MaxText's "
+        "cross-entropy)",
         f"the rows measured by: {meta['command']} (finished {meta['date']})",
         versions=f"libtpu {ours}",
     )

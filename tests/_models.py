@@ -83,6 +83,43 @@ def reference_run(
     return params, losses
 
 
+def train_steps(
+    policy: Any, params: Any, loss_fn: Any, batches: list[Any], *, gather: str = "manual", trainable: Any = None
+) -> tuple[Any, Any, list[float]]:
+    """zero_jax's step with Adam (1e-2, as :func:`reference_run`'s callers), one step a batch: (state, step, losses)."""
+    tx = zj.shard_optimizer(optax.adam(1e-2), policy, trainable=trainable)
+    state = zj.init_state(params, tx, policy)
+    step = zj.make_train_step(loss_fn, tx, policy, gather=gather)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, step, losses
+
+
+def assert_trains_like(state: Any, losses: list[float], reference: tuple[Any, list[float]], start: Any,
+                       rtol: float) -> None:  # fmt: skip
+    """Each leaf's update within ``rtol`` (relative L2) of the reference run's, the losses within 1e-6."""
+    errors = relative_update_error(zj.full_params(state), reference[0], start)
+    assert max(errors.values()) <= rtol, errors
+    np.testing.assert_allclose(losses, reference[1], rtol=1e-6)
+
+
+def assert_trains_frozen_like(state: Any, losses: list[float], params: dict[str, Any], batches: list[Any],
+                              loss_fn: Any, trainable: dict[str, bool], rtol: float) -> None:  # fmt: skip
+    """Against plain optax with the ``False`` leaves of ``trainable`` frozen (``set_to_zero``): those unchanged,
+    bit for bit; the others' updates within ``rtol``; the losses within 1e-6."""
+    tx = optax.multi_transform({True: optax.adam(1e-2), False: optax.set_to_zero()}, trainable)
+    want, want_losses = reference_run(tx, params, batches, loss_fn)
+    got = zj.full_params(state)
+    for name, trains in trainable.items():
+        if trains:
+            assert relative_update_error(got[name], want[name], params[name])[""] <= rtol, name
+        else:
+            np.testing.assert_array_equal(got[name], params[name])
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+
+
 def relative_update_error(final: Any, reference: Any, start: Any) -> dict[str, float]:
     """Per leaf: |final - reference| / |reference - start| (relative L2 of the update), in float64 on the host
     (numpy: no program compiled per leaf's shape and sharding, as jax.numpy's eager ops would)."""

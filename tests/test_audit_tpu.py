@@ -420,6 +420,12 @@ SPARSECORE_DUMPED = (
         '}, execution_thread="sparsecore"',
     )
 )
+# libtpu 0.0.52's dump: the ``calls`` computation holds a ``custom-call`` whose ``called_computations`` hold the
+# gather (measured in benchmarks/maxtext.py's zero_jax step dumped on 0.0.52; the 0.0.46.3 reader found no gather).
+SPARSECORE_DUMPED_052 = SPARSECORE_DUMPED.replace(
+    "call(%param_0.1), to_apply=%called_computation.15",
+    'custom-call(%param_0.1), custom_call_target="TODO(b/522284627)", called_computations={%called_computation.15}',
+)
 DECOMPOSED_DUMPED = "\n".join(
     line for line in DECOMPOSED.replace("%get-tuple-element.108", "%all-reduce.12#0")
     .replace("%get-tuple-element.109", "%all-reduce.12#1").splitlines() if "get-tuple-element(" not in line
@@ -428,7 +434,9 @@ DECOMPOSED_DUMPED = "\n".join(
 
 def test_an_xla_dump_reads_as_the_compiled_text_reads() -> None:
     assert "get-tuple-element(" not in DECOMPOSED_DUMPED and "async-start(" in SPARSECORE_DUMPED
-    for text, dumped in ((SPARSECORE, SPARSECORE_DUMPED), (DECOMPOSED, DECOMPOSED_DUMPED)):
+    assert "custom-call(%param_0.1)" in SPARSECORE_DUMPED_052
+    pairs = ((SPARSECORE, SPARSECORE_DUMPED), (SPARSECORE, SPARSECORE_DUMPED_052), (DECOMPOSED, DECOMPOSED_DUMPED))
+    for text, dumped in pairs:
         fields = ("kind", "op", "spelling", "shape", "bytes", "trips", "decomposed", "compute", "op_name")
         read = [[getattr(c, f) for f in fields] for c in measure.read_compiled(text, 8).collectives]
         assert [[getattr(c, f) for f in fields] for c in measure.read_compiled(dumped, 8).collectives] == read

@@ -15,7 +15,8 @@ from zero_jax._audit.audit import audit
 from zero_jax._audit.hlo import Collective
 from zero_jax._audit.report import AuditError, AuditReport, Communication, LeafBytes, Violation
 from zero_jax._layerwise.blocks import apply_layer, apply_layers
-from zero_jax._layerwise.pieces import Sharded, gather
+from zero_jax._layerwise.head import head_cross_entropy
+from zero_jax._layerwise.pieces import Sharded, embedding_lookup, gather
 from zero_jax._layerwise.scan import scan_layers
 from zero_jax._layout.leaf import DEFAULT_MIN_SHARD_SIZE, LeafLayout, ReplicatedLeaf, leaf_layout
 from zero_jax._plan.budget import KeepGatheredChoice, choose_keep_gathered
@@ -95,12 +96,14 @@ __all__ = [
     "comm_bytes_per_axis",
     "device_slice",
     "efficiency",
+    "embedding_lookup",
     "export_params",
     "frozen_leaves",
     "matrix_leaves",
     "full_params",
     "gather",
     "gpu_slice",
+    "head_cross_entropy",
     "init_state",
     "keep_gathered_trade",
     "launch",

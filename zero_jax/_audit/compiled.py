@@ -38,7 +38,8 @@ collective it is (:class:`CompiledCollective`):
   An XLA dump of the same program (``xla_dump_to``: how a peer's program is
   read) spells it ``async-start`` / ``async-update`` / ``async-done`` with
   ``async_execution_thread="sparsecore"``, its ``calls`` computation
-  ``call``-ing the collective's;
+  ``call``-ing the collective's (libtpu 0.0.46.3) or holding a
+  ``custom-call`` whose ``called_computations`` hold it (0.0.52);
 * a reduce-scatter *done as all-reduce*: an ``all-reduce`` of the whole
   operand whose result feeds a ``dynamic-slice`` (bare or inside a fusion) of
   1/N of it. Pass ``reduce-scatter-decomposer`` does this to every
@@ -294,13 +295,15 @@ def _inner(ins: Instruction, comps: Mapping[str, list[Instruction]], key: str = 
 
 def _offloaded(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> Instruction | None:
     """The collective a SparseCore offload's start runs: in its called computation (``as_text()``'s
-    ``custom-call-start`` / ``call-start``), or one ``call`` further down (an XLA dump's ``async-start``
-    whose ``calls`` computation calls the collective's)."""
+    ``custom-call-start`` / ``call-start``), or one call further down (an XLA dump's ``async-start``
+    whose ``calls`` computation ``call``-s the collective's, libtpu 0.0.46.3, or holds a ``custom-call``
+    whose ``called_computations`` do, 0.0.52)."""
     for key in ("called_computations", "to_apply", "calls"):
         for j in comps.get(_callee(ins, key) or "", []):
             if j.op in KINDS:
                 return j
-            if j.op == "call" and (inner := _inner(j, comps, "to_apply")) is not None:
+            further = {"call": "to_apply", "custom-call": "called_computations"}.get(j.op)
+            if further and (inner := _inner(j, comps, further)) is not None:
                 return inner
     return None
 

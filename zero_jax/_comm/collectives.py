@@ -606,3 +606,120 @@ def _fetch_secondary_with_grad_slot(source: jax.Array, slot: jax.Array, layout: 
 def zeros_like_piece(layout: LeafLayout, num_shards: int, axis: AxisName, dtype: object) -> jax.Array:
     """A per-device zero array shaped like this device's piece of a leaf."""
     return to_varying(jnp.zeros(shard_shape(layout, num_shards), dtype), axis)  # pyright: ignore[reportArgumentType] - a dtype
+
+
+#: Why a 2-D leaf is not used from its pieces (:func:`why_not_from_pieces`: :func:`look_up_rows`, the head's
+#: cross-entropy in ``_layerwise.head``): it is then gathered whole and used, which is correct but moves and holds
+#: the whole leaf.
+LOOKUP_NOT_2D = "not a 2-D matrix"
+LOOKUP_WHOLE = "kept whole (not partitioned)"
+LOOKUP_MODEL = "model-sharded (param_specs)"
+LOOKUP_SECONDARY = "hpZ gathers through a secondary partition"
+LOOKUP_INT8 = "int8 weight gathers (qwZ)"
+LOOKUP_AUTO_AXES = "the mesh has axes left to the compiler"
+
+
+def why_not_from_pieces(layout: LeafLayout, axis: AxisName) -> str:
+    """Empty when a 2-D leaf can be used from this device's piece by plain
+    collectives over the shard axes (:func:`look_up_rows`, the head's
+    cross-entropy); otherwise why not (one of the ``LOOKUP_*`` reasons)."""
+    axes = _axes(axis)
+    mesh = jax.sharding.get_abstract_mesh()
+    if len(layout.shape) != 2:
+        return LOOKUP_NOT_2D
+    if layout.dim is None:
+        return LOOKUP_WHOLE
+    if layout.model and any(m is not None for m in layout.model):
+        return LOOKUP_MODEL
+    if axes.secondary:
+        return LOOKUP_SECONDARY
+    if axes.wire.weights is not None and is_real_float(layout.dtype):
+        return LOOKUP_INT8
+    if any(kind != AxisType.Manual for kind in mesh.axis_types):
+        return LOOKUP_AUTO_AXES
+    return ""
+
+
+def _by_columns(piece: jax.Array, layout: LeafLayout, shard: Any, n: int) -> jax.Array:
+    """This device's piece of a (rows, width) table as its slice of every
+    row: the piece itself when the table is cut on its width, else one
+    ``all_to_all`` from a slice of the rows (width padded to a multiple of
+    ``n``): the piece's own size moved, (N - 1) / N of it sent."""
+    if layout.dim == 1:
+        return piece
+    width = layout.shape[1]
+    piece = jnp.pad(piece, ((0, 0), (0, -(-width // n) * n - width)))
+    return jax.lax.all_to_all(piece, shard, 1, 0, tiled=True)
+
+
+def _by_rows(columns: jax.Array, layout: LeafLayout, shard: Any) -> jax.Array:
+    """The transpose of :func:`_by_columns`: a slice of every row back to
+    this device's (stored, padded) piece of the table."""
+    if layout.dim == 1:
+        return columns
+    return jax.lax.all_to_all(columns, shard, 0, 1, tiled=True)[:, : layout.shape[1]]
+
+
+def look_up_rows(
+    source: jax.Array, slot: jax.Array | None, ids: jax.Array, layout: LeafLayout, axis: AxisName
+) -> jax.Array:
+    """``table[ids]`` (shape ``ids.shape + (width,)``) from this device's
+    piece ``source`` of a partitioned (rows, width) table, without gathering
+    the table: every device's ids are all-gathered (integers: small), each
+    device looks them up in its slice of every row's width
+    (:func:`_by_columns`), and one ``all_to_all`` hands each device its own
+    ids' rows, whole: an activation-sized exchange instead of the table's
+    all-gather. In the backward pass (with a gradient ``slot``) the
+    cotangent takes the same way back, is added into the rows of this
+    device's width slice, and (a table cut by rows) one more ``all_to_all``
+    turns that into this device's piece of the gradient: already summed
+    over every device's ids, so no reduce-scatter follows. Negative ids
+    count from the end, ids out of range are clamped (the piece holds no
+    row beyond the table's). Only when :func:`why_not_from_pieces` is empty."""
+    with jax.named_scope(LOOKUP_SCOPE):  # the library's own use of the piece (the manual step's check reads it)
+        return _look_up_rows(source, slot, ids, layout, axis)
+
+
+#: The name scope of :func:`look_up_rows`.
+LOOKUP_SCOPE = "zero_jax_lookup"
+
+
+def _look_up_rows(
+    source: jax.Array, slot: jax.Array | None, ids: jax.Array, layout: LeafLayout, axis: AxisName
+) -> jax.Array:
+    axes = _axes(axis)
+    shard = _name(axes.shard)
+    n = jax.lax.axis_size(shard)
+    rows, width = layout.shape
+    source = cast_for_wire(source, axis)
+    ids = jnp.clip(jnp.where(ids < 0, ids + rows, ids), 0, rows - 1)
+
+    def forward(src: jax.Array) -> tuple[jax.Array, jax.Array]:
+        every = jax.lax.all_gather(ids, shard)  # (n, *ids.shape): each device's ids
+        found = jnp.take(_by_columns(src, layout, shard, n), every, axis=0, mode="clip")  # (n, *ids.shape, width / n)
+        mine = jax.lax.all_to_all(found, shard, 0, found.ndim - 1, tiled=True)  # (1, *ids.shape, width)
+        return mine[0, ..., :width], every
+
+    if slot is None:  # frozen: forward only
+        return forward(source)[0]
+
+    @jax.custom_vjp
+    def zero_jax_lookup(src: jax.Array, slot: jax.Array) -> jax.Array:
+        del slot
+        return forward(src)[0]
+
+    def fwd(src: jax.Array, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+        del slot
+        return forward(src)
+
+    def bwd(every: jax.Array, ct: jax.Array) -> tuple[None, jax.Array]:
+        padded_width = -(-width // n) * n
+        ct = jnp.pad(ct.astype(slot.dtype), [(0, 0)] * (ct.ndim - 1) + [(0, padded_width - width)])
+        back = jax.lax.all_to_all(ct[None], shard, ct.ndim, 0, tiled=True)  # (n, *ids.shape, width / n)
+        stored_rows = layout.padded_size if layout.dim == 0 else rows
+        columns = jnp.zeros((stored_rows, padded_width // n), slot.dtype)
+        columns = columns.at[every.reshape(-1)].add(back.reshape(-1, back.shape[-1]))
+        return None, sum_to_varying(_by_rows(columns, layout, shard), varying_axes(slot))
+
+    zero_jax_lookup.defvjp(fwd, bwd)
+    return zero_jax_lookup(source, slot)

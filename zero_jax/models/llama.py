@@ -33,7 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zero_jax._layerwise.pieces import gather
+from zero_jax._layerwise.head import head_cross_entropy
+from zero_jax._layerwise.pieces import embedding_lookup, gather
 from zero_jax._policy.policy import ZeroPolicy
 from zero_jax.models.transformer import check_sizes, next_token_loss_fn, project_head, run_layers, scaled_normal
 
@@ -55,7 +56,11 @@ class LlamaConfig:
     chunk's scores recomputed in the backward pass, so at most (heads,
     ``attention_chunk``, seq) scores are alive on any backend (the memory a
     flash-attention kernel saves, as MaxText's on TPU, in plain JAX; the same
-    FLOPs as ``"default"`` plus the recompute)."""
+    FLOPs as ``"default"`` plus the recompute). ``head_chunks``: 0 computes
+    the whole logits and then the loss; k > 0 computes the loss of
+    :func:`make_llama_loss_fn` with :func:`zero_jax.head_cross_entropy` in k
+    vocabulary chunks (in layer-wise stage 3 the head is never whole, nor
+    are the logits)."""
 
     vocab: int = 256
     dim: int = 128
@@ -67,6 +72,7 @@ class LlamaConfig:
     rope_base: float = 10000.0
     attention: str = "default"
     attention_chunk: int = 512
+    head_chunks: int = 0
 
     @property
     def mlp_dim(self) -> int:
@@ -98,6 +104,8 @@ class LlamaConfig:
                 f"LlamaConfig: attention='chunked' needs attention_chunk={self.attention_chunk} to divide "
                 f"seq={self.seq}; pick a divisor of seq (e.g. {math.gcd(self.seq, 512)})."
             )
+        if self.head_chunks < 0:
+            raise ValueError(f"LlamaConfig: head_chunks={self.head_chunks} must be 0 (whole logits) or positive.")
         if not self.rope_base > 0:
             raise ValueError(f"LlamaConfig: rope_base={self.rope_base!r} must be positive (llama-2 uses 10000).")
 
@@ -204,15 +212,20 @@ def llama_apply(
     *,
     prefetch: int = 1,
     keep_gathered: int | str = 0,
+    head: bool = True,
 ) -> jax.Array:
     """Logits of shape (batch, seq, vocab) for int tokens of shape (batch, seq);
     ``policy``, ``prefetch`` and ``keep_gathered`` as in the reference
-    transformer's (each parameter gathered just before use)."""
-    x = gather(params["embed"], policy)[tokens]
+    transformer's (each parameter gathered just before use; the token
+    embedding is not gathered: :func:`zero_jax.embedding_lookup`).
+    ``head=False``: what the head sees instead, the blocks' output after the
+    final norm, of shape (batch, seq, dim)."""
+    x = embedding_lookup(params["embed"], tokens, policy)
     one = functools.partial(llama_block, heads=config.heads, kv_heads=config.kv_heads, rope_base=config.rope_base,
                             attention=config.attention, attention_chunk=config.attention_chunk)  # fmt: skip
     x = run_layers(one, params, x, policy, prefetch=prefetch, keep_gathered=keep_gathered)
-    return project_head(_rms_norm(x, gather(params["final_norm"], policy)), params["head"], policy)
+    x = _rms_norm(x, gather(params["final_norm"], policy))
+    return project_head(x, params["head"], policy) if head else x
 
 
 def make_llama_loss_fn(
@@ -227,7 +240,17 @@ def make_llama_loss_fn(
     ``batch["tokens"]`` (int, shape (batch, seq + 1)), as
     :func:`~zero_jax.models.make_loss_fn` for the reference transformer: pass
     the ``policy`` for ``gather="manual"`` (layer-wise ZeRO-3), ``None`` for
-    ``gather="all"`` or evaluation."""
+    ``gather="all"`` or evaluation. With ``config.head_chunks`` the head and
+    the cross-entropy run together, a vocabulary chunk at a time
+    (:func:`zero_jax.head_cross_entropy`; ``one_hot_labels`` has no effect)."""
+    if config.head_chunks:
 
+        def loss_fn(params: Params, batch: Any) -> jax.Array:
+            tokens = batch["tokens"]
+            x = llama_apply(config, params, tokens[:, :-1], policy, prefetch=prefetch, keep_gathered=keep_gathered,
+                            head=False)  # fmt: skip
+            return jnp.mean(head_cross_entropy(x, params["head"], tokens[:, 1:], policy, chunks=config.head_chunks))
+
+        return loss_fn
     return next_token_loss_fn(llama_apply, config, policy, prefetch=prefetch, keep_gathered=keep_gathered,
                               one_hot_labels=one_hot_labels)  # fmt: skip
