@@ -640,15 +640,15 @@ def why_not_from_pieces(layout: LeafLayout, axis: AxisName) -> str:
     return ""
 
 
-def _by_columns(piece: jax.Array, layout: LeafLayout, shard: Any, n: int) -> jax.Array:
+def _by_columns(piece: jax.Array, layout: LeafLayout, shard: Any, padded_width: int) -> jax.Array:
     """This device's piece of a (rows, width) table as its slice of every
     row: the piece itself when the table is cut on its width, else one
-    ``all_to_all`` from a slice of the rows (width padded to a multiple of
-    ``n``): the piece's own size moved, (N - 1) / N of it sent."""
+    ``all_to_all`` from a slice of the rows (width padded to
+    ``padded_width``, a multiple of N): the piece's own size moved, (N - 1) / N
+    of it sent."""
     if layout.dim == 1:
         return piece
-    width = layout.shape[1]
-    piece = jnp.pad(piece, ((0, 0), (0, -(-width // n) * n - width)))
+    piece = jnp.pad(piece, ((0, 0), (0, padded_width - layout.shape[1])))
     return jax.lax.all_to_all(piece, shard, 1, 0, tiled=True)
 
 
@@ -691,12 +691,14 @@ def _look_up_rows(
     shard = _name(axes.shard)
     n = jax.lax.axis_size(shard)
     rows, width = layout.shape
+    padded_width = -(-width // n) * n  # the width slices of the lookup, one a device
     source = cast_for_wire(source, axis)
     ids = jnp.clip(jnp.where(ids < 0, ids + rows, ids), 0, rows - 1)
 
     def forward(src: jax.Array) -> tuple[jax.Array, jax.Array]:
         every = jax.lax.all_gather(ids, shard)  # (n, *ids.shape): each device's ids
-        found = jnp.take(_by_columns(src, layout, shard, n), every, axis=0, mode="clip")  # (n, *ids.shape, width / n)
+        columns = _by_columns(src, layout, shard, padded_width)
+        found = jnp.take(columns, every, axis=0, mode="clip")  # (n, *ids.shape, padded width / n)
         mine = jax.lax.all_to_all(found, shard, 0, found.ndim - 1, tiled=True)  # (1, *ids.shape, width)
         return mine[0, ..., :width], every
 
@@ -713,7 +715,6 @@ def _look_up_rows(
         return forward(src)
 
     def bwd(every: jax.Array, ct: jax.Array) -> tuple[None, jax.Array]:
-        padded_width = -(-width // n) * n
         ct = jnp.pad(ct.astype(slot.dtype), [(0, 0)] * (ct.ndim - 1) + [(0, padded_width - width)])
         back = jax.lax.all_to_all(ct[None], shard, ct.ndim, 0, tiled=True)  # (n, *ids.shape, width / n)
         stored_rows = layout.padded_size if layout.dim == 0 else rows
