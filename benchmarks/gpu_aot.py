@@ -16,6 +16,9 @@ written to a temporary folder).
 * ``depth``: layer-wise stage 3 at depth 4, 8, 16 (scanned) and 4, 16 (unscanned): growth of the memory per GPU
   against the allowance (the added layers' partitioned state + one saved block input each, seq x dim bf16), and
   stage 3 / stage 1 at depth 16;
+* ``hpz``: ZeRO++'s hpZ across 2 hosts (``h100:2x8`` as a (node, gpu) = (2, 8) mesh, ``secondary_axis="gpu"``)
+  against plain layer-wise stage 3 over both axes, the 1B class scanned: bytes per GPU per step by mesh axis (across
+  the hosts: ``node``), memory, estimated step (XLA's default InfiniBand model between the hosts);
 * ``gspmd``: the GSPMD FSDP recipe as MaxText writes it, on the same host and model: plain ``jax.jit``, every weight
   cut over ``data`` on its embed (model-width) dimension, Adam state alike, the batch over ``data``, fp32 master
   cast to bf16 in the loss, the activations constrained to ``P("data", None, None)`` after every block, each block
@@ -60,14 +63,21 @@ MODEL = dict(vocab=32000, dim=2048, depth=16, heads=16, seq=2048)
 QUICK = dict(vocab=512, dim=256, depth=4, heads=4, seq=128)
 #: gather="all" at stage 3 keeps the forward's gathered parameters on XLA:GPU (the schedule seam's
 #: ``keep_gathered_all``); "3/all-regather" is the step without it (``keep_gathered=False``).
-VARIANTS = ["1", "3/lw", "3/all", "0", "2", "3/all-regather"]
+#: "3/lw-fp32": layer-wise with fp32 master parameters only (``Precision(compute_copy=False)``: each piece cast to bf16
+#: as it is gathered), the state the GSPMD recipe keeps (12 bytes a parameter against 14).
+VARIANTS = ["1", "3/lw", "3/lw-fp32", "3/all", "0", "2", "3/all-regather"]
 DEPTHS = {"scan": [4, 8, 16], "apply": [4, 16]}
 #: Beyond the 1B class on one host: the rows compiled where time allows (scanned only), keyed by a prefix.
 MORE = {
-    "1B h100:2x8": ("h100:2x8", MODEL, ["1", "3/lw", "3/all", "gspmd"]),
+    "1B h100:2x8": ("h100:2x8", MODEL, ["1", "3/lw", "3/lw-fp32", "3/all", "gspmd"]),
     "8B h100:1x8": ("h100:1x8", dict(vocab=32000, dim=4096, depth=32, heads=32, seq=2048),
-                    ["1", "3/lw", "3/all", "gspmd"]),
+                    ["1", "3/lw", "3/lw-fp32", "3/all", "gspmd"]),
+    "1B h200:1x8": ("h200:1x8", MODEL, ["1", "3/lw", "3/lw-fp32", "gspmd"]),
 }  # fmt: skip
+
+
+#: hpZ across hosts: the target, and the (node, gpu) mesh shape it is cut into.
+HPZ = ("h100:2x8", (2, 8))
 
 
 def config(quick: bool, **over: Any) -> TransformerConfig:
@@ -85,8 +95,10 @@ def _row_of_estimate(est: Any, cfg: TransformerConfig, n: int) -> dict[str, Any]
 
 def zero_row(layout: str, variant: str, cfg: TransformerConfig, mesh: Any) -> dict[str, Any]:
     """One zero_jax step compiled for the GPUs and audited (the estimate is the audit's)."""
-    if variant == "3/lw":
-        step, state, batch = build(mesh, "3/scan" if layout == "scan" else "3/apply", cfg)
+    if variant.startswith("3/lw"):
+        copy = variant != "3/lw-fp32"
+        step, state, batch = build(mesh, "3/scan" if layout == "scan" else "3/apply", cfg,
+                                   precision=zj.Precision(compute_dtype=jnp.bfloat16, compute_copy=copy))  # fmt: skip
     else:
         step, state, batch = all_step(mesh, int(variant[0]), cfg, layout, None if variant[1:] != "/all-regather" else
                                       False)  # fmt: skip
@@ -107,6 +119,35 @@ def zero_row(layout: str, variant: str, cfg: TransformerConfig, mesh: Any) -> di
     if r.estimate is not None:
         row |= _row_of_estimate(r.estimate, cfg, mesh.size)
     return row
+
+
+def hpz_row(cfg: TransformerConfig, hpz: bool) -> dict[str, Any]:
+    """Layer-wise stage 3 (scanned) over a (node, gpu) mesh of :data:`HPZ`'s target, with hpZ (the secondary
+    pieces within each host, ``secondary_axis="gpu"``) or without: bytes per axis, memory, estimate."""
+    mesh = zj.topology_mesh(HPZ[0], axes=("node", "gpu"), shape=HPZ[1])
+    step, state, batch = build(mesh, "3/scan", cfg, axis=("node", "gpu"), **({"secondary_axis": "gpu"} if hpz else {}))
+    t = time.perf_counter()
+    r = zj.audit(step, state, batch, grads=False, fast_compile=False)
+    row = {
+        "compile_s": round(time.perf_counter() - t, 1),
+        "allocated_GiB": r.memory.get("allocated", r.memory["peak"]) / GiB,
+        "per_axis_MiB": {k: sum(v.values()) / MiB for k, v in r.comm_per_axis_kind.items()},
+        "comm_MiB": r.comm.measured / MiB, "violations": [v.kind for v in r.violations],
+    }  # fmt: skip
+    return row | (_row_of_estimate(r.estimate, cfg, mesh.size) if r.estimate is not None else {})
+
+
+def hpz_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
+    out = []
+    for hpz in (False, True):
+        r = rows.get(key("hpz", "scan", "hpZ" if hpz else "plain", MODEL["depth"]))
+        if not r or "error" in r:
+            continue
+        axes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["per_axis_MiB"].items()) if v >= 0.5)
+        name = "hpZ, secondary_axis='gpu'" if hpz else "plain stage 3"
+        out.append(f"  {name:<28} {r['allocated_GiB']:.2f} GiB/GPU, MiB per GPU per step by axes: {axes}; "
+                   f"estimated step {r['step_ms']:.1f} ms, exposed {r['exposed_ms']:.1f}")  # fmt: skip
+    return out
 
 
 def all_step(mesh: Any, stage: int, cfg: TransformerConfig, layout: str, keep_gathered: bool | None = None
@@ -212,12 +253,15 @@ def plan(quick: bool) -> list[tuple[str, str, str, int, str]]:
     if not quick:
         out += [("gspmd" if v == "gspmd" else "stages", "scan", v, model["depth"], target)
                 for target, (_, model, vs) in MORE.items() for v in vs]  # fmt: skip
+        out += [("hpz", "scan", v, deep, "") for v in ("plain", "hpZ")]
     return out
 
 
 def key(section: str, layout: str, variant: str, depth: int, target: str = "") -> str:
     prefix = f"{target} " if target else ""
-    return prefix + (f"{layout} {variant} depth {depth}" if section != "gspmd" else f"gspmd {layout} depth {depth}")
+    if section in ("gspmd", "hpz"):
+        return prefix + f"{section} {layout} {variant if section == 'hpz' else ''} depth {depth}".replace("  ", " ")
+    return prefix + f"{layout} {variant} depth {depth}"
 
 
 def fmt(value: Any, spec: str, missing: str = "-") -> str:
@@ -296,6 +340,28 @@ def depth_lines(rows: dict[str, dict[str, Any]], quick: bool) -> list[str]:
     return out
 
 
+def recipe_lines(rows: dict[str, dict[str, Any]], quick: bool) -> list[str]:
+    """Layer-wise stage 3 (with the bf16 compute copy, and with fp32 master parameters only) over the GSPMD
+    recipe on the same GPUs, from the same estimator: memory and estimated step; the exposed share of the step."""
+    out = []
+    targets = [("", TOPOLOGY, config(quick).depth)] + ([] if quick else [(t, topo, model["depth"])
+                                                                      for t, (topo, model, _) in MORE.items()])
+    for target, topology, deep in targets:
+        recipe = rows.get(key("gspmd", "scan", "gspmd", deep, target))
+        if not recipe or "error" in recipe:
+            continue
+        for v in ("3/lw", "3/lw-fp32"):
+            r = rows.get(key("stages", "scan", v, deep, target))
+            if not r or "error" in r or not r.get("step_ms"):
+                continue
+            out.append(f"  {target or topology} scanned {v} / recipe: memory {r['allocated_GiB']:.2f} / "
+                       f"{recipe['allocated_GiB']:.2f} GiB = {r['allocated_GiB'] / recipe['allocated_GiB']:.3f}x, "
+                       f"estimated step {r['step_ms']:.1f} / {recipe['step_ms']:.1f} ms = "
+                       f"{r['step_ms'] / recipe['step_ms']:.3f}x; exposed {r['exposed_ms'] / r['step_ms']:.0%} of "
+                       f"the step (recipe {recipe['exposed_ms'] / recipe['step_ms']:.0%})")  # fmt: skip
+    return out
+
+
 def versions() -> str:
     names = ("jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "nvidia-cuda-nvcc-cu12")
     found = []
@@ -327,6 +393,12 @@ def render(rows: dict[str, Any], record: common.Record, quick: bool, out: str) -
         "",
         "depth (layer-wise stage 3):",
         *depth_lines(rows, quick),
+        "",
+        "against the GSPMD recipe (scanned, same GPUs, same estimator):",
+        *recipe_lines(rows, quick),
+        "",
+        f"hpZ across 2 hosts ({HPZ[0]} as (node, gpu) = {HPZ[1]}; the 1B class, scanned, layer-wise stage 3):",
+        *hpz_lines(rows),
         versions=versions(),
     )
     common.write_results("gpu_aot", text, {"meta": record.meta(), "rows": rows}, out=out)
@@ -371,7 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         mesh = zj.topology_mesh(topology)
         cfg = config(args.quick, depth=depth) if model is None else TransformerConfig(**model)
         try:
-            rows[k] = gspmd_row(cfg, mesh) if section == "gspmd" else zero_row(layout, variant, cfg, mesh)
+            rows[k] = (gspmd_row(cfg, mesh) if section == "gspmd" else hpz_row(cfg, variant == "hpZ")
+                       if section == "hpz" else zero_row(layout, variant, cfg, mesh))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a row that fails is recorded and the run goes on
             traceback.print_exc()
             rows[k] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}

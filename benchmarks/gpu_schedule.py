@@ -38,6 +38,8 @@ TOPOLOGY = "h100:1x8"
 MODEL = dict(vocab=32000, dim=1024, depth=8, heads=16, seq=2048)
 #: ``--model 1B``: the 1B class of benchmarks/gpu_aot.py, for the trials that moved at dim 1024 (``--only``).
 MODEL_1B = dict(vocab=32000, dim=2048, depth=16, heads=16, seq=2048)
+#: ``--model 8B``: the 8B class of benchmarks/gpu_aot.py (results: gpu_schedule_8b.*).
+MODEL_8B = dict(vocab=32000, dim=4096, depth=32, heads=32, seq=2048)
 QUICK = dict(vocab=512, dim=256, depth=4, heads=4, seq=128)
 #: (label, switches, layouts it applies to): each trick turned the other way from the schedule the step gets.
 TRIALS: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
@@ -51,6 +53,11 @@ TRIALS: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("unroll_layers 2", {"unroll_layers": 2}, ("scan",)),
     ("in place, unroll_layers 2", {"prefetch_across_trips": False, "unroll_layers": 2}, ("scan",)),
     ("together_bytes 64 KiB", {"together_bytes": 2**16}, ("scan", "apply")),
+    # the gpu entry's own: the backward re-gathers the next layer at once in scan_layers' loop (half at first,
+    # the rest paired with this layer's reductions: every other backend's), and its pieces gather and reduce
+    # along a new leading axis (off: along the dimension they are cut on)
+    ("loop_head_start 0.5", {"loop_head_start": 0.5}, ("scan",)),
+    ("major_axis_collectives off", {"major_axis_collectives": False}, ("scan", "apply")),
     # the layer gradients reduced by a ring of ppermutes (the TPU entry's grad_reduction) instead of psum_scatter
     ("grad_reduction ring", {"grad_reduction": "ring"}, ("scan", "apply")),
     ("grad_reduction bidirectional", {"grad_reduction": "bidirectional_ring"}, ("scan", "apply")),
@@ -105,14 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--model", choices=["1B"], default=None, help="the 1B class (results: gpu_schedule_1b.*)")
+    ap.add_argument("--model", choices=["1B", "8B"], default=None,
+                    help="the 1B or 8B class (results: gpu_schedule_1b.*, gpu_schedule_8b.*)")
     ap.add_argument("--only", nargs="*", default=None, help="these trials (labels) and layouts (scan, apply)")
     args = ap.parse_args(argv)
     out = args.out or (tempfile.mkdtemp(prefix="gpu_schedule_") if args.quick else common.RESULTS)
-    name = "gpu_schedule" + ("_1b" if args.model else "")
+    name = "gpu_schedule" + (f"_{args.model.lower()}" if args.model else "")
     cache = Path(out) / f"{name}.json"
     rows: dict[str, Any] = {} if args.fresh or not cache.exists() else json.loads(cache.read_text())["rows"]
-    cfg = TransformerConfig(**(QUICK if args.quick else MODEL_1B if args.model else MODEL))
+    models = {None: MODEL, "1B": MODEL_1B, "8B": MODEL_8B}
+    cfg = TransformerConfig(**(QUICK if args.quick else models[args.model]))
     mesh, record = zj.topology_mesh(TOPOLOGY), common.Record()
     for layout in ("scan", "apply"):
         for label, switches, layouts in TRIALS:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _models import make_mesh
+from _models import make_mesh, train_steps
 
 import zero_jax as zj
 from zero_jax._base.toolchain import compiler_version, version_text
@@ -20,6 +20,7 @@ from zero_jax._layerwise.schedule import (
     schedule_for,
     tie,
 )
+from zero_jax.models import TransformerConfig, init_params, make_loss_fn, synthetic_batch
 
 
 def test_the_tie_changes_no_bit() -> None:
@@ -122,3 +123,23 @@ def test_the_audit_says_which_entry_a_step_was_built_with_and_when_it_is_the_nea
     with mock.patch("zero_jax._layerwise.schedule.compiler_version", return_value=("jaxlib", (0, 11, 1))):
         text = str(zj.audit(step, state, batch))
     assert "the cpu entry measured on jaxlib 0.10.2 (running jaxlib 0.11.1: the nearest entry)" in text
+
+
+def test_the_gpu_entrys_own_switches_change_when_and_along_which_axis_not_what_is_computed() -> None:
+    """``loop_head_start`` (how much of the next layer the backward re-gathers at once) and
+    ``major_axis_collectives`` (pieces gathered and reduce-scattered along a new leading axis) are the gpu
+    entry's; switched on on XLA:CPU, layer-wise stage 3 of the reference transformer (scanned: every
+    parameter's gradient through them; its column-cut pieces take the new axis) trains bit for bit as with
+    the cpu entry."""
+    cfg = TransformerConfig(vocab=64, dim=32, depth=4, heads=2, seq=16)
+    params = init_params(cfg, jax.random.key(0))
+    batches = [synthetic_batch(cfg, 8, jax.random.key(k)) for k in (1, 2)]
+    policy = zj.ZeroPolicy(3, make_mesh(8), stacked="layers")
+    loss = make_loss_fn(cfg, policy)
+    plain_state, _, plain_losses = train_steps(policy, params, loss, batches)
+    with zj.measure.trying_schedule(loop_head_start=1.0, major_axis_collectives=True):
+        assert schedule_for(policy).major_axis_collectives
+        state, _, losses = train_steps(policy, params, loss, batches)
+    assert losses == plain_losses
+    for a, b in zip(jax.tree.leaves(zj.full_params(state)), jax.tree.leaves(zj.full_params(plain_state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -6,13 +6,21 @@ model (the SOL estimator: GEMMs and fusions at the target's rates, NCCL
 collectives from a bandwidth/latency model of NVLink and, across hosts,
 InfiniBand) and, with ``xla_dump_latency_hiding_schedule``, writes each
 computation it schedules to ``<module>.schedule.txt``: each instruction's
-cost (µs) and the statistics of the schedule run in order, among them the
-``*_wasted_cycles`` (µs of communication left exposed, per kind: an async
-collective's latency where the compute scheduled between its start and
-done does not hide it). A computation's makespan here is its instructions'
-costs plus that exposed communication: XLA's ``total_cycles`` exactly on
-jax-cuda12-plugin 0.10.2; 0.12.1's also waits on non-collective async ops
-timed by a fixed default, which is reported apart (``unmodelled_seconds``).
+start and end on the scheduler's own timeline (µs), where an async
+collective's done waits until the collective's modelled latency has passed
+since its start. A computation's makespan here is that timeline's end, and
+the communication it leaves exposed is the timeline's idle time before each
+collective's done (the compute scheduled between its start and done did not
+hide it), per kind. Idle time before a non-collective async op's done
+(jax-cuda13-plugin 0.12.1 wraps some fusions in a loop body as
+``async-start`` / ``-done`` and times them with a fixed default latency, not a
+model) is reported apart (``unmodelled_seconds``) and left out of the step.
+The schedule's ``scheduler_statistics`` (``total_cycles``, ``*_wasted_cycles``)
+are not used: jax-cuda12-plugin 0.10.2 computes a loop body's statistics
+on an instruction order other than the one it compiles (measured: an
+all-gather under a 700 µs matmul in a ``lax.scan`` body is counted as wholly
+exposed there, and as hidden in the entry computation and by plugin 0.12.1;
+``tests/test_gpu_aot.py``); the timeline is the schedule the program runs.
 
 The dump covers only computations holding an async collective, and a while
 loop's body is a computation of its own whose node in the caller costs
@@ -40,15 +48,18 @@ loop body counted once; it is not a step time.
 ...   computations { name: "main" id: 1
 ...     instructions { name: "w" opcode: "while" id: 10 called_computation_ids: 2
 ...       backend_config: "known_trip_count n 3" }
+...     instructions { name: "ag" opcode: "all-gather-start" id: 11 }
+...     instructions { name: "mm" opcode: "fusion" id: 12 }
+...     instructions { name: "agd" opcode: "all-gather-done" id: 13 operand_ids: 11 }
 ...   }
 ...   computations { name: "body" id: 2 }
 ... }
 ... computation_schedules { computation_id: 1
-...   instructions { id: 11 start_timestamp_cycles: 0 end_timestamp_cycles: 9 }
-...   scheduler_statistics { all_gather_wasted_cycles: 1 total_wasted_cycles: 1 total_cycles: 10 } }
+...   instructions { id: 11 start_timestamp_cycles: 0 end_timestamp_cycles: 1 }
+...   instructions { id: 12 start_timestamp_cycles: 1 end_timestamp_cycles: 8 }
+...   instructions { id: 13 start_timestamp_cycles: 9 end_timestamp_cycles: 10 } }
 ... computation_schedules { computation_id: 2
-...   instructions { id: 21 start_timestamp_cycles: 0 end_timestamp_cycles: 5 }
-...   scheduler_statistics { total_cycles: 5 } }'''
+...   instructions { id: 21 start_timestamp_cycles: 0 end_timestamp_cycles: 5 } }'''
 >>> e = estimate_from_schedule(text)
 >>> round(e.seconds * 1e6), round(e.exposed_seconds * 1e6), e.loops[0].runs, e.complete
 (25, 1, 3, True)
@@ -87,6 +98,9 @@ NO_SCHEDULE = (
     "latency-hiding scheduler is off: xla_gpu_enable_latency_hiding_scheduler)."
 )
 _SYNC_COLLECTIVES = frozenset({"all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all"})
+#: Async dones that name their collective in the opcode (others are ``async-done`` around a computation).
+_DONES = {"all-gather-done": "all-gather", "all-reduce-done": "all-reduce", "collective-permute-done":
+          "collective-permute", "send-done": "send", "recv-done": "recv"}  # fmt: skip
 _TRIPS = re.compile(r'known_trip_count\W+n\W+(\d+)')
 
 
@@ -115,9 +129,8 @@ class StepEstimate:
       untimed: loop bodies without a schedule (``complete`` is False).
       entry_seconds: the entry computation's makespan alone (its loops cost
         nothing there).
-      unmodelled_seconds: what the scheduler's ``total_cycles`` adds beyond
-        the instructions' costs and the collectives' exposed time: waits on
-        non-collective async ops (jax-cuda13-plugin 0.12.1 wraps some fusions
+      unmodelled_seconds: the schedule's idle time before non-collective
+        async ops' dones (jax-cuda13-plugin 0.12.1 wraps some fusions
         in a loop body as ``async-start`` / ``-done``), which XLA times with a
         fixed default latency rather than a model; left out of ``seconds``.
       device_kind: the GPU compiled for; ``model_flops`` (the whole step's),
@@ -206,7 +219,8 @@ def estimate_from_schedule(text: str, *, device_kind: str = "", model_flops: flo
     module = _first(proto, "hlo_module", {})
     comps = {_first(c, "id"): c for c in module.get("computations", [])}
     names = {i: _first(c, "name") for i, c in comps.items()}
-    timed = {_first(s, "computation_id"): _Timed.of(s) for s in proto.get("computation_schedules", [])}
+    waits_for = _waits_for(comps)
+    timed = {_first(s, "computation_id"): _Timed.of(s, waits_for) for s in proto.get("computation_schedules", [])}
     entry = next((i for i, n in names.items() if n == _first(module, "entry_computation_name")), None)
     total, unmodelled, by_kind = 0.0, 0.0, dict[str, float]()
     loops, untimed = list[LoopTime](), list[str]()
@@ -245,20 +259,53 @@ class _Timed(NamedTuple):
     micros: float
     exposed: dict[str, float]
     costs: dict[str, float]  # instruction id -> its cost in the schedule
-    unmodelled: float  # waits on non-collective async ops (total_cycles beyond costs + collective waits)
+    unmodelled: float  # waits on non-collective async ops, timed by a fixed default (left out of micros)
 
     @classmethod
-    def of(cls, schedule: Mapping[str, list[Any]]) -> _Timed:
-        stats = _first(schedule, "scheduler_statistics", {})
+    def of(cls, schedule: Mapping[str, list[Any]], waits_for: Mapping[Any, tuple[Any, str | None]]) -> _Timed:
+        """Read off the scheduler's timeline; ``waits_for``: each async done's start and collective kind (None:
+        not a collective) by instruction id."""
         per_us = float(_first(schedule, "cycles_per_microsecond", 1)) or 1.0
-        exposed = {key.removesuffix("_wasted_cycles").replace("_", "-"): float(v[0]) / per_us
-                   for key, v in stats.items() if key.endswith("_wasted_cycles") and key != "total_wasted_cycles"}
-        costs = {_first(i, "id"): (float(_first(i, "end_timestamp_cycles", 0)) -
-                                   float(_first(i, "start_timestamp_cycles", 0))) / per_us
-                 for i in schedule.get("instructions", [])}  # fmt: skip
-        micros = sum(costs.values()) + sum(exposed.values())
-        gap = float(_first(stats, "total_cycles", 0)) / per_us - micros  # beyond float rounding: unmodelled waits
-        return cls(micros, exposed, costs, gap if gap > 1e-6 * max(micros, 1.0) else 0.0)
+        spans = sorted((float(_first(i, "start_timestamp_cycles", 0)) / per_us,
+                        float(_first(i, "end_timestamp_cycles", 0)) / per_us, _first(i, "id"))
+                       for i in schedule.get("instructions", []))  # fmt: skip
+        costs = {iid: end - start for start, end, iid in spans}
+        at = {iid: (start, end) for start, end, iid in spans}
+        # Each async op in flight: (its start's end, its done's start, kind).
+        flights = sorted((at[first][1], at[done][0], kind) for done, (first, kind) in waits_for.items()
+                         if done in at and first in at)  # fmt: skip
+        exposed, unmodelled, clock = dict[str, float](), 0.0, 0.0
+        for start, end, _ in spans:
+            if start - clock > 1e-9 * max(clock, 1.0):
+                # Idle time (nothing runs) is the wait of the first async op in flight over it to be done: the
+                # timeline places zero-cost ops that read a done's result beside the done, not always after it.
+                waiting = [(done, kind) for begun, done, kind in flights
+                           if begun <= clock + 1e-6 and done >= start - 1e-6]  # fmt: skip
+                if waiting:
+                    kind = min(waiting, key=lambda w: w[0])[1]
+                    if kind is None:
+                        unmodelled += start - clock
+                    else:
+                        exposed[kind] = exposed.get(kind, 0.0) + start - clock
+            clock = max(clock, end)
+        return cls(clock - unmodelled, exposed, costs, unmodelled)
+
+
+def _waits_for(comps: Mapping[Any, Mapping[str, list[Any]]]) -> dict[Any, tuple[Any, str | None]]:
+    """Every async done of the module by instruction id: its start (its operand) and the collective kind it
+    waits for, or None for a non-collective async op (an async fusion, a copy): an ``async-done``'s start
+    names the computation it runs."""
+    by_id = {_first(i, "id"): i for comp in comps.values() for i in comp.get("instructions", [])}
+    out: dict[Any, tuple[Any, str | None]] = {}
+    for iid, ins in by_id.items():
+        op, first = _first(ins, "opcode", ""), _first(ins, "operand_ids")
+        if op in _DONES:
+            out[iid] = (first, _DONES[op])
+        elif op in ("async-done", "copy-done"):
+            inner = {_first(i, "opcode") for c in by_id.get(first, {}).get("called_computation_ids", [])
+                     for i in comps.get(c, {}).get("instructions", [])}  # fmt: skip
+            out[iid] = (first, next((k for k in sorted(inner) if k in _SYNC_COLLECTIVES), None))
+    return out
 
 
 def _platform(args: Any) -> tuple[str, str]:

@@ -169,14 +169,24 @@ class _Group(NamedTuple):
     wire_counted: set[tuple[int, ...]]  # and the counted leaves' ones
 
 
+def _major_shape(lay: LeafLayout, n: int) -> tuple[int, ...]:
+    """A leaf cut along a dimension other than its first as the schedule's
+    ``major_axis_collectives`` gathers it: the N pieces along a new leading
+    dimension (``_comm.collectives.gather_along``)."""
+    s, d = lay.stored_shape, lay.dim or 0
+    return (n, *s[:d], s[d] // n, *s[d + 1:]) if d else s
+
+
 def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], others: list[LeafLayout], n: int,
-           block: int) -> _Group:  # fmt: skip
+           block: int, major: bool = False) -> _Group:  # fmt: skip
     """One group from its layers' leaf layouts (one layer) and the other
     parameters' layouts (``block``: the wire's elements per scale; 0 when
-    nothing is quantized). A layer leaf is counted when no other parameter,
+    nothing is quantized; ``major``: gathered along a new leading dimension,
+    :func:`_major_shape`). A layer leaf is counted when no other parameter,
     and no leaf of the layer left uncounted, moves in its shapes, float or int8."""
     wire = lambda lay: wire_shape(lay, n, block) if block else ()  # noqa: E731
-    shapes = lambda lay: {lay.stored_shape, shard_shape(lay, n)} | ({wire(lay)} if block else set())  # noqa: E731
+    whole = lambda lay: {lay.stored_shape} | ({_major_shape(lay, n)} if major else set())  # noqa: E731
+    shapes = lambda lay: whole(lay) | {shard_shape(lay, n)} | ({wire(lay)} if block else set())  # noqa: E731
     taken = set().union(*(shapes(lay) for lay in others))
     mine = [lay for lay, _ in lays if not shapes(lay) & taken]
     while True:  # nor one left out of this layer (int8 blocks of two weights often share a shape)
@@ -186,8 +196,8 @@ def _group(name: str, layers: int, lays: list[tuple[LeafLayout, np.dtype]], othe
         mine = [lay for lay in mine if not shapes(lay) & left]
     mine = mine or [lay for lay, _ in lays]
     return _Group(
-        name, layers, {lay.stored_shape for lay, _ in lays}, {shard_shape(lay, n) for lay, _ in lays},
-        {lay.stored_shape for lay in mine} | {shard_shape(lay, n) for lay in mine}, len(mine),
+        name, layers, set().union(*(whole(lay) for lay, _ in lays)), {shard_shape(lay, n) for lay, _ in lays},
+        set().union(*(whole(lay) for lay in mine)) | {shard_shape(lay, n) for lay in mine}, len(mine),
         sum(math.prod(lay.stored_shape) for lay, _ in lays),
         sum(math.prod(lay.stored_shape) * dt.itemsize for lay, dt in lays),
         {wire(lay) for lay, _ in lays}, {wire(lay) for lay in mine},
@@ -217,7 +227,7 @@ def _layer_groups(params: list[ParamInfo], policy: ZeroPolicy) -> list[_Group]:
         others = [p.layout for p in cut if id(p) not in {id(q) for q in members}]
         if lays:
             out.append(_group(f"scan {'/'.join(prefix)}/*", members[0].layout.shape[0], _as_moved(lays, policy), others,
-                              n, block))  # fmt: skip
+                              n, block, schedule_for(policy).major_axis_collectives))  # fmt: skip
     siblings: dict[tuple[str, ...], dict[str, list[ParamInfo]]] = {}
     for p in params:
         names = p.path.split("/")

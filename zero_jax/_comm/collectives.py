@@ -52,7 +52,10 @@ class Axes(NamedTuple):
     re-gather starts from the secondary piece (:func:`secondary_piece`).
     ``cast``: the float dtype a piece is cast to before its all-gather
     (``Precision(compute_copy=False)``: float32 pieces, a bf16 wire); ``None``
-    gathers pieces in their own dtype.
+    gathers pieces in their own dtype. ``major``: a piece cut along another
+    dimension than its first is gathered and reduce-scattered along a new
+    leading one (:func:`gather_along`, :func:`scatter_sum`), the same values;
+    the schedule seam's ``major_axis_collectives`` says where.
     """
 
     shard: tuple[str, ...]
@@ -61,6 +64,7 @@ class Axes(NamedTuple):
     wire: WireFormat = WireFormat()
     secondary: str | None = None
     cast: Any = None
+    major: bool = False
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -187,7 +191,7 @@ def sum_reduce_scatter(x: jax.Array, layout: LeafLayout, axis: AxisName, how: st
             if axes.wire.grads is not None:
                 g = _quantized_reduce_scatter(g, over, layout.dim, block)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
             else:
-                g = scatter_sum(g, over, layout.dim, how)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
+                g = scatter_sum(g, over, layout.dim, how, major=axes.major)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
         return g
 
     return per_model_shard(scatter, layout, x)
@@ -202,14 +206,20 @@ GRAD_REDUCTION_FIRST = "zj_grad_reduction_first"
 UNKNOWN_REDUCE_SCATTER = "grad_reduction={how!r}: a gradient is reduce-scattered by one of {known}."
 
 
-def scatter_sum(g: jax.Array, over: Any, dim: int, how: str = "psum_scatter") -> jax.Array:
+def scatter_sum(g: jax.Array, over: Any, dim: int, how: str = "psum_scatter", *, major: bool = False) -> jax.Array:
     """``psum_scatter(g, over, scatter_dimension=dim, tiled=True)``: ``g``
     summed over ``over`` and cut along ``dim``, this device's slice; ``how``
     (:data:`REDUCE_SCATTERS`) says by which collectives: ``psum_scatter``
     itself, a ring of ``ppermute`` steps (:func:`ring_reduce_scatter`, one
     or both ways round), or one ``all_to_all`` of the N slices and a local
-    sum (:func:`all_to_all_reduce_scatter`)."""
+    sum (:func:`all_to_all_reduce_scatter`). ``major`` (``psum_scatter``
+    only): ``dim`` split into (N, slice) and the N moved first, so that the
+    collective cuts its operand's leading dimension (:class:`Axes`)."""
     if how == "psum_scatter":
+        if major and dim != 0:
+            n = jax.lax.psum(1, over)
+            split = g.reshape(*g.shape[:dim], n, g.shape[dim] // n, *g.shape[dim + 1:])
+            return jax.lax.psum_scatter(jnp.moveaxis(split, dim, 0), over, scatter_dimension=0, tiled=False)
         return jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
     if how not in REDUCE_SCATTERS:
         raise ValueError(UNKNOWN_REDUCE_SCATTER.format(how=how, known=REDUCE_SCATTERS))
@@ -327,6 +337,28 @@ def cast_for_wire(x: jax.Array, axis: AxisName) -> jax.Array:
     return x.astype(cast) if cast is not None and is_real_float(x) and x.dtype != cast else x
 
 
+def gather_along(p: jax.Array, over: Any, dim: int, *, major: bool = False) -> jax.Array:
+    """``all_gather(p, over, axis=dim, tiled=True)``; ``major``: gathered
+    along a new leading dimension, which then moves to ``dim`` and merges
+    with it. XLA:GPU gathers along an operand's major dimension: a gather
+    along another re-lays-out its operand, and when that operand is a slice
+    of a stacked piece in a loop, the whole stack is copied into the new
+    layout before the loop (``Axes.major``).
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> mesh = jax.make_mesh((2,), ("d",))
+    >>> x = jax.device_put(jnp.arange(12.0).reshape(2, 6), jax.NamedSharding(mesh, jax.P(None, "d")))
+    >>> f = lambda major: jax.shard_map(lambda p: gather_along(p, "d", 1, major=major), mesh=mesh,
+    ...                                 in_specs=jax.P(None, "d"), out_specs=jax.P(), check_vma=False)(x)
+    >>> bool(np.array_equal(f(True), f(False))) and f(True).shape == (2, 6)
+    True
+    """
+    if not major or dim == 0:
+        return jax.lax.all_gather(p, over, axis=dim, tiled=True)
+    stacked = jnp.moveaxis(jax.lax.all_gather(p, over, axis=0, tiled=False), 0, dim)
+    return stacked.reshape(*p.shape[:dim], -1, *p.shape[dim + 1:])
+
+
 def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Array:
     """All-gather this device's piece of a parameter into the whole, unpadded
     leaf, as a per-device (varying) value. Its transpose is a reduce-scatter,
@@ -339,8 +371,8 @@ def gather_for_use(x: jax.Array, layout: LeafLayout, axis: AxisName) -> jax.Arra
         return _quantized_gather_for_use(x, layout, _axes(axis))
     if _axes(axis).secondary:
         return gather_secondary(secondary_piece(x, layout, axis), layout, axis)
-    shard = _name(_axes(axis).shard)
-    whole = per_model_shard(lambda p: jax.lax.all_gather(p, shard, axis=layout.dim, tiled=True), layout, x)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
+    shard, major = _name(_axes(axis).shard), _axes(axis).major
+    whole = per_model_shard(lambda p: gather_along(p, shard, layout.dim, major=major), layout, x)  # pyright: ignore[reportArgumentType] - a partitioned leaf's layout has a dim
     # Per-replica too: the gathered weights meet replica-varying activations,
     # and an invariant value there would make autodiff all-reduce the whole
     # gradient across the replicas behind our back.

@@ -194,7 +194,8 @@ def gather(tree: PyTree, policy: ZeroPolicy | None) -> PyTree:
     if policy is None:
         return tree
     check_parameter_pieces(tree, policy, "zj.gather")
-    return jax.tree.map(lambda x: x.fetch(policy.comm) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
+    axes = schedule_for(policy).collective_axes(policy.comm)
+    return jax.tree.map(lambda x: x.fetch(axes) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
 
 
 def embedding_lookup(table: Any, ids: jax.Array, policy: ZeroPolicy | None) -> jax.Array:

@@ -373,7 +373,7 @@ def _pipelined(
             grads = [None if dt is None else g for dt, g in zip(plan.slot_dtypes, y, strict=True)]
             sizes = [lay.nbytes if g else 0 for g, lay in zip(plan.gathers, plan.layouts, strict=True)]  # pyright: ignore[reportOptionalMemberAccess] - set here: a check above pyright cannot follow
             anchors = plan.schedule.prefetch_anchors(plan.order[0], sizes, plan.order[1], grads, sizes, plan.layouts,
-                                                     s_in, s, plan.together)  # fmt: skip
+                                                     s_in, s, plan.together, looped=True)  # fmt: skip
             ahead = fetch(t + prefetch, s, anchors)
         else:
             ahead = fetch(t + prefetch)  # issued before this layer's compute
@@ -491,7 +491,9 @@ def _zero_scan(
     … ``start + depth - 1``; ``keep``: their gathered parameters are saved
     for the backward pass, which gathers nothing; ``per_trip`` layers a loop
     trip."""
-    plan, diff, wholes = _scan_plan(treedef, nodes, diff, policy.comm, prefetch, depth, schedule_for(policy), start)
+    schedule = schedule_for(policy)
+    axes = schedule.collective_axes(policy.comm)
+    plan, diff, wholes = _scan_plan(treedef, nodes, diff, axes, prefetch, depth, schedule, start)
     plan = plan._replace(per_trip=per_trip)
     sharded = plan.sharded
     with jax.named_scope("zero_jax_scan_example"):  # layer 0, only to trace layer_fn (dead code)

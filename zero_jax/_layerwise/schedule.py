@@ -35,11 +35,11 @@ from here.
     the next block's backward pass runs.
 ``leafwise_prefetch``
     The backward pass re-gathers the next block leaf by leaf: the first
-    :data:`HEAD_START` of its bytes (the leaves it uses first,
-    :func:`use_order`) when this block's backward starts, each later leaf
-    after as many bytes of this block's gradients are reduce-scattered
-    (:func:`paired_anchors`); all at once, the two blocks' whole leaves
-    overlap by a whole block.
+    ``head_start`` of its bytes (:data:`HEAD_START`; ``loop_head_start`` in
+    ``scan_layers``' loop; the leaves it uses first, :func:`use_order`) when
+    this block's backward starts, each later leaf after as many bytes of this
+    block's gradients are reduce-scattered (:func:`paired_anchors`); all at
+    once, the two blocks' whole leaves overlap by a whole block.
 ``unfusable_cut``
     With P_a (``partition_activations``) a block keeps its input cut over the
     model axes; as a plain slice, XLA fused the slice into its only consumer,
@@ -157,10 +157,10 @@ from here.
     more; one ``all_to_all`` and a sum (``"all_to_all"``) is one pass too but
     synchronous. ``psum_scatter`` on XLA:CPU (every collective synchronous
     there) and on GPU, where the rings lose: at the 1B class scanned on
-    1 x 8 H100 XLA:GPU's schedule estimates the step at 70 ms with the ring
-    and 84 ms both ways round against 48 ms with NCCL's reduce-scatter
-    (``benchmarks/gpu_schedule.py --model 1B``,
-    ``results/gpu_schedule_1b.txt``). ``zj.head_cross_entropy`` reduces
+    1 x 8 H100 XLA:GPU's schedule estimates the step at 66 ms with the ring
+    against 39 ms with NCCL's reduce-scatter (at dim 1024: 19 and 26 ms one
+    and both ways round against 12; ``benchmarks/gpu_schedule.py``,
+    ``results/gpu_schedule_1b.txt``, ``gpu_schedule.txt``). ``zj.head_cross_entropy`` reduces
     each vocabulary chunk's gradient (layer-sized, inside its chunk loop,
     the reduction of chunk c - 1 beside chunk c's matmuls) by
     ``grad_reduction_head``, else as a layer's: on libtpu 0.0.46.3 (v5p, the
@@ -178,6 +178,17 @@ from here.
     ``results/maxtext.txt``).
     ``benchmarks/grad_reduction.py`` re-measures it
     (``benchmarks/results/grad_reduction.txt``).
+``major_axis_collectives``
+    ``scan_layers`` and ``zj.gather`` gather and reduce-scatter a piece cut
+    along a dimension other than its first along a new leading dimension
+    (``_comm.collectives.Axes.major``: the same values and bytes). XLA:GPU
+    runs an all-gather or reduce-scatter along its operand's major dimension;
+    along another, it lays the operand out again, and for a slice of a stacked
+    piece in a loop it copies the whole stack into the new layout before the
+    loop (in the buffer assignment: the reference transformer's ``attn_qkv``
+    and ``mlp_in`` stacks, cut along their output columns, transposed whole).
+    On against off, layer-wise stage 3 scanned on 1 x 8 H100: 14.75 against
+    15.60 GiB a GPU at the 8B class, 2.57 against 2.66 at the 1B class.
 ``compiler_options``
     Options the step compiles with: on TPU, libtpu's async all-gather
     (:data:`TPU_ASYNC_ALL_GATHER`); with libtpu's defaults every gather is
@@ -226,19 +237,28 @@ switched alone on layer-wise stage 3 of the reference transformer, scanned
 and unscanned, for the buffer assignment, XLA's live peak, the layer
 gathers overlapped and the step time XLA:GPU's own schedule estimates
 (``benchmarks/gpu_schedule.py``: ``results/gpu_schedule.txt`` at dim 1024,
-``gpu_schedule_1b.txt`` at the 1B class). Every XLA:CPU trick is kept:
-scanned, none moves memory by more than a few percent and switching off the
-carried prefetch or the gather ties loses overlap; unscanned, the ties, the
-leaf-by-leaf prefetch and the block prefetch each keep the 1B step's
-allocation lowest (each one off allocates more, though the estimated step
-is a few percent shorter: a memory-for-time trade the entry does not take).
-``unroll_layers`` and ``together_bytes`` stay as XLA:CPU's: at the 1B class,
-gathering each layer in place two layers a trip overlaps every layer gather
-(carried, one gather of the MLP per trip has no matmul under it) and shortens
-the estimated step by a fifth, but allocates a sixth more, past half of
-stage 1: a trial (``zj.measure.trying_schedule(prefetch_across_trips=False,
-unroll_layers=2)``), not the entry.
-Its one switch of its own is ``keep_gathered_all`` (``benchmarks/gpu_aot.py``).
+``gpu_schedule_1b.txt`` at the 1B class, ``gpu_schedule_8b.txt`` at the 8B
+class). Every XLA:CPU trick is kept: scanned, none moves memory by more than
+6% and switching off the carried prefetch loses overlap (dim 1024: 44% of
+the layer gathers' bytes against 94%); unscanned, the ties, the leaf-by-leaf
+prefetch and the block prefetch each keep the 1B step's allocation lowest (each one off allocates
+more, though the estimated step is a few percent shorter: a memory-for-time
+trade the entry does not take). ``unroll_layers`` and ``together_bytes``
+stay as XLA:CPU's: gathering each layer in place two layers a trip shortens
+the 1B step by 6% but allocates 15% more, past half of stage 1 (a trial,
+``zj.measure.trying_schedule(prefetch_across_trips=False,
+unroll_layers=2)``). Its own switches: ``keep_gathered_all``
+(``benchmarks/gpu_aot.py``); ``loop_head_start`` 1.0: in ``scan_layers``'
+loop the backward re-gathers the whole next layer as this layer's backward
+starts, so the gathers run while this layer recomputes and the reductions
+after them (paired with the reductions, half the next layer's gathers came
+after this layer's last matmul with nothing to hide them: at the 8B class
+229 ms estimated and 32 ms of it exposed, against 209 and 12 ms, for 1%
+more memory; at the 1B class 45 against 39 ms in the same memory); and
+``major_axis_collectives`` (the 8B class: 14.75 GiB against 15.60, the step
+4% longer; the 1B class: 2.57 against 2.66 GiB). The estimates are the
+schedule's own timeline (``zero_jax._audit.estimate``), not XLA's loop
+statistics, which plugin 0.10.2 computes on another instruction order.
 jax-cuda13-plugin 0.12.1 takes this entry as the nearest, unmeasured.
 """
 
@@ -260,8 +280,15 @@ from zero_jax._base.jaxpr import called, live_equations
 from zero_jax._base.scoped import Scoped
 from zero_jax._base.toolchain import compiler_version, parse_version, version_text
 from zero_jax._base.tree import PyTree
-from zero_jax._comm.collectives import can_move_together, varying_axes
+from zero_jax._comm.collectives import Axes, can_move_together, varying_axes
 from zero_jax._layout.leaf import LeafLayout, is_real_float
+
+#: The share of the next layer's bytes that the backward re-gather issues as
+#: soon as the layer's backward starts (the leaves that layer uses first);
+#: each later leaf waits for one of this layer's gradients (paired_anchors).
+#: Half is as cheap in peak as none and issues every leaf before this layer's
+#: attention backward, so the gathers have compute to hide behind.
+HEAD_START = 0.5
 
 
 class Schedule(NamedTuple):
@@ -272,6 +299,13 @@ class Schedule(NamedTuple):
     tie_recompute: bool = True
     tie_backward_order: bool = True
     leafwise_prefetch: bool = True
+    #: With ``leafwise_prefetch``: the share of the next layer's bytes re-gathered as its backward starts.
+    head_start: float = HEAD_START
+    #: The same in ``scan_layers``' loop (``None``: ``head_start``).
+    loop_head_start: float | None = None
+    #: ``scan_layers`` and ``zj.gather`` gather and reduce-scatter each piece along a new leading dimension
+    #: (``_comm.collectives.Axes.major``).
+    major_axis_collectives: bool = False
     unfusable_cut: bool = True
     prefetch_across_trips: bool = True
     prefetch_blocks: bool = True
@@ -378,6 +412,11 @@ class Schedule(NamedTuple):
                 groups.setdefault(lay.dtype, []).append(i)
         return tuple(tuple(g) for g in groups.values() if len(g) >= 2)
 
+    def collective_axes(self, axes: Axes) -> Axes:
+        """The axes the collectives of ``scan_layers``' loop and of
+        ``zj.gather`` run over (``major_axis_collectives``)."""
+        return axes._replace(major=True) if self.major_axis_collectives else axes
+
     def hold(self, value: PyTree, copies: PyTree) -> PyTree:
         """``value``, available only once ``copies`` exist (``hold_host_copies``:
         the host copies of an earlier block's saved inputs)."""
@@ -385,14 +424,16 @@ class Schedule(NamedTuple):
 
     def prefetch_anchors(self, needed: list[int], sizes: list[int], produced: list[int], grads: list[Any],
                          freed: list[int], layouts: list[Any], start: Any, fallback: Any,
-                         together: Sequence[Sequence[int]] = ()) -> list[Any]:  # fmt: skip
+                         together: Sequence[Sequence[int]] = (), looped: bool = False) -> list[Any]:  # fmt: skip
         """What each leaf of the next block's backward re-gather waits for:
-        :func:`paired_anchors` (``leafwise_prefetch``), else ``start`` for all.
-        Leaves gathered together (``together``) wait for what the one of them
-        needed first waits for: one gather cannot start before its last operand."""
+        :func:`paired_anchors` (``leafwise_prefetch``; ``looped``: in
+        ``scan_layers``' loop), else ``start`` for all. Leaves gathered
+        together (``together``) wait for what the one of them needed first
+        waits for: one gather cannot start before its last operand."""
         if not self.leafwise_prefetch:
             return [start] * len(sizes)
-        anchors = paired_anchors(needed, sizes, produced, grads, freed, layouts, start, fallback)
+        head = self.loop_head_start if looped and self.loop_head_start is not None else self.head_start
+        anchors = paired_anchors(needed, sizes, produced, grads, freed, layouts, start, fallback, head)
         first = {i: k for k, i in reversed(list(enumerate(needed)))}
         for group in together:
             earliest = anchors[min(group, key=lambda i: first.get(i, len(needed)))]
@@ -487,7 +528,8 @@ MEASURED: dict[str, tuple[Schedule, ...]] = {
         Schedule("cpu", compiler="jaxlib 0.12.1", read_only_options=CPU_READ_ONLY[:1]),
     ),
     "gpu": (
-        Schedule("gpu", compiler="jax-cuda12-plugin 0.10.2", keep_gathered_all=True, read_only_options=CPU_READ_ONLY),
+        Schedule("gpu", compiler="jax-cuda12-plugin 0.10.2", keep_gathered_all=True, loop_head_start=1.0,
+                 major_axis_collectives=True, read_only_options=CPU_READ_ONLY),
     ),
     "tpu": (
         _TPU._replace(compiler="libtpu 0.0.42.1"),
@@ -761,29 +803,21 @@ def use_order(
     return needed, produced
 
 
-#: The share of the next layer's bytes that the backward re-gather issues as
-#: soon as the layer's backward starts (the leaves that layer uses first);
-#: each later leaf waits for one of this layer's gradients (paired_anchors).
-#: Half is as cheap in peak as none and issues every leaf before this layer's
-#: attention backward, so the gathers have compute to hide behind.
-HEAD_START = 0.5
-
-
 def paired_anchors(
     needed: list[int], sizes: list[int], produced: list[int], grads: list[Any], freed: list[int],
-    layouts: list[Any], start: Any, fallback: Any,
+    layouts: list[Any], start: Any, fallback: Any, head_start: float = HEAD_START,
 ) -> list[Any]:  # fmt: skip
     """What each leaf of the next layer's backward re-gather waits for. In
     ``needed`` order (that layer's forward's; ``sizes[k]``: bytes of leaf k,
-    0 if not gathered) the first ``HEAD_START`` of the bytes wait for
+    0 if not gathered) the first ``head_start`` of the bytes wait for
     ``start`` (this layer's backward starting), each later leaf for the
     gradient (``grads[k]``, reduce-scattered, or None) after which this
     layer's leaves done with (``freed`` bytes, ``produced`` order) outweigh
-    those fetched: the two layers' whole leaves stay under 1 + ``HEAD_START``
+    those fetched: the two layers' whole leaves stay under 1 + ``head_start``
     layers. A gradient cut over model axes is no anchor (reading one element
     of it made the SPMD partitioner all-gather it); else ``fallback``."""
     order = iter(produced)
-    anchors, head, total = [fallback] * len(sizes), HEAD_START * sum(sizes), 0
+    anchors, head, total = [fallback] * len(sizes), head_start * sum(sizes), 0
     done, anchor, early = 0, fallback, True
     for k in (k for k in needed if sizes[k]):
         total += sizes[k]
