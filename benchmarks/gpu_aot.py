@@ -39,6 +39,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import importlib.metadata  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -65,7 +66,8 @@ QUICK = dict(vocab=512, dim=256, depth=4, heads=4, seq=128)
 #: ``keep_gathered_all``); "3/all-regather" is the step without it (``keep_gathered=False``).
 #: "3/lw-fp32": layer-wise with fp32 master parameters only (``Precision(compute_copy=False)``: each piece cast to bf16
 #: as it is gathered), the state the GSPMD recipe keeps (12 bytes a parameter against 14).
-VARIANTS = ["1", "3/lw", "3/lw-fp32", "3/all", "0", "2", "3/all-regather"]
+#: "3/lw-int8": layer-wise with ZeRO++'s int8 wires (qwZ + qgZ: int8 weight gathers, int8 gradient reductions).
+VARIANTS = ["1", "3/lw", "3/lw-fp32", "3/lw-int8", "3/all", "0", "2", "3/all-regather"]
 DEPTHS = {"scan": [4, 8, 16], "apply": [4, 16]}
 #: Beyond the 1B class on one host: the rows compiled where time allows (scanned only), keyed by a prefix.
 MORE = {
@@ -97,8 +99,9 @@ def zero_row(layout: str, variant: str, cfg: TransformerConfig, mesh: Any) -> di
     """One zero_jax step compiled for the GPUs and audited (the estimate is the audit's)."""
     if variant.startswith("3/lw"):
         copy = variant != "3/lw-fp32"
-        step, state, batch = build(mesh, "3/scan" if layout == "scan" else "3/apply", cfg,
-                                   precision=zj.Precision(compute_dtype=jnp.bfloat16, compute_copy=copy))  # fmt: skip
+        int8 = {"quantize_weights": "int8", "quantize_grads": "int8"} if variant == "3/lw-int8" else {}
+        precision = zj.Precision(compute_dtype=jnp.bfloat16, compute_copy=copy)
+        step, state, batch = build(mesh, "3/scan" if layout == "scan" else "3/apply", cfg, precision=precision, **int8)
     else:
         step, state, batch = all_step(mesh, int(variant[0]), cfg, layout, None if variant[1:] != "/all-regather" else
                                       False)  # fmt: skip
@@ -118,6 +121,11 @@ def zero_row(layout: str, variant: str, cfg: TransformerConfig, mesh: Any) -> di
     }  # fmt: skip
     if r.estimate is not None:
         row |= _row_of_estimate(r.estimate, cfg, mesh.size)
+    if variant == "3/lw-int8":  # the wire as XLA:GPU compiled it: do the gathers still move int8?
+        text = step.lower(state, batch).compile().as_text()
+        row["wire_MiB"] = {k: {d: b / MiB for d, b in v.items()} for k, v in r.wire_bytes().items()}
+        starts = re.findall(r"= \(*(\w+)\[[^\n]*? all-gather-start\(", text)  # each start's first array's dtype
+        row["compiled_gathers"] = {dt: starts.count(dt) for dt in sorted(set(starts))}
     return row
 
 
@@ -135,6 +143,21 @@ def hpz_row(cfg: TransformerConfig, hpz: bool) -> dict[str, Any]:
         "comm_MiB": r.comm.measured / MiB, "violations": [v.kind for v in r.violations],
     }  # fmt: skip
     return row | (_row_of_estimate(r.estimate, cfg, mesh.size) if r.estimate is not None else {})
+
+
+def int8_lines(rows: dict[str, dict[str, Any]], quick: bool) -> list[str]:
+    """What the int8 wires (qwZ + qgZ) move once XLA:GPU has compiled the step."""
+    out = []
+    for layout in ("scan", "apply"):
+        r = rows.get(key("stages", layout, "3/lw-int8", config(quick).depth))
+        if not r or "error" in r or "wire_MiB" not in r:
+            continue
+        wire = "; ".join(f"{kind} " + ", ".join(f"{d} {b:.0f}" for d, b in sorted(v.items()) if b >= 0.5)
+                         for kind, v in sorted(r["wire_MiB"].items()) if any(b >= 0.5 for b in v.values()))
+        gathers = ", ".join(f"{dt} {n}" for dt, n in r["compiled_gathers"].items() if n)
+        out.append(f"  {layout}: MiB per GPU per step by kind and wire dtype (post-SPMD): {wire}; all-gather starts "
+                   f"in the compiled program by dtype: {gathers}")  # fmt: skip
+    return out
 
 
 def hpz_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
@@ -396,6 +419,9 @@ def render(rows: dict[str, Any], record: common.Record, quick: bool, out: str) -
         "",
         "against the GSPMD recipe (scanned, same GPUs, same estimator):",
         *recipe_lines(rows, quick),
+        "",
+        "int8 wires (3/lw-int8) after XLA:GPU's passes:",
+        *int8_lines(rows, quick),
         "",
         f"hpZ across 2 hosts ({HPZ[0]} as (node, gpu) = {HPZ[1]}; the 1B class, scanned, layer-wise stage 3):",
         *hpz_lines(rows),
