@@ -4,11 +4,11 @@
 Run: ``python benchmarks/buckets.py`` (the bounds; libtpu installed for the TPU rows: ``pip install -e
 ".[test]"``): the reference transformer (vocab 256, dim 256, heads 4, seq 64, f32, Adam), stage 3
 ``gather="manual"`` on 8 devices, unscanned (``zj.apply_layers``) at depth 4 and 8 and scanned
-(``zj.scan_layers``) at depth 32, compiled on XLA:CPU and on the TPU compiler for v5p:2x2x2 without and
-with ``bucket_bytes`` of 1, 4 and 64 MiB, and read by ``zj.audit``: collectives per block, the largest
-communication buffer (post-SPMD and compiled), the buffers over the bound, the bytes on the wire against
-the theory; and on CPU, the parameters after 2 steps with and without a bound (bitwise). Writes
-``benchmarks/results/buckets.{txt,json}``.
+(``zj.scan_layers``) at depth 32, compiled on XLA:CPU, on the TPU compiler for v5p:2x2x2 and on XLA:GPU for
+1 x 8 H100 (the CUDA plugin installed), without and with ``bucket_bytes`` of 1, 4 and 64 MiB, and read by
+``zj.audit``: collectives per block, the largest communication buffer (post-SPMD and compiled), the buffers
+over the bound, the bytes on the wire against the theory; and on CPU, the parameters after 2 steps with and
+without a bound (bitwise). Writes ``benchmarks/results/buckets.{txt,json}``.
 
 ``python benchmarks/buckets.py --measured`` (about 2-3 minutes on 2 loaded cores): the first measurement,
 before the bound existed. The reference transformer (``zero_jax.models``, small dims),
@@ -51,7 +51,7 @@ from zero_jax.models import TransformerConfig, init_params, make_loss_fn, unstac
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = dict(vocab=256, dim=128, heads=4, seq=64)
 DEPTHS = (4, 8)
-BACKENDS = ("cpu", "tpu v5p:2x2x2")
+BACKENDS = ("cpu", "tpu v5p:2x2x2", "gpu h100:1x8")
 
 
 def mib(n: float) -> str:
@@ -222,15 +222,17 @@ def bounds() -> None:
     print(notes[0], "\n" + head, flush=True)
     rows: list[dict[str, Any]] = []
     table = [head]
-    for backend in reversed(BACKENDS):  # the TPU compiler's rows first: they are the ones that differ
+    for backend in (*BACKENDS[1:], BACKENDS[0]):  # the TPU and GPU compilers' rows first: they are the ones that differ
         for layers, depth in SHAPES:
             for bound in BOUNDS:
                 rows.append(bound_row(backend, layers, depth, bound))
                 table.append(bound_text(rows[-1]))
                 print(table[-1], flush=True)
-                options = {k: v for r in rows for k, v in r["compiler_options"].items() if "combine" in k}
+                options = {b: {k: v for r in rows if r["backend"] == b for k, v in r["compiler_options"].items()
+                               if "combine" in k} for b in BACKENDS if b != "cpu"}  # fmt: skip
                 tail = [
-                    f"compiler options a bound adds on TPU (here the last one's): {options or '-'}; on XLA:CPU: none",
+                    "compiler options a bound adds (the last bounded row's, per backend): "
+                    + "; ".join(f"{b}: {o or '-'}" for b, o in options.items()) + "; on XLA:CPU: none",
                     "",
                     f"command: python {shlex.join(sys.argv)}",
                     f"machine: {platform.platform()}, {os.cpu_count()} cores, jax {jax.__version__}, "
